@@ -1,0 +1,117 @@
+"""Build and load gimlet's C++ runtime extensions (`runtime/ext/*.cc`).
+
+The sources are compiled with g++ on first use into a cache keyed by the source hash, the TVM
+and tvm-ffi versions, the compiler and its flags, and the host CPU (the code is built with
+`-march=native`, so a cache shared between machines must not hand one CPU's build to another).
+The cache lives in `$GIMLET_TVM_CACHE` or `~/.cache/gimlet-tvm`; builds go to a temporary file
+that is renamed into place, under a file lock, so concurrent processes neither race nor load a
+half-written library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import scipy_openblas32
+import tvm
+import tvm_ffi
+import tvm_ffi.libinfo
+
+EXT_DIR = Path(__file__).resolve().parent / "ext"
+COMPILER = os.environ.get("CXX", "g++")
+CXXFLAGS = ("-std=c++17", "-O3", "-march=native", "-fPIC", "-shared", "-Wall")
+
+_loaded: ctypes.CDLL | None = None
+
+
+def cache_dir() -> Path:
+    """Where built extensions are kept."""
+    return Path(os.environ.get("GIMLET_TVM_CACHE", Path.home() / ".cache" / "gimlet-tvm"))
+
+
+def _host_cpu() -> str:
+    """The host CPU model and feature flags: what `-march=native` depends on."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return platform.machine() + "\n".join(wanted)
+
+
+def _link_args() -> list[str]:
+    tvm_lib = Path(tvm.__file__).parent / "lib"
+    ffi_lib = Path(tvm_ffi.__file__).parent / "lib"
+    blas_lib = Path(scipy_openblas32.get_lib_dir())
+    args = []
+    for lib_dir in (tvm_lib, ffi_lib, blas_lib):
+        args += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
+    return args + ["-ltvm_runtime", "-ltvm_ffi", f"-l{scipy_openblas32.get_library()}"]
+
+
+def _include_args() -> list[str]:
+    includes = [
+        Path(tvm.__file__).parent / "include",
+        Path(tvm_ffi.libinfo.find_include_path()),
+        Path(scipy_openblas32.get_include_dir()),
+    ]
+    dlpack = Path(tvm_ffi.libinfo.find_dlpack_include_path())
+    return [f"-I{path}" for path in includes + [dlpack]]
+
+
+def _build_key(sources: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.name.encode())
+        digest.update(source.read_bytes())
+    compiler_version = subprocess.run(
+        [COMPILER, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    for part in (tvm.__version__, tvm_ffi.__version__, compiler_version, " ".join(CXXFLAGS)):
+        digest.update(part.encode())
+    digest.update(_host_cpu().encode())
+    return digest.hexdigest()[:24]
+
+
+def build_extensions() -> Path:
+    """Compile `ext/*.cc` into one shared library, or return the cached one."""
+    sources = sorted(EXT_DIR.glob("*.cc"))
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / f"libgimlet_cpu_{_build_key(sources)}.so"
+    if library.exists():
+        return library
+    with open(directory / f"{library.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():  # another process built it while we waited
+            return library
+        fd, temporary = tempfile.mkstemp(suffix=".so", dir=directory)
+        os.close(fd)
+        try:
+            command = [COMPILER, *CXXFLAGS, *_include_args(), *map(str, sources)]
+            command += ["-o", temporary, *_link_args()]
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                raise RuntimeError(f"building gimlet CPU extensions failed:\n{result.stderr}")
+            os.replace(temporary, library)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+    return library
+
+
+def load_extensions() -> None:
+    """Build (if needed) and load the extensions so their `gimlet.cpu.*` globals register.
+
+    Loading again is a no-op.
+    """
+    global _loaded  # pylint: disable=global-statement
+    if _loaded is None:
+        _loaded = ctypes.CDLL(str(build_extensions()), mode=ctypes.RTLD_GLOBAL)
