@@ -1,1 +1,35 @@
-"""gimlet-tvm."""
+"""gimlet-tvm: an ML compiler stack on Apache TVM.
+
+    model = gimlet_tvm.build("model.onnx", "llvm")
+    outputs = model(x)
+    model.export("model.so"); model = gimlet_tvm.load("model.so")
+"""
+
+__version__ = "0.1.0"
+
+from .compiler import build
+from .errors import (
+    ArtifactError,
+    GimletError,
+    InputError,
+    ModelImportError,
+    ModelLoadError,
+    UnknownTargetError,
+    UnsupportedOpError,
+)
+from .runtime import BenchmarkResult, CompiledModel, load
+
+__all__ = [
+    "ArtifactError",
+    "BenchmarkResult",
+    "CompiledModel",
+    "GimletError",
+    "InputError",
+    "ModelImportError",
+    "ModelLoadError",
+    "UnknownTargetError",
+    "UnsupportedOpError",
+    "__version__",
+    "build",
+    "load",
+]

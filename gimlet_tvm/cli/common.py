@@ -1,0 +1,83 @@
+"""Helpers shared by subcommands: reading shapes, loading models or artifacts, npz files."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Mapping
+
+import numpy as np
+
+from .. import build, load
+from ..errors import GimletError, InputError
+from ..runtime import CompiledModel
+from ..runtime.artifact import MAGIC
+
+
+def parse_input_shapes(items: list[str] | None) -> dict[str, list]:
+    """`NAME=1,3,224,224` (a dim may be a symbol name) -> {NAME: [1, 3, 224, 224]}."""
+    shapes = {}
+    for item in items or []:
+        name, sep, dims = item.rpartition("=")
+        if not sep or not name or not dims:
+            raise InputError(f"--input-shape expects NAME=D0,D1,..., got '{item}'")
+        shapes[name] = [int(d) if d.strip().isdigit() else d.strip() for d in dims.split(",")]
+    return shapes
+
+
+def add_target_args(parser) -> None:
+    parser.add_argument("-t", "--target", default="llvm", help="registered target (default llvm)")
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        metavar="NAME=D0,D1,...",
+        help="fix an input's shape (repeatable); other symbolic dims stay symbolic",
+    )
+
+
+def is_artifact(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - len(MAGIC)))
+        return f.read() == MAGIC
+
+
+def model_or_artifact(path: str, args) -> CompiledModel:
+    """Load `path` as an artifact if it is one, else compile it as an ONNX model."""
+    if is_artifact(path):
+        return load(path)
+    return build(path, args.target, input_shapes=parse_input_shapes(args.input_shape))
+
+
+def read_npz(path: str) -> dict[str, np.ndarray]:
+    if not os.path.isfile(path):
+        raise InputError(f"inputs file not found: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except (ValueError, OSError) as err:
+        raise InputError(f"cannot read inputs file {path} as .npz: {err}") from None
+
+
+def write_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write arrays to `path` atomically (a temp file renamed into place)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise GimletError(f"output folder does not exist: {folder}")
+    fd, tmp = tempfile.mkstemp(prefix=".gimlet-", suffix=".npz", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """A plain aligned text table."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])

@@ -1,0 +1,31 @@
+"""`gimlet-tvm run ARTIFACT --inputs in.npz --outputs out.npz`: run a compiled model."""
+
+from __future__ import annotations
+
+from ..runtime import random_inputs
+from .common import add_target_args, model_or_artifact, read_npz, write_npz
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("run", help="run an artifact (or an ONNX model, compiled first)")
+    parser.add_argument("artifact", help="artifact from `compile`, or an ONNX model")
+    parser.add_argument("--inputs", help=".npz with one array per input name (default: random)")
+    parser.add_argument("--outputs", help=".npz to write the outputs to")
+    add_target_args(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    model = model_or_artifact(args.artifact, args)
+    if args.inputs:
+        inputs = read_npz(args.inputs)
+    else:
+        inputs = dict(zip(model.input_names, random_inputs(model.io)))
+        print("no --inputs given: using random inputs (symbolic dims = 1)")
+    outputs = model.run(inputs)
+    for name, array in outputs.items():
+        print(f"  {name}: {array.dtype}{list(array.shape)}")
+    if args.outputs:
+        write_npz(args.outputs, outputs)
+        print(f"outputs written to {args.outputs}")
+    return 0

@@ -1,0 +1,90 @@
+"""`build`: ONNX model in, `CompiledModel` out, along one pipeline for every target."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence, Union
+
+import tvm
+from tvm import relax
+from tvm.relax.backend.cpu_generic import pipeline as generic_pipeline
+from tvm.s_tir import dlight
+
+from .errors import GimletError, ModelImportError
+from .frontend import InputShapes, ModelLike, import_model, load_model
+from .runtime import CompiledModel
+from .targets import TargetLike, TargetSpec, lookup
+
+Targets = Union[TargetLike, Sequence[TargetLike]]
+
+
+def canonicalize_passes() -> list[tvm.transform.Pass]:
+    """Target-independent clean-up of the imported graph, before any target sees it."""
+    return [
+        relax.transform.CanonicalizeBindings(),
+        relax.transform.FoldBatchnormToConv2D(),
+        relax.transform.DecomposeOpsForInference(),
+        relax.transform.FoldConstant(),
+        relax.transform.EliminateCommonSubexpr(),
+        relax.transform.DeadCodeElimination(),
+    ]
+
+
+def relax_pipeline(spec: TargetSpec, target: tvm.target.Target) -> tvm.transform.Pass:
+    """The whole Relax pipeline for one target; target specifics come from `spec` alone."""
+    rules = list(spec.schedule_rules(target))
+    passes = [
+        *canonicalize_passes(),
+        *spec.library_passes(target),
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+        *([dlight.ApplyDefaultSchedule(*rules)] if rules else []),
+        *generic_pipeline.dataflow_lower_passes(target),
+        *generic_pipeline.finalize_passes(target),
+    ]
+    return tvm.transform.Sequential(passes, name="gimlet_tvm.relax_pipeline")
+
+
+def resolve_target(targets: Targets) -> tuple[TargetSpec, tvm.target.Target]:
+    """The single target to build for (several targets need the partitioner: not yet)."""
+    if isinstance(targets, (list, tuple)):
+        if len(targets) != 1:
+            raise GimletError(
+                f"building for several targets at once ({len(targets)} given) is not "
+                "supported yet: cross-device partitioning is not implemented; pass one target"
+            )
+        targets = targets[0]
+    spec, overrides = lookup(targets)
+    return spec, spec.make_target(overrides)
+
+
+def build(
+    model: ModelLike,
+    targets: Targets = "llvm",
+    *,
+    input_shapes: InputShapes | None = None,
+    records: str | os.PathLike | None = None,
+) -> CompiledModel:
+    """Compile an ONNX model (path, `onnx.ModelProto` or bytes) for `targets`.
+
+    `targets`: a registered name (`"llvm"`), a TVM target dict, or a one-element list.
+    `input_shapes`: `{input name: shape}` fixing symbolic dims; others stay symbolic.
+    `records`: a tuning-records directory (not supported yet: raises).
+    """
+    if records is not None:
+        raise GimletError("applying tuning records is not supported yet (no tuner exists)")
+    spec, target = resolve_target(targets)
+    proto = load_model(model)
+    mod, io = import_model(proto, input_shapes)
+    with target:
+        try:
+            executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(spec, target))
+        except tvm.error.TVMError as err:
+            first = str(err).strip().splitlines()[0]
+            raise ModelImportError(f"compiling for {spec.name} failed: {first}") from err
+    target_json = json.loads(json.dumps(dict(target.export()), default=list))
+    return CompiledModel(executable.mod, io, [{"name": spec.name, "target": target_json}])

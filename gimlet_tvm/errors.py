@@ -1,0 +1,40 @@
+"""Typed errors users can catch; the CLI prints each as one line and exits with code 2."""
+
+
+class GimletError(Exception):
+    """Base class of every error gimlet-tvm raises on bad input."""
+
+
+class ModelLoadError(GimletError):
+    """The model file is missing, unreadable or not a valid ONNX model."""
+
+
+class UnsupportedOpError(GimletError):
+    """The model uses operators the importer cannot convert.
+
+    `ops` maps each unsupported op type to the names of the nodes that use it.
+    """
+
+    def __init__(self, ops: dict[str, list[str]]):
+        self.ops = ops
+        listed = "; ".join(
+            f"{op} (nodes: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
+            for op, names in sorted(ops.items())
+        )
+        super().__init__(f"unsupported ONNX operators: {listed}")
+
+
+class ModelImportError(GimletError):
+    """A supported operator failed to convert (bad attributes, shapes the importer rejects)."""
+
+
+class UnknownTargetError(GimletError):
+    """The requested target is not registered."""
+
+
+class InputError(GimletError):
+    """Run-time inputs do not match the model: wrong name, count, shape or dtype."""
+
+
+class ArtifactError(GimletError):
+    """A compiled artifact is missing, corrupt or was built by an incompatible version."""

@@ -1,0 +1,204 @@
+"""ONNX frontend: read a model, refuse what we can't convert, import it into Relax.
+
+The importer itself is TVM's (`tvm.relax.frontend.onnx`); this module owns everything around
+it: accepting a path, a `ModelProto` or bytes, one error listing every unsupported operator,
+fixing symbolic dimensions on request, and the model's `IOSpec`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Iterator, Mapping, Sequence, Union
+
+import onnx
+import tvm
+from tvm import relax
+from tvm.relax.frontend.onnx import onnx_frontend
+
+from .errors import InputError, ModelImportError, ModelLoadError, UnsupportedOpError
+from .io_spec import Dim, IOSpec, TensorSpec
+
+ModelLike = Union[str, os.PathLike, bytes, onnx.ModelProto]
+InputShapes = Mapping[str, Sequence[Dim]]
+
+# Handled by the importer itself rather than through its converter map.
+_BUILTIN_OPS = {"Constant", "If"}
+_DEFAULT_DOMAINS = {"", "ai.onnx"}
+
+
+def load_model(model: ModelLike) -> onnx.ModelProto:
+    """Read and check an ONNX model given as a path, serialized bytes or a `ModelProto`."""
+    if isinstance(model, onnx.ModelProto):
+        proto = model
+    elif isinstance(model, (bytes, bytearray)):
+        proto = _parse(bytes(model), "the given bytes")
+    elif isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"model file not found: {path}")
+        with open(path, "rb") as f:
+            proto = _parse(f.read(), path)
+        # External data (weights beside the model file) is resolved relative to it.
+        onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(path))
+    else:
+        raise ModelLoadError(
+            f"model must be a path, bytes or onnx.ModelProto, not {type(model).__name__}"
+        )
+    try:
+        onnx.checker.check_model(proto)
+    except onnx.checker.ValidationError as err:
+        first_line = str(err).strip().splitlines()[0]
+        raise ModelLoadError(f"invalid ONNX model: {first_line}") from None
+    return proto
+
+
+def _parse(data: bytes, source: str) -> onnx.ModelProto:
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except Exception as err:  # protobuf raises DecodeError or RuntimeWarning-derived errors
+        raise ModelLoadError(f"not an ONNX model: {source} ({err})") from None
+    if not proto.graph.node and not proto.graph.output:
+        raise ModelLoadError(f"not an ONNX model: {source} (no graph)")
+    return proto
+
+
+def _walk_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of `graph`, including those of subgraphs (If branches, Loop bodies)."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _walk_nodes(attr.g)
+            for sub in attr.graphs:
+                yield from _walk_nodes(sub)
+
+
+def unsupported_ops(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """Op types the importer has no converter for, each with the names of its nodes."""
+    converters = onnx_frontend._get_convert_map()
+    found: dict[str, list[str]] = {}
+    for index, node in enumerate(_walk_nodes(model.graph)):
+        known_domain = node.domain in _DEFAULT_DOMAINS
+        if known_domain and (node.op_type in converters or node.op_type in _BUILTIN_OPS):
+            continue
+        op = node.op_type if known_domain else f"{node.domain}::{node.op_type}"
+        found.setdefault(op, []).append(node.name or f"#{index}")
+    return found
+
+
+def _graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """Graph inputs that are real inputs, not initializers listed as inputs."""
+    initializers = {init.name for init in model.graph.initializer}
+    return [vi for vi in model.graph.input if vi.name not in initializers]
+
+
+def _declared_spec(info: onnx.ValueInfoProto) -> TensorSpec:
+    """The spec as the model declares it; an unknown rank gives an empty shape marked `None`."""
+    tensor_type = info.type.tensor_type
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+    if not tensor_type.HasField("shape"):
+        return TensorSpec(info.name, None, str(dtype))  # type: ignore[arg-type]
+    shape: list[Dim] = []
+    for axis, dim in enumerate(tensor_type.shape.dim):
+        if dim.HasField("dim_value"):
+            shape.append(int(dim.dim_value))
+        else:
+            shape.append(dim.dim_param or f"{info.name}_dim{axis}")
+    return TensorSpec(info.name, tuple(shape), str(dtype))
+
+
+def _fix_shapes(model: onnx.ModelProto, input_shapes: InputShapes) -> onnx.ModelProto:
+    """A copy of `model` whose input declarations carry the user-fixed shapes.
+
+    Rewriting the declaration (rather than passing shapes to the importer) keeps symbolic
+    dims shared: an input left alone and a partly fixed one still use the same `batch`.
+    """
+    inputs = {info.name: info for info in _graph_inputs(model)}
+    unknown = sorted(set(input_shapes) - set(inputs))
+    if unknown:
+        raise InputError(
+            f"input_shapes names unknown input(s) {unknown}; the model's inputs are "
+            f"{list(inputs)}"
+        )
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    for info in fixed.graph.input:
+        if info.name not in input_shapes:
+            continue
+        spec = _declared_spec(info)
+        shape = [int(d) if str(d).isdigit() else str(d) for d in input_shapes[info.name]]
+        if spec.shape is not None and (
+            len(shape) != len(spec.shape)
+            or any(isinstance(w, int) and w != g for w, g in zip(spec.shape, shape))
+        ):
+            raise InputError(
+                f"input_shapes gives {info.name} shape {shape}, which does not fit the "
+                f"model's {spec.describe()}"
+            )
+        dims = info.type.tensor_type.shape.dim
+        del dims[:]
+        for size in shape:
+            dim = dims.add()
+            if isinstance(size, int):
+                dim.dim_value = size
+            else:
+                dim.dim_param = size
+    return fixed
+
+
+def _relax_dims(sinfo: relax.TensorType) -> tuple[Dim, ...] | None:
+    if sinfo.shape is None or not hasattr(sinfo.shape, "values"):
+        return None
+    return tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in sinfo.shape.values)
+
+
+def _output_specs(model: onnx.ModelProto, mod: tvm.IRModule) -> tuple[TensorSpec, ...]:
+    """Output specs: names from ONNX, shapes and dtypes as Relax inferred them."""
+    ret = mod["main"].ret_ty
+    fields = ret.fields if isinstance(ret, relax.TupleType) else [ret]
+    specs = []
+    for info, sinfo in zip(model.graph.output, fields):
+        declared = _declared_spec(info) if info.type.HasField("tensor_type") else None
+        if isinstance(sinfo, relax.TensorType):
+            dims = _relax_dims(sinfo) or (declared.shape if declared else ())
+            specs.append(TensorSpec(info.name, dims, str(sinfo.dtype)))
+        elif declared is not None:
+            specs.append(declared)
+        else:
+            raise ModelImportError(f"output '{info.name}' is not a tensor; only tensor outputs are supported")
+    return tuple(specs)
+
+
+def import_model(
+    model: onnx.ModelProto, input_shapes: InputShapes | None = None
+) -> tuple[tvm.IRModule, IOSpec]:
+    """Import a checked ONNX model into a Relax module (weights as constants) and its IOSpec."""
+    missing = unsupported_ops(model)
+    if missing:
+        raise UnsupportedOpError(missing)
+    for info in _graph_inputs(model):
+        if not info.type.HasField("tensor_type"):
+            raise ModelImportError(f"input '{info.name}' is not a tensor; only tensor inputs are supported")
+    if input_shapes:
+        model = _fix_shapes(model, input_shapes)
+    inputs = [_declared_spec(info) for info in _graph_inputs(model)]
+    for spec in inputs:
+        if spec.shape is None:
+            raise ModelImportError(
+                f"input '{spec.name}' has no declared shape; give it with input_shapes"
+            )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            mod = onnx_frontend.from_onnx(
+                model,
+                dtype_dict={spec.name: spec.dtype for spec in inputs},
+                keep_params_in_input=False,
+            )
+        except (tvm.error.TVMError, ValueError, NotImplementedError, AssertionError, KeyError,
+                TypeError, IndexError, AttributeError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ModelImportError(f"ONNX import failed: {reason}") from err
+    return mod, IOSpec(tuple(inputs), _output_specs(model, mod))

@@ -1,0 +1,108 @@
+"""The model's interface: input/output names, shapes (with symbolic dims) and dtypes.
+
+Built once by the frontend, stored in the artifact, and used to check inputs at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence, Union
+
+import numpy as np
+
+from .errors import InputError
+
+Dim = Union[int, str]
+"""A dimension: a fixed size, or the name of a symbolic dimension (`"batch"`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor of the model's interface."""
+
+    name: str
+    shape: tuple[Dim, ...]
+    dtype: str
+
+    def describe(self) -> str:
+        dims = ", ".join(str(d) for d in self.shape)
+        return f"{self.name}: {self.dtype}[{dims}]"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "TensorSpec":
+        return cls(data["name"], tuple(data["shape"]), data["dtype"])
+
+
+@dataclasses.dataclass(frozen=True)
+class IOSpec:
+    """The inputs and outputs of a compiled model, in call order."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "IOSpec":
+        return cls(
+            tuple(TensorSpec.from_json(t) for t in data["inputs"]),
+            tuple(TensorSpec.from_json(t) for t in data["outputs"]),
+        )
+
+    def order_inputs(self, args: Sequence[Any], named: Mapping[str, Any]) -> list[np.ndarray]:
+        """Inputs as arrays in call order, from positional `args` or a `named` mapping.
+
+        Raises `InputError` naming the input and what was expected on any mismatch.
+        """
+        names = [t.name for t in self.inputs]
+        if args and named:
+            raise InputError("pass inputs either positionally or by name, not both")
+        if named:
+            unknown = sorted(set(named) - set(names))
+            if unknown:
+                raise InputError(f"unknown input(s) {unknown}; the model's inputs are {names}")
+            missing = [n for n in names if n not in named]
+            if missing:
+                raise InputError(f"missing input(s) {missing}; the model's inputs are {names}")
+            args = [named[n] for n in names]
+        if len(args) != len(names):
+            raise InputError(f"expected {len(names)} input(s) {names}, got {len(args)}")
+        arrays = [np.asarray(a) for a in args]
+        self.check_inputs(arrays)
+        return arrays
+
+    def check_inputs(self, arrays: Sequence[np.ndarray]) -> None:
+        """Check dtypes and shapes; a symbolic dim must take one value across all inputs."""
+        bound: dict[str, tuple[int, str]] = {}
+        for spec, array in zip(self.inputs, arrays):
+            if str(array.dtype) != spec.dtype:
+                raise InputError(
+                    f"input '{spec.name}' has dtype {array.dtype}, expected {spec.dtype}"
+                )
+            if array.ndim != len(spec.shape):
+                raise InputError(
+                    f"input '{spec.name}' has shape {list(array.shape)} (rank {array.ndim}), "
+                    f"expected rank {len(spec.shape)}: {spec.describe()}"
+                )
+            for axis, (dim, size) in enumerate(zip(spec.shape, array.shape)):
+                if isinstance(dim, int):
+                    if dim != size:
+                        raise InputError(
+                            f"input '{spec.name}' has shape {list(array.shape)}, expected "
+                            f"{dim} at axis {axis}: {spec.describe()}"
+                        )
+                elif dim in bound and bound[dim][0] != size:
+                    value, owner = bound[dim]
+                    raise InputError(
+                        f"input '{spec.name}' has {dim}={size} at axis {axis}, but input "
+                        f"'{owner}' set {dim}={value}"
+                    )
+                else:
+                    bound.setdefault(dim, (size, spec.name))

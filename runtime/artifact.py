@@ -1,0 +1,77 @@
+"""The artifact: one file that is both a loadable shared library and its own description.
+
+Layout: the shared library TVM exports (host code with device code embedded), then the
+metadata as UTF-8 JSON, then a fixed footer: the JSON's length (8 bytes, little endian) and a
+magic string. The dynamic loader ignores bytes past the ELF image, so the file loads as-is.
+The metadata records the library's SHA-256, so a truncated or altered file is rejected before
+it is handed to the loader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from typing import Any, Callable
+
+from ..errors import ArtifactError
+
+FORMAT_VERSION = 1
+MAGIC = b"\0GIMLET-TVM-ARTIFACT-1"
+_LENGTH = struct.Struct("<Q")
+_FOOTER_SIZE = _LENGTH.size + len(MAGIC)
+
+
+def write(path: str | os.PathLike, export_library: Callable[[str], None], metadata: dict) -> None:
+    """Write an artifact atomically: `export_library(tmp_path)` writes the shared library.
+
+    Nothing is left at `path` unless the whole artifact was written.
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".gimlet-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        export_library(tmp)
+        with open(tmp, "rb") as f:
+            library_sha256 = hashlib.sha256(f.read()).hexdigest()
+        meta = dict(metadata, format=FORMAT_VERSION, library_sha256=library_sha256)
+        blob = json.dumps(meta, sort_keys=True).encode()
+        with open(tmp, "ab") as f:
+            f.write(blob + _LENGTH.pack(len(blob)) + MAGIC)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The artifact's metadata, after checking its footer and the library's checksum."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ArtifactError(f"artifact not found: {path}")
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < _FOOTER_SIZE or not data.endswith(MAGIC):
+        raise ArtifactError(f"not a gimlet-tvm artifact (no metadata footer): {path}")
+    (length,) = _LENGTH.unpack(data[-_FOOTER_SIZE : -len(MAGIC)])
+    library_end = len(data) - _FOOTER_SIZE - length
+    if library_end <= 0:
+        raise ArtifactError(f"corrupt artifact (metadata length out of range): {path}")
+    try:
+        meta = json.loads(data[library_end : len(data) - _FOOTER_SIZE])
+    except ValueError:
+        raise ArtifactError(f"corrupt artifact (metadata is not JSON): {path}") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise ArtifactError(
+            f"artifact format {meta.get('format')} is not supported (this version reads "
+            f"{FORMAT_VERSION}): {path}"
+        )
+    if hashlib.sha256(data[:library_end]).hexdigest() != meta.get("library_sha256"):
+        raise ArtifactError(f"corrupt artifact (library checksum mismatch): {path}")
+    return meta

@@ -1,0 +1,169 @@
+"""`CompiledModel`: a compiled executable with its interface, run on the target's device."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax
+
+from .. import __version__
+from ..errors import ArtifactError, GimletError
+from ..io_spec import IOSpec, TensorSpec
+from ..targets import lookup
+from . import artifact
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkResult:
+    """Latency of repeated runs, in milliseconds."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    min_ms: float
+    max_ms: float
+    runs: int
+
+    @classmethod
+    def from_samples(cls, seconds: Sequence[float]) -> "BenchmarkResult":
+        ms = sorted(s * 1e3 for s in seconds)
+        deciles = statistics.quantiles(ms, n=10) if len(ms) > 1 else [ms[0]] * 9
+        return cls(statistics.median(ms), deciles[0], deciles[-1], ms[0], ms[-1], len(ms))
+
+    def __str__(self) -> str:
+        return (
+            f"median {self.median_ms:.3f} ms (p10 {self.p10_ms:.3f}, p90 {self.p90_ms:.3f}, "
+            f"{self.runs} runs)"
+        )
+
+
+class CompiledModel:
+    """A model compiled for one target, callable with numpy arrays.
+
+    `model(*arrays)` returns the outputs as a list of numpy arrays in the model's output
+    order; `model.run({name: array})` returns `{name: array}`. Inputs are checked against the
+    model's interface first: a wrong name, shape or dtype raises `InputError` naming it.
+    """
+
+    def __init__(
+        self, module: tvm.runtime.Module, io: IOSpec, targets: Sequence[Mapping[str, Any]]
+    ):
+        self._module = module
+        self.io = io
+        self.targets = [dict(t) for t in targets]
+        spec, _ = lookup(self.targets[0]["name"])
+        self.device = spec.device()
+        if not self.device.exist:
+            raise GimletError(
+                f"target '{spec.name}' cannot run on this machine: no {spec.device_type} device"
+            )
+        self._vm = relax.VirtualMachine(module, self.device)
+        self._main = self._vm["main"]
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return self.io.inputs
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return self.io.outputs
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.io.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.io.outputs]
+
+    def __call__(self, *arrays: Any) -> list[np.ndarray]:
+        return self._execute(self.io.order_inputs(arrays, {}))
+
+    def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        outputs = self._execute(self.io.order_inputs((), inputs))
+        return dict(zip(self.output_names, outputs))
+
+    def _execute(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        tensors = [tvm.runtime.tensor(np.ascontiguousarray(a), self.device) for a in arrays]
+        result = self._main(*tensors)
+        flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
+        return [t.numpy() for t in flat]
+
+    def benchmark(
+        self,
+        inputs: Mapping[str, Any] | Sequence[Any] | None = None,
+        *,
+        repeat: int = 50,
+        warmup: int = 5,
+        seed: int = 0,
+    ) -> BenchmarkResult:
+        """Time whole calls (numpy in, numpy out), after `warmup` untimed ones.
+
+        Without `inputs`, random inputs are drawn for the interface, symbolic dims set to 1.
+        """
+        if inputs is None:
+            arrays = self.io.order_inputs(random_inputs(self.io, seed=seed), {})
+        elif isinstance(inputs, Mapping):
+            arrays = self.io.order_inputs((), inputs)
+        else:
+            arrays = self.io.order_inputs(inputs, {})
+        for _ in range(warmup):
+            self._execute(arrays)
+        samples = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            self._execute(arrays)
+            samples.append(time.perf_counter() - start)
+        return BenchmarkResult.from_samples(samples)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """What the artifact records besides the code: interface, targets and versions."""
+        return {
+            "gimlet_tvm_version": __version__,
+            "tvm_version": tvm.__version__,
+            "targets": self.targets,
+            "io": self.io.to_json(),
+        }
+
+    def export(self, path: str | os.PathLike) -> None:
+        """Write one artifact file (shared library + metadata), atomically; see `load`."""
+        artifact.write(path, self._module.export_library, self.metadata)
+
+
+def random_inputs(io: IOSpec, *, seed: int = 0, dims: Mapping[str, int] | None = None) -> list:
+    """Random arrays for `io`'s inputs; symbolic dims take `dims[name]`, else 1."""
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for spec in io.inputs:
+        shape = [d if isinstance(d, int) else (dims or {}).get(d, 1) for d in spec.shape]
+        dtype = np.dtype(spec.dtype)
+        if dtype.kind == "f":
+            arrays.append(rng.standard_normal(shape).astype(dtype))
+        elif dtype.kind == "b":
+            arrays.append(rng.integers(0, 2, shape).astype(dtype))
+        else:
+            arrays.append(rng.integers(0, 8, shape).astype(dtype))
+    return arrays
+
+
+def load(path: str | os.PathLike) -> CompiledModel:
+    """Load an artifact written by `CompiledModel.export`."""
+    meta = artifact.read_metadata(path)
+    if meta.get("tvm_version") != tvm.__version__:
+        raise ArtifactError(
+            f"artifact was built with TVM {meta.get('tvm_version')}, this is TVM "
+            f"{tvm.__version__}: rebuild it: {os.fspath(path)}"
+        )
+    try:
+        module = tvm.runtime.load_module(os.fspath(path))
+    except Exception as err:
+        raise ArtifactError(f"cannot load artifact {os.fspath(path)}: {err}") from None
+    return CompiledModel(module, IOSpec.from_json(meta["io"]), meta["targets"])

@@ -1,0 +1,56 @@
+"""LLVM CPU: the host processor, detected so vector code uses its widest ISA (AVX-512 here)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import tvm
+
+from .spec import TargetSpec
+
+# Vector register width (bits) implied by the LLVM CPU features we recognise, widest first.
+_VECTOR_BITS = (("avx512f", 512), ("avx2", 256), ("avx", 256), ("sse2", 128), ("neon", 128))
+
+
+def _num_cores() -> int:
+    if "TVM_NUM_THREADS" in os.environ:
+        return int(os.environ["TVM_NUM_THREADS"])
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@functools.lru_cache(maxsize=None)
+def _host_cpu() -> str:
+    return str(tvm.target.codegen.llvm_get_system_cpu())
+
+
+@functools.lru_cache(maxsize=None)
+def _vector_bits(mcpu: str) -> int:
+    """Widest vector width the CPU model supports, from LLVM's own feature table."""
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    features = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target)}
+    return next((bits for feature, bits in _VECTOR_BITS if feature in features), 128)
+
+
+def host_target() -> dict[str, Any]:
+    """The TVM target for this machine's CPU: its model (`mcpu`) and core count."""
+    return {"kind": "llvm", "mcpu": _host_cpu(), "num-cores": _num_cores()}
+
+
+def host_facts() -> dict[str, Any]:
+    mcpu = _host_cpu()
+    return {"mcpu": mcpu, "vector_bits": _vector_bits(mcpu), "cores": _num_cores()}
+
+
+LLVM_CPU = TargetSpec(
+    name="llvm",
+    aliases=("cpu", "x86", "host"),
+    kind="llvm",
+    description="host CPU through LLVM (vectorized for the detected CPU model)",
+    default_target=host_target,
+    device_type="cpu",
+    facts=host_facts,
+    can_compile=lambda: True,
+    can_run=lambda: True,
+)

@@ -1,0 +1,74 @@
+"""The target registry: name -> `TargetSpec`, open to other packages through entry points.
+
+A package adds a target by exposing a `TargetSpec` (or a zero-argument callable returning one)
+under the `gimlet_tvm.targets` entry-point group; it is registered on first lookup.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any, Mapping, Union
+
+from ..errors import UnknownTargetError
+from .spec import TargetSpec
+
+TargetLike = Union[str, Mapping[str, Any]]
+"""A registry name or alias (`"llvm"`), or a TVM target dict (`{"kind": "llvm", ...}`)."""
+
+ENTRY_POINT_GROUP = "gimlet_tvm.targets"
+
+_SPECS: dict[str, TargetSpec] = {}
+_ALIASES: dict[str, str] = {}
+_entry_points_loaded = False
+
+
+def register(spec: TargetSpec, *, override: bool = False) -> TargetSpec:
+    """Add `spec` under its name and aliases; a name already taken needs `override=True`."""
+    names = (spec.name, *spec.aliases)
+    taken = [name for name in names if name in _ALIASES]
+    if taken and not override:
+        raise ValueError(f"target name(s) {taken} already registered")
+    _SPECS[spec.name] = spec
+    for name in names:
+        _ALIASES[name] = spec.name
+    return spec
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        spec = entry.load()
+        register(spec() if callable(spec) else spec)
+
+
+def registered() -> list[TargetSpec]:
+    """Every registered target, in registration order."""
+    _load_entry_points()
+    return list(_SPECS.values())
+
+
+def lookup(target: TargetLike) -> tuple[TargetSpec, dict[str, Any]]:
+    """The spec for `target` and the overrides it carries on top of the spec's defaults.
+
+    A name gives no overrides; a TVM target dict is matched by its `kind` and its keys become
+    the overrides (so `{"kind": "cuda", "arch": "sm_80"}` changes only the arch).
+    """
+    _load_entry_points()
+    if isinstance(target, str):
+        name, overrides = target, {}
+    elif isinstance(target, Mapping) and "kind" in target:
+        name, overrides = str(target["kind"]), dict(target)
+    else:
+        raise UnknownTargetError(
+            f"a target is a registered name or a TVM target dict with a 'kind', not {target!r}"
+        )
+    canonical = _ALIASES.get(name) or next(
+        (s.name for s in _SPECS.values() if s.kind == name), None
+    )
+    if canonical is None:
+        known = ", ".join(sorted(_ALIASES))
+        raise UnknownTargetError(f"unknown target '{name}'; known targets: {known}")
+    return _SPECS[canonical], overrides
