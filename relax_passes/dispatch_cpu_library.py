@@ -55,7 +55,8 @@ def _is_float32_tensor(ty: relax.Type, min_ndim: int) -> bool:
 
 
 def _static_ints(values) -> list[int] | None:
-    if not all(isinstance(v, tvm.tirx.IntImm) for v in values):
+    """The values as Python ints, or None when one of them is symbolic."""
+    if not all(isinstance(v, (int, tvm.tirx.IntImm)) for v in values):
         return None
     return [int(v) for v in values]
 

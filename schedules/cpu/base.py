@@ -1,0 +1,110 @@
+"""What the CPU schedule rules share: target checks, error handling, loop helpers."""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight import ScheduleRule
+from tvm.s_tir.dlight.base import get_extent
+from tvm.target import Target
+from tvm.target.codegen import llvm_get_vector_width
+
+# Loop nests with fewer iterations than this run serially: a parallel launch on TVM's
+# thread pool costs a few microseconds, more than the work it would split.
+MIN_PARALLEL_ITERATIONS = 1 << 14
+
+# What scheduling primitives raise when a rule's assumptions do not hold for a function.
+SCHEDULE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
+
+
+class CPURule(ScheduleRule):
+    """A rule for LLVM CPU targets that never fails the build.
+
+    Subclasses implement `schedule`; when it returns None, or a scheduling primitive raises
+    because the function is not what the rule expects, the rule does not apply and the next
+    rule (or none) gets the function.
+    """
+
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool
+    ) -> s_tir.Schedule | None:  # pylint: disable=unused-argument
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+            return None
+        try:
+            return self.schedule(func, target)
+        except SCHEDULE_ERRORS:
+            return None
+
+    def schedule(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+        """Schedule `func` for `target`, or return None when the rule does not apply."""
+        raise NotImplementedError
+
+
+def vector_lanes(target: Target, dtype_bits: int) -> int:
+    """How many `dtype_bits`-wide elements fit in the target's vector register."""
+    vector_bits = llvm_get_vector_width(target)
+    return max((vector_bits if vector_bits > 0 else 128) // dtype_bits, 1)
+
+
+def output_dtype_bits(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int:
+    """Bit width of the element `block` writes."""
+    writes = sch.get(block).writes
+    return writes[0].source.dtype.bits if writes else 32
+
+
+def loop_product(sch: s_tir.Schedule, loops: list[s_tir.schedule.LoopRV]) -> int | None:
+    """Product of the loops' extents, or None when one of them is symbolic."""
+    product = 1
+    for loop in loops:
+        extent = get_extent(sch, loop)
+        if not isinstance(extent, int):
+            return None
+        product *= extent
+    return product
+
+
+def worth_parallel(iterations: int | None) -> bool:
+    """Whether a nest of `iterations` (None: symbolic, assumed large) should run in parallel."""
+    return iterations is None or iterations >= MIN_PARALLEL_ITERATIONS
+
+
+def vectorize_innermost(
+    sch: s_tir.Schedule, loop: s_tir.schedule.LoopRV, lanes: int
+) -> s_tir.schedule.LoopRV | None:
+    """Split `loop` by `lanes` and vectorize the inner part; return the outer part.
+
+    A loop no longer than `lanes` is vectorized whole (None returned); a loop of one
+    iteration is left alone.
+    """
+    extent = get_extent(sch, loop)
+    if isinstance(extent, int) and extent <= lanes:
+        if extent > 1:
+            sch.vectorize(loop)
+        return None
+    outer, inner = sch.split(loop, factors=[None, lanes])
+    sch.vectorize(inner)
+    return outer
+
+
+def schedule_spatial_block(
+    sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int
+) -> None:
+    """Loops of a spatial block: innermost axis vectorized, all the rest fused and parallel.
+
+    When the innermost axis is a multiple of `lanes` only it is split, which keeps every
+    vector access contiguous; otherwise the whole nest is fused first so short or symbolic
+    inner axes still fill vectors.
+    """
+    loops = sch.get_loops(block)
+    if not loops:
+        return
+    iterations = loop_product(sch, loops)
+    innermost = get_extent(sch, loops[-1])
+    if isinstance(innermost, int) and innermost % lanes == 0:
+        outer = [*loops[:-1], vectorize_innermost(sch, loops[-1], lanes)]
+        outer = [loop for loop in outer if loop is not None]
+    else:
+        fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+        vector_outer = vectorize_innermost(sch, fused, lanes)
+        outer = [] if vector_outer is None else [vector_outer]
+    if outer and worth_parallel(iterations):
+        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
