@@ -56,15 +56,17 @@ class IOSpec:
             tuple(TensorSpec.from_json(t) for t in data["outputs"]),
         )
 
-    def order_inputs(self, args: Sequence[Any], named: Mapping[str, Any]) -> list[np.ndarray]:
+    def order_inputs(
+        self, args: Sequence[Any], named: Mapping[str, Any] | None = None
+    ) -> list[np.ndarray]:
         """Inputs as arrays in call order, from positional `args` or a `named` mapping.
 
         Raises `InputError` naming the input and what was expected on any mismatch.
         """
         names = [t.name for t in self.inputs]
-        if args and named:
-            raise InputError("pass inputs either positionally or by name, not both")
-        if named:
+        if named is not None:
+            if args:
+                raise InputError("pass inputs either positionally or by name, not both")
             unknown = sorted(set(named) - set(names))
             if unknown:
                 raise InputError(f"unknown input(s) {unknown}; the model's inputs are {names}")

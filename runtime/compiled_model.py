@@ -18,6 +18,7 @@ from ..errors import ArtifactError, GimletError
 from ..io_spec import IOSpec, TensorSpec
 from ..targets import lookup
 from . import artifact
+from .extensions import load_extensions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,7 @@ class BenchmarkResult:
     @classmethod
     def from_samples(cls, seconds: Sequence[float]) -> "BenchmarkResult":
         ms = sorted(s * 1e3 for s in seconds)
-        deciles = statistics.quantiles(ms, n=10) if len(ms) > 1 else [ms[0]] * 9
+        deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
         return cls(statistics.median(ms), deciles[0], deciles[-1], ms[0], ms[-1], len(ms))
 
     def __str__(self) -> str:
@@ -64,6 +65,7 @@ class CompiledModel:
             raise GimletError(
                 f"target '{spec.name}' cannot run on this machine: no {spec.device_type} device"
             )
+        load_extensions()  # executables may call our runtime library functions
         self._vm = relax.VirtualMachine(module, self.device)
         self._main = self._vm["main"]
 
@@ -84,7 +86,7 @@ class CompiledModel:
         return [t.name for t in self.io.outputs]
 
     def __call__(self, *arrays: Any) -> list[np.ndarray]:
-        return self._execute(self.io.order_inputs(arrays, {}))
+        return self._execute(self.io.order_inputs(arrays))
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         outputs = self._execute(self.io.order_inputs((), inputs))
@@ -109,11 +111,11 @@ class CompiledModel:
         Without `inputs`, random inputs are drawn for the interface, symbolic dims set to 1.
         """
         if inputs is None:
-            arrays = self.io.order_inputs(random_inputs(self.io, seed=seed), {})
+            arrays = self.io.order_inputs(random_inputs(self.io, seed=seed))
         elif isinstance(inputs, Mapping):
             arrays = self.io.order_inputs((), inputs)
         else:
-            arrays = self.io.order_inputs(inputs, {})
+            arrays = self.io.order_inputs(inputs)
         for _ in range(warmup):
             self._execute(arrays)
         samples = []

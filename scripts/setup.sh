@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine for gimlet-tvm: Debian packages when missing, then .venv/ with the
+# pinned Python packages and gimlet-tvm itself (editable). Safe to run again: it only does what
+# is missing or out of date.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Debian packages: a C++ compiler (artifacts are linked with it, the runtime extensions are
+# built with it).
+missing=()
+command -v g++ >/dev/null || missing+=(g++)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  sudo_cmd=""; [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}"
+fi
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+
+# Reinstall only when the project's requirements changed since the last install.
+stamp=.venv/.gimlet-setup-stamp
+want=$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing Python packages into .venv (first time: a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[test]"
+  echo "$want" > "$stamp"
+fi
+
+# Build the runtime extensions now rather than on first use.
+.venv/bin/python -c "from gimlet_tvm.runtime.extensions import load_extensions; load_extensions()"
