@@ -16,8 +16,9 @@
 4. Elementwise ops around the rewritten calls (bias add, activations, residual adds) are left
    alone, so FuseOps still fuses them with each other.
 
-The packed functions come from `gimlet_tvm.runtime` (`runtime/ext/cpu_library.cc`); the
-runtime must have loaded its extensions before the compiled module runs.
+The packed functions come from `runtime/ext/cpu_library.cc`. The pass loads that extension
+(building it on first use), so the functions exist when the module is built and run in this
+process; another process running the compiled module must load it too (`gimlet_tvm.runtime`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
         """IRModule-level transformation."""
+        # Imported here: gimlet_tvm.runtime imports the compiler, which imports this module.
+        from ..runtime.extensions import load_extensions  # pylint: disable=import-outside-toplevel
+
+        load_extensions()
         rewriter = _LibraryCallRewriter(mod)
         for g_var, func in mod.functions_items():
             if isinstance(func, relax.Function):

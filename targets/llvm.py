@@ -8,6 +8,8 @@ from typing import Any
 
 import tvm
 
+from ..relax_passes.dispatch_cpu_library import DispatchCPULibrary
+from ..schedules.cpu import RULES as CPU_SCHEDULE_RULES
 from .spec import TargetSpec
 
 # Vector register width (bits) implied by the LLVM CPU features we recognise, widest first.
@@ -51,6 +53,8 @@ LLVM_CPU = TargetSpec(
     default_target=host_target,
     device_type="cpu",
     facts=host_facts,
+    library_passes=lambda target: (DispatchCPULibrary(),),
+    schedule_rules=lambda target: tuple(rule() for rule in CPU_SCHEDULE_RULES),
     can_compile=lambda: True,
     can_run=lambda: True,
 )
