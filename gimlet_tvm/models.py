@@ -285,6 +285,7 @@ def transformer_encoder(
     hidden: int = 256,
     heads: int = 4,
     ffn: int = 1024,
+    name: str = "transformer_encoder",
 ) -> onnx.ModelProto:
     """Transformer encoder layers (see ``GraphBuilder.encoder_layer``).
 
@@ -292,7 +293,7 @@ def transformer_encoder(
     [batch, seq] (1 = token, 0 = padding), turned into an additive bias the way BERT
     exporters do (Unsqueeze, Cast, (1 - mask) * -10000). Output ``y`` [batch, seq, hidden].
     """
-    b = GraphBuilder("transformer_encoder", seed)
+    b = GraphBuilder(name, seed)
     mask = b.op("Cast", [b.op("Unsqueeze", ["attention_mask", b.const([1, 2], "axes")])],
                 to=TensorProto.FLOAT)
     mask_bias = b.op("Mul", [b.op("Sub", [b.const(1.0, "one"), mask]), b.const(-10000.0, "neg")])
@@ -313,7 +314,9 @@ def bert_base_like(seed: int = 0) -> onnx.ModelProto:
 
     Takes float embeddings ``x`` [batch, 128, 768] (no embedding lookup or pooler) and
     ``attention_mask`` int64 [batch, 128]."""
-    return transformer_encoder(seed, layers=12, seq=128, hidden=768, heads=12, ffn=3072)
+    return transformer_encoder(
+        seed, layers=12, seq=128, hidden=768, heads=12, ffn=3072, name="bert_base_like"
+    )
 
 
 InputSampler = Callable[[int, np.random.Generator], dict[str, np.ndarray]]

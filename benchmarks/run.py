@@ -1,0 +1,328 @@
+"""Benchmark gimlet_tvm against onnxruntime and IREE (llvm-cpu) on the model suite.
+
+    .venv/bin/python benchmarks/run.py [--models mlp ...] [--repeat N] [--threads 2]
+                                       [--out benchmarks/results.md]
+
+Every engine gets the same model with its batch dimension fixed, the same inputs and the
+same thread count. Outputs are checked against onnxruntime before timing; an engine that
+fails to compile or disagrees is left out of that model's timing, with the reason noted.
+Timed runs are interleaved round by round (the engine order rotates each round) after a
+warm-up, so slow drifts of the machine hit every engine alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
+Builder = Callable[[onnx.ModelProto, Path], Runner]
+
+# Batch used for each model; models not listed run at batch 1.
+BATCH = {"mlp": 32, "resnet_cnn": 8, "mobilenet_cnn": 8, "transformer_encoder": 8}
+ENGINES = ("ours", "ort", "iree")
+LABEL = {"ours": "gimlet_tvm", "ort": "onnxruntime", "iree": "IREE llvm-cpu"}
+VENV_BIN = Path(sys.executable).parent
+IREE_FLAGS = [
+    "--iree-hal-target-device=local",
+    "--iree-hal-local-target-device-backends=llvm-cpu",
+    "--iree-llvmcpu-target-cpu=host",
+    "--iree-opt-data-tiling",
+]
+
+
+@dataclass
+class EngineResult:
+    """One engine on one model: compile time, timings in seconds, or why it has none."""
+
+    compile_s: float | None = None
+    times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def static_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
+    """A copy of ``model`` whose symbolic batch dimension is fixed to ``batch``."""
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    for value in [*fixed.graph.input, *fixed.graph.output]:
+        value.type.tensor_type.shape.dim[0].dim_value = batch
+    return fixed
+
+
+def _as_list(outputs: object) -> list[np.ndarray]:
+    if isinstance(outputs, np.ndarray):
+        return [outputs]
+    return [np.asarray(o) for o in outputs]  # type: ignore[union-attr]
+
+
+def build_ours(model: onnx.ModelProto, workdir: Path) -> Runner:
+    """gimlet_tvm.build for the llvm target."""
+    import gimlet_tvm
+
+    compiled = gimlet_tvm.build(model, "llvm")
+    return lambda inputs: _as_list(compiled(*inputs.values()))
+
+
+def build_ort(model: onnx.ModelProto, workdir: Path, threads: int) -> Runner:
+    """onnxruntime CPU EP, all graph optimisations, worker spinning off."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return lambda inputs: session.run(None, inputs)
+
+
+def _iree_tool(args: list[str]) -> None:
+    """Run an IREE command-line tool; raise with the tail of its stderr on failure."""
+    proc = subprocess.run([str(VENV_BIN / args[0]), *args[1:]], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = " ".join(proc.stderr.strip().splitlines()[-3:])[:300]
+        raise RuntimeError(f"{args[0]} failed: {tail}")
+
+
+def build_iree(model: onnx.ModelProto, workdir: Path, config: object) -> Runner:
+    """iree-import-onnx, then iree-compile for llvm-cpu tuned to the host CPU."""
+    import iree.runtime as rt
+
+    onnx_path, mlir_path, vmfb_path = (workdir / f"model.{e}" for e in ("onnx", "mlir", "vmfb"))
+    onnx.save(model, onnx_path)
+    _iree_tool(["iree-import-onnx", str(onnx_path), "-o", str(mlir_path)])
+    _iree_tool([
+        "iree-compile", str(mlir_path), "-o", str(vmfb_path),
+        *IREE_FLAGS,
+    ])
+    vm_module = rt.VmModule.copy_buffer(config.vm_instance, vmfb_path.read_bytes())
+    module = rt.load_vm_module(vm_module, config)
+    entry = module[model.graph.name]
+
+    def run(inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        outputs = entry(*inputs.values())
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return [o.to_host() for o in outputs]
+
+    return run
+
+
+def mismatch(outputs: list[np.ndarray], reference: list[np.ndarray]) -> str | None:
+    """None when ``outputs`` match onnxruntime's within fp32 tolerance, else why not."""
+    if len(outputs) != len(reference):
+        return f"{len(outputs)} outputs, expected {len(reference)}"
+    for i, (out, ref) in enumerate(zip(outputs, reference)):
+        if out.shape != ref.shape:
+            return f"output {i} shape {out.shape}, expected {ref.shape}"
+        scale = float(np.abs(ref).max()) or 1.0
+        err = float(np.abs(out.astype(np.float64) - ref).max()) / scale
+        if not err <= 1e-3:
+            return f"output {i} differs from onnxruntime (max error {err:.1e} of max |ref|)"
+    return None
+
+
+def make_builders(engines: list[str], threads: int) -> dict[str, Builder]:
+    """Builders for the chosen engines, all limited to ``threads`` worker threads."""
+    builders: dict[str, Builder] = {
+        "ours": build_ours,
+        "ort": lambda model, workdir: build_ort(model, workdir, threads),
+    }
+    if "iree" in engines:
+        import iree.runtime as rt
+
+        # Flags must be parsed before the local-task driver starts its workers.
+        rt.flags.parse_flags(
+            f"--task_topology_max_group_count={threads}", "--task_worker_spin_us=0"
+        )
+        config = rt.Config("local-task")
+        builders["iree"] = lambda model, workdir: build_iree(model, workdir, config)
+    return {e: builders[e] for e in engines}
+
+
+def bench_model(
+    name: str, builders: dict[str, Builder], repeat: int | None, budget_s: float
+) -> tuple[int, dict[str, EngineResult]]:
+    """Compile ``name`` with each engine, check outputs, then time interleaved rounds."""
+    import onnxruntime as ort
+
+    from gimlet_tvm.models import SUITE
+
+    info = SUITE[name]
+    batch = BATCH.get(name, 1)
+    model = static_batch(info.build(), batch)
+    inputs = info.example_inputs(batch, seed=0)
+    reference = ort.InferenceSession(model.SerializeToString()).run(None, inputs)
+    results = {e: EngineResult() for e in builders}
+    runners: dict[str, Runner] = {}
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+        for engine, build in builders.items():
+            workdir = Path(tmp) / engine
+            workdir.mkdir()
+            start = time.perf_counter()
+            try:
+                runners[engine] = build(model, workdir)
+            except Exception as exc:  # noqa: BLE001 - any failure is a result to report
+                traceback.print_exc()
+                results[engine].error = f"compile failed: {_brief(exc)}"
+                continue
+            results[engine].compile_s = time.perf_counter() - start
+
+        for engine in list(runners):
+            try:
+                problem = mismatch(runners[engine](inputs), reference)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                problem = f"run failed: {_brief(exc)}"
+            if problem:
+                results[engine].error = problem
+                del runners[engine]
+
+        if not runners:
+            return batch, results
+        # Warm-up (three runs, or one for slow engines) also sizes the number of rounds.
+        warm = {e: _warm_up(run, inputs) for e, run in runners.items()}
+        rounds = repeat or int(np.clip(budget_s / sum(warm.values()), 3, 100))
+        order = list(runners)
+        for r in range(rounds):
+            for engine in order[r % len(order):] + order[: r % len(order)]:
+                results[engine].times.append(_timed(runners[engine], inputs))
+    return batch, results
+
+
+def _brief(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+
+
+def _warm_up(run: Runner, inputs: dict[str, np.ndarray]) -> float:
+    """Run up to three times, stopping after one second; return the fastest time."""
+    times = [_timed(run, inputs)]
+    while len(times) < 3 and sum(times) < 1.0:
+        times.append(_timed(run, inputs))
+    return min(times)
+
+
+def _timed(run: Runner, inputs: dict[str, np.ndarray]) -> float:
+    start = time.perf_counter()
+    run(inputs)
+    return time.perf_counter() - start
+
+
+def _ms(result: EngineResult) -> str:
+    if not result.times:
+        return "—"
+    p10, p50, p90 = np.percentile(result.times, [10, 50, 90]) * 1e3
+    return f"{p50:.2f} ({p10:.2f}–{p90:.2f})"
+
+
+def _ratio(ours: EngineResult | None, peer: EngineResult | None) -> str:
+    if not ours or not peer or not ours.times or not peer.times:
+        return "—"
+    return f"{np.median(ours.times) / np.median(peer.times):.2f}"
+
+
+def report(
+    rows: list[tuple[str, int, dict[str, EngineResult]]], engines: list[str], threads: int
+) -> str:
+    """The Markdown report: a header naming machine and versions, then one row per model."""
+    header = ["model", "batch", *(f"{LABEL[e]} ms" for e in engines)]
+    if "ours" in engines:
+        header += [f"ours/{LABEL[e]}" for e in engines if e != "ours"]
+    header += ["compile s (" + " / ".join(LABEL[e] for e in engines) + ")"]
+    lines = [
+        f"Date: {datetime.date.today().isoformat()}. Machine: {_cpu_name()}, "
+        f"{os.cpu_count()} logical cores, {platform.system()} {platform.machine()}. "
+        f"Threads: {threads} per engine, spinning off, interleaved rounds after warm-up. "
+        f"Load average at the end: {os.getloadavg()[0]:.2f}.",
+        f"Versions: {_versions()}.",
+        "Times: median (p10–p90) in ms over the timed rounds; a ratio below 1 means "
+        "gimlet_tvm is faster.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+    ]
+    notes = []
+    for name, batch, results in rows:
+        cells = [name, str(batch), *(_ms(results[e]) for e in engines)]
+        if "ours" in engines:
+            cells += [_ratio(results["ours"], results[e]) for e in engines if e != "ours"]
+        cells.append(" / ".join(
+            f"{results[e].compile_s:.1f}" if results[e].compile_s is not None else "—"
+            for e in engines
+        ))
+        lines.append("| " + " | ".join(cells) + " |")
+        rounds = max((len(r.times) for r in results.values()), default=0)
+        notes.append(f"- {name}: {rounds} timed rounds.")
+        notes += [f"- {name}, {LABEL[e]}: {r.error}" for e, r in results.items() if r.error]
+    return "\n".join([*lines, "", *notes]) + "\n"
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = []
+    for pkg in ("gimlet-tvm", "apache-tvm", "onnxruntime", "iree-base-compiler"):
+        try:
+            parts.append(f"{pkg} {version(pkg)}")
+        except PackageNotFoundError:
+            parts.append(f"{pkg} not installed")
+    return ", ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, pin thread counts, run every model, print and write the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", help="suite names (default: all)")
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--repeat", type=int, help="timed rounds (default: fit --budget)")
+    parser.add_argument("--budget", type=float, default=15.0,
+                        help="seconds of timed rounds per model when --repeat is not given")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.md")
+    args = parser.parse_args(argv)
+
+    # Thread pools read these when they start, so set them before any engine is imported.
+    for var in ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    from gimlet_tvm.models import SUITE
+
+    names = args.models or list(SUITE)
+    unknown = sorted(set(names) - set(SUITE))
+    if unknown:
+        parser.error(f"unknown models {unknown}; the suite has {list(SUITE)}")
+    builders = make_builders(args.engines, args.threads)
+    rows = []
+    for name in names:
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        batch, results = bench_model(name, builders, args.repeat, args.budget)
+        rows.append((name, batch, results))
+    table = report(rows, args.engines, args.threads)
+    print(table)
+    args.out.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
