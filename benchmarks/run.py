@@ -6,7 +6,7 @@
 Every engine gets the same model with its batch dimension fixed, the same inputs and the
 same thread count. Outputs are checked against onnxruntime before timing; an engine that
 fails to compile or disagrees is left out of that model's timing, with the reason noted.
-Timed runs are interleaved round by round (the engine order rotates each round) after a
+Timed runs are interleaved round by round (ours, onnxruntime, IREE, ours, ...) after a
 warm-up, so slow drifts of the machine hit every engine alike.
 """
 
@@ -19,14 +19,20 @@ import platform
 import subprocess
 import sys
 import tempfile
+import functools
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
+
+# gimlet_tvm (and so TVM) is imported only after main() has pinned the thread counts.
+if TYPE_CHECKING:
+    from gimlet_tvm.runtime import BenchmarkResult
 
 Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
 Builder = Callable[[onnx.ModelProto, Path], Runner]
@@ -46,10 +52,10 @@ IREE_FLAGS = [
 
 @dataclass
 class EngineResult:
-    """One engine on one model: compile time, timings in seconds, or why it has none."""
+    """One engine on one model: compile time, latency, or why it has none."""
 
     compile_s: float | None = None
-    times: list[float] = field(default_factory=list)
+    latency: BenchmarkResult | None = None
     error: str | None = None
 
 
@@ -78,17 +84,9 @@ def build_ours(model: onnx.ModelProto, workdir: Path) -> Runner:
 
 def build_ort(model: onnx.ModelProto, workdir: Path, threads: int) -> Runner:
     """onnxruntime CPU EP, all graph optimisations, worker spinning off."""
-    import onnxruntime as ort
+    from gimlet_tvm.peers import onnxruntime_session
 
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+    session = onnxruntime_session(model, threads)
     return lambda inputs: session.run(None, inputs)
 
 
@@ -125,13 +123,14 @@ def build_iree(model: onnx.ModelProto, workdir: Path, config: object) -> Runner:
 
 def mismatch(outputs: list[np.ndarray], reference: list[np.ndarray]) -> str | None:
     """None when ``outputs`` match onnxruntime's within fp32 tolerance, else why not."""
+    from gimlet_tvm.peers import max_abs_diff
+
     if len(outputs) != len(reference):
         return f"{len(outputs)} outputs, expected {len(reference)}"
     for i, (out, ref) in enumerate(zip(outputs, reference)):
         if out.shape != ref.shape:
             return f"output {i} shape {out.shape}, expected {ref.shape}"
-        scale = float(np.abs(ref).max()) or 1.0
-        err = float(np.abs(out.astype(np.float64) - ref).max()) / scale
+        err = max_abs_diff([out], [ref]) / (float(np.abs(ref).max()) or 1.0)
         if not err <= 1e-3:
             return f"output {i} differs from onnxruntime (max error {err:.1e} of max |ref|)"
     return None
@@ -162,6 +161,7 @@ def bench_model(
     import onnxruntime as ort
 
     from gimlet_tvm.models import SUITE
+    from gimlet_tvm.peers import time_interleaved
 
     info = SUITE[name]
     batch = BATCH.get(name, 1)
@@ -198,10 +198,9 @@ def bench_model(
         # Warm-up (three runs, or one for slow engines) also sizes the number of rounds.
         warm = {e: _warm_up(run, inputs) for e, run in runners.items()}
         rounds = repeat or int(np.clip(budget_s / sum(warm.values()), 3, 100))
-        order = list(runners)
-        for r in range(rounds):
-            for engine in order[r % len(order):] + order[: r % len(order)]:
-                results[engine].times.append(_timed(runners[engine], inputs))
+        calls = {e: functools.partial(run, inputs) for e, run in runners.items()}
+        for engine, latency in time_interleaved(calls, repeat=rounds, warmup=0).items():
+            results[engine].latency = latency
     return batch, results
 
 
@@ -224,16 +223,16 @@ def _timed(run: Runner, inputs: dict[str, np.ndarray]) -> float:
 
 
 def _ms(result: EngineResult) -> str:
-    if not result.times:
+    if result.latency is None:
         return "—"
-    p10, p50, p90 = np.percentile(result.times, [10, 50, 90]) * 1e3
-    return f"{p50:.2f} ({p10:.2f}–{p90:.2f})"
+    lat = result.latency
+    return f"{lat.median_ms:.2f} ({lat.p10_ms:.2f}–{lat.p90_ms:.2f})"
 
 
-def _ratio(ours: EngineResult | None, peer: EngineResult | None) -> str:
-    if not ours or not peer or not ours.times or not peer.times:
+def _ratio(ours: EngineResult, peer: EngineResult) -> str:
+    if ours.latency is None or peer.latency is None:
         return "—"
-    return f"{np.median(ours.times) / np.median(peer.times):.2f}"
+    return f"{ours.latency.median_ms / peer.latency.median_ms:.2f}"
 
 
 def report(
@@ -266,7 +265,7 @@ def report(
             for e in engines
         ))
         lines.append("| " + " | ".join(cells) + " |")
-        rounds = max((len(r.times) for r in results.values()), default=0)
+        rounds = max((r.latency.runs for r in results.values() if r.latency), default=0)
         notes.append(f"- {name}: {rounds} timed rounds.")
         notes += [f"- {name}, {LABEL[e]}: {r.error}" for e, r in results.items() if r.error]
     return "\n".join([*lines, "", *notes]) + "\n"
