@@ -1,8 +1,8 @@
 """Default (untuned) schedule rules for LLVM CPU targets, in the order they are tried."""
 
 from .injective import Injective
-from .normalization import Normalization
 from .window_reduction import WindowReduction
+from .normalization import Normalization
 from .row_reduction import RowReduction
 
-RULES = (Injective, Normalization, WindowReduction, RowReduction)
+RULES = (Injective, WindowReduction, Normalization, RowReduction)

@@ -11,7 +11,6 @@ from .base import (
     CPURule,
     loop_product,
     output_dtype_bits,
-    schedule_spatial_block,
     vector_lanes,
     vectorize_innermost,
     worth_parallel,
@@ -27,7 +26,8 @@ class WindowReduction(CPURule):
 
     The reduction loops move outside the innermost spatial axis, which is vectorized, so each
     window tap updates a vector of outputs; outer spatial axes run in parallel. Padding is
-    computed per parallel iteration and epilogues are inlined or computed alongside.
+    computed per parallel iteration, the epilogue chain is inlined into its last block, which
+    runs after each output row.
     """
 
     def schedule(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
@@ -53,21 +53,26 @@ class WindowReduction(CPURule):
             return None
         index = blocks.index(reduction)
         consumers = blocks[index + 1 :]
-        for consumer in consumers[::-1]:
-            sch.reverse_compute_inline(consumer.block_rv)
+        for consumer in consumers[:-1]:  # the epilogue chain collapses into its last block
+            sch.compute_inline(consumer.block_rv)
         lanes = vector_lanes(target, output_dtype_bits(sch, reduction.block_rv))
+        iterations = loop_product(sch, loops)
         # Loops: [spatial outer...] [window...] [innermost spatial, vectorized].
         sch.reorder(*spatial[:-1], *window, spatial[-1])
         outer = spatial[:-2] if len(spatial) > 2 else spatial[:1]
         parallel_loop = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-        if worth_parallel(loop_product(sch, loops)):
+        if worth_parallel(iterations):
             sch.parallel(parallel_loop)
         for producer in blocks[:index][::-1]:
             sch.compute_at(producer.block_rv, parallel_loop, preserve_unit_loops=True)
             self._vectorize_under(sch, producer.block_rv, parallel_loop, lanes)
-        init = sch.decompose_reduction(reduction.block_rv, window[0])
-        vectorize_innermost(sch, sch.get_loops(init)[-1], lanes)
+        if consumers:  # one output row of the epilogue after each row of the reduction
+            epilogue = consumers[-1].block_rv
+            sch.reverse_compute_at(epilogue, spatial[-2], preserve_unit_loops=True)
+            vectorize_innermost(sch, sch.get_loops(epilogue)[-1], lanes)
+        # Vectorize before splitting off the init block, which copies the vectorized loop.
         vectorize_innermost(sch, sch.get_loops(reduction.block_rv)[-1], lanes)
+        sch.decompose_reduction(reduction.block_rv, window[0])
         return sch
 
     @staticmethod
