@@ -68,18 +68,12 @@ def static_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
     return fixed
 
 
-def _as_list(outputs: object) -> list[np.ndarray]:
-    if isinstance(outputs, np.ndarray):
-        return [outputs]
-    return [np.asarray(o) for o in outputs]  # type: ignore[union-attr]
-
-
 def build_ours(model: onnx.ModelProto, workdir: Path) -> Runner:
     """gimlet_tvm.build for the llvm target."""
     import gimlet_tvm
 
     compiled = gimlet_tvm.build(model, "llvm")
-    return lambda inputs: _as_list(compiled(*inputs.values()))
+    return lambda inputs: compiled(*inputs.values())
 
 
 def build_ort(model: onnx.ModelProto, workdir: Path, threads: int) -> Runner:
@@ -105,10 +99,7 @@ def build_iree(model: onnx.ModelProto, workdir: Path, config: object) -> Runner:
     onnx_path, mlir_path, vmfb_path = (workdir / f"model.{e}" for e in ("onnx", "mlir", "vmfb"))
     onnx.save(model, onnx_path)
     _iree_tool(["iree-import-onnx", str(onnx_path), "-o", str(mlir_path)])
-    _iree_tool([
-        "iree-compile", str(mlir_path), "-o", str(vmfb_path),
-        *IREE_FLAGS,
-    ])
+    _iree_tool(["iree-compile", str(mlir_path), "-o", str(vmfb_path), *IREE_FLAGS])
     vm_module = rt.VmModule.copy_buffer(config.vm_instance, vmfb_path.read_bytes())
     module = rt.load_vm_module(vm_module, config)
     entry = module[model.graph.name]
