@@ -6,10 +6,13 @@
  * Tensors must be compact row-major float32 on the CPU.
  *
  * Threading: OpenBLAS runs its parallel jobs on TVM's own thread pool (through
- * scipy_openblas_set_threads_callback_function), with as many threads as that pool has.
- * Two separate pools on 2 cores (OpenBLAS pthreads next to TVM workers that spin after
- * each parallel region) cost time on every library call that follows a TVM kernel; with one
- * pool, library calls and generated kernels never compete for cores.
+ * scipy_openblas_set_threads_callback_function), with as many threads as that pool has, so
+ * library calls and generated kernels never compete for cores. Measured on 2 Zen 4 cores
+ * (default build, medians vs onnxruntime): OpenBLAS's own 2 pthreads next to TVM's pool made
+ * the MLP 9x and the small ResNet 270x slower than onnxruntime (the two pools' spinning
+ * workers preempt each other); 1 OpenBLAS thread left the MLP at 1.1-1.6x and the ResNet at
+ * 2.4-2.8x; sharing TVM's pool gave 1.1-1.2x and 1.9-2.1x. conv2d additionally runs its own
+ * work units on the pool with single-threaded sgemm (see Conv2D).
  */
 #include <cblas.h>
 #include <tvm/ffi/container/tensor.h>
@@ -180,37 +183,52 @@ struct Conv2DParams {
   int64_t stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w;
 };
 
+/*! \brief One NCHW / OIHW conv2d call, cut into work units of a few output rows each. */
+struct Conv2DWork {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t in_c, height, width;
+  int64_t group_in_c, group_out_c, groups, kernel_h, kernel_w;
+  int64_t out_h, out_w;
+  Conv2DParams p;
+  bool pointwise;          // 1x1, stride 1, no padding: the input is already the column matrix
+  int64_t rows_per_unit;   // output rows per unit
+  int64_t units_per_plane; // ceil(out_h / rows_per_unit)
+  int64_t num_units;       // batch * groups * units_per_plane
+};
+
 /*!
- * \brief Unfold one image's channels [c0, c0 + channels) into columns:
- * col[(c * kh + i) * kw + j, oy * out_w + ox] = x[c, oy*sh - pt + i*dh, ox*sw - pl + j*dw].
+ * \brief Unfold output rows [oy0, oy1) of one image-group: column matrix row (c * kh + i) * kw + j
+ * holds x[c, oy*sh - pt + i*dh, ox*sw - pl + j*dw] at column (oy - oy0) * out_w + ox.
  */
-void Im2Col(const float* x, int64_t channels, int64_t height, int64_t width, int64_t kernel_h,
-            int64_t kernel_w, int64_t out_h, int64_t out_w, const Conv2DParams& p, float* col) {
-  for (int64_t c = 0; c < channels; ++c) {
-    const float* x_c = x + c * height * width;
-    for (int64_t i = 0; i < kernel_h; ++i) {
-      for (int64_t j = 0; j < kernel_w; ++j) {
-        float* col_row = col + ((c * kernel_h + i) * kernel_w + j) * out_h * out_w;
-        for (int64_t oy = 0; oy < out_h; ++oy) {
+void Im2Col(const Conv2DWork& t, const float* x, int64_t oy0, int64_t oy1, float* col) {
+  const Conv2DParams& p = t.p;
+  const int64_t num_cols = (oy1 - oy0) * t.out_w;
+  for (int64_t c = 0; c < t.group_in_c; ++c) {
+    const float* x_c = x + c * t.height * t.width;
+    for (int64_t i = 0; i < t.kernel_h; ++i) {
+      for (int64_t j = 0; j < t.kernel_w; ++j) {
+        float* dst = col + ((c * t.kernel_h + i) * t.kernel_w + j) * num_cols;
+        const int64_t x0 = j * p.dilation_w - p.pad_left;
+        for (int64_t oy = oy0; oy < oy1; ++oy, dst += t.out_w) {
           const int64_t y = oy * p.stride_h - p.pad_top + i * p.dilation_h;
-          float* dst = col_row + oy * out_w;
-          if (y < 0 || y >= height) {
-            std::fill(dst, dst + out_w, 0.0f);
+          if (y < 0 || y >= t.height) {
+            std::fill(dst, dst + t.out_w, 0.0f);
             continue;
           }
-          const float* x_row = x_c + y * width;
-          const int64_t x0 = j * p.dilation_w - p.pad_left;
+          const float* x_row = x_c + y * t.width;
           if (p.stride_w == 1) {
             // Contiguous source: zero the padded edges, copy the middle.
-            const int64_t lo = std::clamp<int64_t>(-x0, 0, out_w);
-            const int64_t hi = std::clamp<int64_t>(width - x0, lo, out_w);
+            const int64_t lo = std::clamp<int64_t>(-x0, 0, t.out_w);
+            const int64_t hi = std::clamp<int64_t>(t.width - x0, lo, t.out_w);
             std::fill(dst, dst + lo, 0.0f);
             std::memcpy(dst + lo, x_row + x0 + lo, (hi - lo) * sizeof(float));
-            std::fill(dst + hi, dst + out_w, 0.0f);
+            std::fill(dst + hi, dst + t.out_w, 0.0f);
           } else {
-            for (int64_t ox = 0; ox < out_w; ++ox) {
+            for (int64_t ox = 0; ox < t.out_w; ++ox) {
               const int64_t xx = x0 + ox * p.stride_w;
-              dst[ox] = (xx >= 0 && xx < width) ? x_row[xx] : 0.0f;
+              dst[ox] = (xx >= 0 && xx < t.width) ? x_row[xx] : 0.0f;
             }
           }
         }
@@ -219,9 +237,49 @@ void Im2Col(const float* x, int64_t channels, int64_t height, int64_t width, int
   }
 }
 
+/*! \brief One work unit: out rows [oy0, oy1) of one image-group = weight @ unfolded input. */
+void RunConv2DUnit(const Conv2DWork& t, int64_t unit, std::vector<float>* col) {
+  const int64_t plane = unit / t.units_per_plane;  // image * groups + group
+  const int64_t g = plane % t.groups, img = plane / t.groups;
+  const int64_t oy0 = unit % t.units_per_plane * t.rows_per_unit;
+  const int64_t oy1 = std::min(t.out_h, oy0 + t.rows_per_unit);
+  const int64_t num_cols = (oy1 - oy0) * t.out_w, spatial = t.out_h * t.out_w;
+  const int64_t reduction = t.group_in_c * t.kernel_h * t.kernel_w;
+  const float* x = t.x + (img * t.in_c + g * t.group_in_c) * t.height * t.width;
+  const float* cols = x + oy0 * t.out_w;
+  int64_t ld_cols = spatial;
+  if (!t.pointwise) {
+    col->resize(reduction * num_cols);
+    Im2Col(t, x, oy0, oy1, col->data());
+    cols = col->data();
+    ld_cols = num_cols;
+  }
+  float* y = t.y + (img * t.groups + g) * t.group_out_c * spatial + oy0 * t.out_w;
+  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, t.group_out_c, num_cols, reduction,
+                    1.0f, t.w + g * t.group_out_c * reduction, reduction, cols, ld_cols, 0.0f, y,
+                    spatial);
+}
+
+int RunConv2DUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& work = *static_cast<const Conv2DWork*>(cdata);
+  thread_local std::vector<float> col;
+  const int64_t per_task = (work.num_units + penv->num_task - 1) / penv->num_task;
+  const int64_t end = std::min(work.num_units, (task_id + 1) * per_task);
+  for (int64_t unit = task_id * per_task; unit < end; ++unit) RunConv2DUnit(work, unit, &col);
+  return 0;
+}
+
+// A unit's column matrix is kept under this many floats (256 KiB: it stays in L2).
+constexpr int64_t kColumnBudget = 1 << 16;
+
 /*!
- * \brief NCHW / OIHW conv2d: per image and group, out = weight @ im2col(data).
+ * \brief NCHW / OIHW conv2d: out = weight @ im2col(data) per image and group.
  * data: [N, C, H, W], weight: [O, C / groups, KH, KW], out: [N, O, OH, OW].
+ *
+ * When there are many output pixels per channel, the output rows of every image-group are
+ * cut into units whose column matrix fits in L2; TVM's thread pool runs the units, each
+ * unfolding its own columns and calling single-threaded sgemm, so unfolding is parallel and
+ * cache-resident too. Otherwise whole planes are unfolded and multi-threaded sgemm splits them.
  */
 void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t groups,
             DLTensor* out) {
@@ -229,34 +287,45 @@ void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t gro
   CheckCompactFloat32(weight, "weight");
   CheckCompactFloat32(out, "out");
   TVM_FFI_ICHECK(data->ndim == 4 && weight->ndim == 4 && out->ndim == 4);
-  const int64_t batch = data->shape[0], in_c = data->shape[1], height = data->shape[2],
-                width = data->shape[3];
-  const int64_t out_c = weight->shape[0], group_in_c = weight->shape[1],
-                kernel_h = weight->shape[2], kernel_w = weight->shape[3];
-  const int64_t out_h = out->shape[2], out_w = out->shape[3];
+  const int64_t batch = data->shape[0], in_c = data->shape[1];
+  const int64_t out_c = weight->shape[0], group_in_c = weight->shape[1];
   TVM_FFI_ICHECK(groups >= 1 && in_c == group_in_c * groups && out_c % groups == 0);
   TVM_FFI_ICHECK(out->shape[0] == batch && out->shape[1] == out_c);
-  const int64_t group_out_c = out_c / groups;
-  const int64_t spatial = out_h * out_w;
-  const int64_t reduction = group_in_c * kernel_h * kernel_w;
-  const bool pointwise = kernel_h == 1 && kernel_w == 1 && p.stride_h == 1 && p.stride_w == 1 &&
-                         p.pad_top == 0 && p.pad_left == 0 && out_h == height && out_w == width;
-  std::vector<float> col(pointwise ? 0 : reduction * spatial);
-  const float* x = Data(data);
-  const float* w = Data(weight);
-  float* y = Data(out);
-  for (int64_t img = 0; img < batch; ++img) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* x_g = x + (img * in_c + g * group_in_c) * height * width;
-      const float* cols = x_g;
-      if (!pointwise) {
-        Im2Col(x_g, group_in_c, height, width, kernel_h, kernel_w, out_h, out_w, p, col.data());
-        cols = col.data();
-      }
-      Sgemm(false, group_out_c, spatial, reduction, w + g * group_out_c * reduction, cols,
-            y + (img * out_c + g * group_out_c) * spatial);
-    }
+  Conv2DWork work{Data(data), Data(weight), Data(out), in_c, data->shape[2], data->shape[3],
+                  group_in_c, out_c / groups, groups, weight->shape[2], weight->shape[3],
+                  out->shape[2], out->shape[3], p};
+  if (batch == 0 || out_c == 0 || work.out_h == 0 || work.out_w == 0) return;
+  work.pointwise = work.kernel_h == 1 && work.kernel_w == 1 && p.stride_h == 1 &&
+                   p.stride_w == 1 && p.pad_top == 0 && p.pad_left == 0 &&
+                   work.out_h == work.height && work.out_w == work.width;
+  const int64_t reduction = group_in_c * work.kernel_h * work.kernel_w;
+  if (reduction == 0) {
+    std::fill(work.y, work.y + batch * out_c * work.out_h * work.out_w, 0.0f);
+    return;
   }
+  UseTVMThreadPoolForBlas();
+  const int64_t planes = batch * groups;
+  if (work.out_h * work.out_w < 4 * work.group_out_c) {
+    // Few output pixels per channel (deep layers): units would repack the large weight
+    // matrix for a handful of columns each, so unfold whole planes and let BLAS split them.
+    work.rows_per_unit = work.out_h;
+    work.units_per_plane = 1;
+    work.num_units = planes;
+    thread_local std::vector<float> col;
+    for (int64_t unit = 0; unit < work.num_units; ++unit) RunConv2DUnit(work, unit, &col);
+    return;
+  }
+  const int64_t budget_rows = std::max<int64_t>(1, kColumnBudget / reduction / work.out_w);
+  // At least 4 units in all, so two threads get balanced work on a single image.
+  const int64_t balance_rows = std::max<int64_t>(1, work.out_h * planes / 4);
+  work.rows_per_unit = std::min({budget_rows, balance_rows, work.out_h});
+  work.units_per_plane = (work.out_h + work.rows_per_unit - 1) / work.rows_per_unit;
+  work.num_units = planes * work.units_per_plane;
+  // Each pool thread runs whole units with single-threaded BLAS (no nested parallelism).
+  const int blas_threads = scipy_openblas_get_num_threads();
+  scipy_openblas_set_num_threads(1);
+  TVMBackendParallelLaunch(RunConv2DUnits, &work, 0);
+  scipy_openblas_set_num_threads(blas_threads);
 }
 
 }  // namespace
