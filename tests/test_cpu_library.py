@@ -1,7 +1,7 @@
 """gimlet's CPU library: the OpenBLAS extension and the Relax pass that dispatches to it.
 
-Each case compiles with the default CPU pipeline (library dispatch, legalization, fusion,
-default schedules) and compares with numpy or onnxruntime.
+Each case compiles with the llvm target's default pipeline (library dispatch, legalization,
+fusion, default schedules) and compares with numpy or onnxruntime.
 """
 
 from __future__ import annotations
@@ -13,41 +13,20 @@ import pytest
 import tvm
 from onnx import TensorProto, helper
 from tvm import relax
-from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
 from tvm.relax.frontend.onnx import from_onnx
 
+from gimlet_tvm.compiler import relax_pipeline
 from gimlet_tvm.relax_passes.dispatch_cpu_library import CONV2D_FUNC, MATMUL_FUNC, DispatchCPULibrary
 from gimlet_tvm.runtime.extensions import load_extensions
-from gimlet_tvm.schedules.cpu import RULES
+from gimlet_tvm.targets.llvm import LLVM_CPU
 
-TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _extensions() -> None:
-    load_extensions()
-
-
-def default_pipeline() -> tvm.transform.Pass:
-    """The lead's default CPU pipeline, spelled out."""
-    return tvm.transform.Sequential(
-        [
-            DispatchCPULibrary(),
-            relax.transform.LegalizeOps(),
-            relax.transform.AnnotateTIROpPattern(),
-            relax.transform.FoldConstant(),
-            relax.transform.FuseOps(),
-            relax.transform.FuseTIR(),
-            tvm.s_tir.dlight.ApplyDefaultSchedule(*(rule() for rule in RULES)),
-            *cpu_generic.dataflow_lower_passes(TARGET),
-            *cpu_generic.finalize_passes(TARGET),
-        ]
-    )
+TARGET = LLVM_CPU.make_target()
 
 
 def build(mod: tvm.IRModule) -> relax.VirtualMachine:
+    """Compile `mod` with the llvm target's default pipeline."""
     with TARGET:
-        executable = tvm.compile(mod, TARGET, relax_pipeline=default_pipeline())
+        executable = tvm.compile(mod, TARGET, relax_pipeline=relax_pipeline(LLVM_CPU, TARGET))
     return relax.VirtualMachine(executable, tvm.cpu())
 
 
@@ -63,6 +42,7 @@ def onnx_model(
     output: tuple[str, list],
     initializers: dict[str, np.ndarray],
 ) -> onnx.ModelProto:
+    """A float32 opset-17 model; shapes may name symbolic axes."""
     graph = helper.make_graph(
         nodes,
         "test",
@@ -87,6 +67,7 @@ def run_both(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> tuple[np.
 
 
 def rand(*shape: int, seed: int = 0) -> np.ndarray:
+    """Standard-normal float32 data."""
     return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
