@@ -1,4 +1,4 @@
-"""ONNX backend node conformance: every `onnx.backend.test.case.node` test through `gimlet_tvm.build`.
+"""ONNX backend node conformance: each `onnx.backend.test.case.node` test via `gimlet_tvm.build`.
 
 Run from the repository root:
 
@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -76,13 +76,16 @@ def _as_array(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
+def _node_op(node: onnx.NodeProto) -> str:
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+
+
 def _op_of(test: Any, op_by_name: dict[str, str]) -> str:
     """The operator a test is about; an `_expanded` test belongs to its base test's op."""
     base = _EXPANDED_SUFFIX.sub("", test.name)
     if base != test.name and base in op_by_name:
         return op_by_name[base]
-    node = test.model.graph.node[0]
-    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+    return _node_op(test.model.graph.node[0])
 
 
 def _is_tensor_only(model: onnx.ModelProto) -> bool:
@@ -97,7 +100,8 @@ def collect_cases() -> list[Case]:
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")
         tests = sorted(node_cases.collect_testcases(), key=lambda t: t.name)
-    op_by_name = {t.name: t.model.graph.node[0].op_type for t in tests if len(t.model.graph.node) == 1}
+    op_by_name = {t.name: _node_op(t.model.graph.node[0]) for t in tests
+                  if len(t.model.graph.node) == 1}
     cases = []
     for test in tests:
         (inputs, outputs), = test.data_sets
@@ -231,7 +235,8 @@ class _Worker:
 
     def __init__(self, context: Any, target: str, quiet: bool):
         self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=worker_main, args=(child_conn, target, quiet), daemon=True)
+        self.process = context.Process(target=worker_main, args=(child_conn, target, quiet),
+                                       daemon=True)
         self.process.start()
         child_conn.close()
         self.ready = False
@@ -272,11 +277,13 @@ def run_cases(cases: Sequence[Case], target: str, jobs: int, timeout: float, qui
         nonlocal done
         case = worker.case
         assert case is not None
-        results.append(Result(case.name, case.op, category, detail, time.monotonic() - worker.started))
+        seconds = time.monotonic() - worker.started
+        results.append(Result(case.name, case.op, category, detail, seconds))
         worker.case = None
         done += 1
         if progress:
-            print(f"[{done}/{total}] {case.name}: {category} ({results[-1].seconds:.1f} s) {detail}"[:200], flush=True)
+            line = f"[{done}/{total}] {case.name}: {category} ({seconds:.1f} s) {detail}"
+            print(line[:200], flush=True)
 
     def replace(index: int) -> None:
         workers[index] = _Worker(context, target, quiet)
@@ -415,8 +422,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--filter", metavar="REGEX", help="run tests whose name matches REGEX")
     parser.add_argument("--subset", type=int, metavar="K", help="run K tests spread evenly by name")
     parser.add_argument("--report", metavar="PATH.md", help="write the per-op Markdown report")
-    parser.add_argument("--expected", metavar="PATH",
-                        help="expected-pass list (default tests/conformance/expected_pass_TARGET.txt)")
+    parser.add_argument("--expected", metavar="PATH", help="expected-pass list (default "
+                        "tests/conformance/expected_pass_TARGET.txt)")
     parser.add_argument("--update-expected", action="store_true",
                         help="rewrite the expected-pass list with the tests that pass now")
     parser.add_argument("--check", action="store_true",
@@ -467,7 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for result in lost:
                 print(f"  {result.name}: {result.category}: {result.detail}")
             return 1
-        print(f"--check: all {len(expected & {r.name for r in results})} expected passes still pass")
+        checked = expected & {r.name for r in results}
+        print(f"--check: all {len(checked)} expected passes still pass")
     return 0
 
 
