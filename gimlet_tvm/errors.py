@@ -1,6 +1,12 @@
 """Typed errors users can catch; the CLI prints each as one line and exits with code 2."""
 
 
+def summary(err: BaseException) -> str:
+    """One line naming a foreign error: its type and the first line of its message."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
 class GimletError(Exception):
     """Base class of every error gimlet-tvm raises on bad input."""
 
@@ -28,6 +34,10 @@ class ModelImportError(GimletError):
     """A supported operator failed to convert (bad attributes, shapes the importer rejects)."""
 
 
+class CompileError(GimletError):
+    """TVM failed to compile an imported model for the target."""
+
+
 class UnknownTargetError(GimletError):
     """The requested target is not registered."""
 
@@ -38,3 +48,11 @@ class InputError(GimletError):
 
 class ArtifactError(GimletError):
     """A compiled artifact is missing, corrupt or was built by an incompatible version."""
+
+
+class TargetUnavailableError(GimletError):
+    """This machine lacks what the target needs to compile (a toolchain) or to run (a device)."""
+
+
+class CodeCheckError(GimletError):
+    """Generated code failed its check by the target's own tools (missing kernels, wrong arch)."""

@@ -16,7 +16,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
-from .errors import InputError, ModelImportError, ModelLoadError, UnsupportedOpError
+from .errors import InputError, ModelImportError, ModelLoadError, UnsupportedOpError, summary
 from .io_spec import Dim, IOSpec, TensorSpec
 
 ModelLike = Union[str, os.PathLike, bytes, onnx.ModelProto]
@@ -48,8 +48,7 @@ def load_model(model: ModelLike) -> onnx.ModelProto:
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as err:
-        first_line = str(err).strip().splitlines()[0]
-        raise ModelLoadError(f"invalid ONNX model: {first_line}") from None
+        raise ModelLoadError(f"invalid ONNX model: {summary(err)}") from None
     return proto
 
 
@@ -197,8 +196,6 @@ def import_model(
                 dtype_dict={spec.name: spec.dtype for spec in inputs},
                 keep_params_in_input=False,
             )
-        except (tvm.error.TVMError, ValueError, NotImplementedError, AssertionError, KeyError,
-                TypeError, IndexError, AttributeError) as err:
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ModelImportError(f"ONNX import failed: {reason}") from err
+        except Exception as err:  # a converter can fail with any error type: name it
+            raise ModelImportError(f"ONNX import failed: {summary(err)}") from err
     return mod, IOSpec(tuple(inputs), _output_specs(model, mod))
