@@ -10,10 +10,13 @@ __version__ = "0.1.0"
 from .compiler import build
 from .errors import (
     ArtifactError,
+    CodeCheckError,
+    CompileError,
     GimletError,
     InputError,
     ModelImportError,
     ModelLoadError,
+    TargetUnavailableError,
     UnknownTargetError,
     UnsupportedOpError,
 )
@@ -22,11 +25,14 @@ from .runtime import BenchmarkResult, CompiledModel, load
 __all__ = [
     "ArtifactError",
     "BenchmarkResult",
+    "CodeCheckError",
     "CompiledModel",
+    "CompileError",
     "GimletError",
     "InputError",
     "ModelImportError",
     "ModelLoadError",
+    "TargetUnavailableError",
     "UnknownTargetError",
     "UnsupportedOpError",
     "__version__",

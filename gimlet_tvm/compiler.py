@@ -11,7 +11,7 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as generic_pipeline
 from tvm.s_tir import dlight
 
-from .errors import GimletError, ModelImportError
+from .errors import CompileError, GimletError, TargetUnavailableError, summary
 from .frontend import InputShapes, ModelLike, import_model, load_model
 from .runtime import CompiledModel
 from .targets import TargetLike, TargetSpec, lookup
@@ -78,13 +78,22 @@ def build(
     if records is not None:
         raise GimletError("applying tuning records is not supported yet (no tuner exists)")
     spec, target = resolve_target(targets)
+    reason = spec.can_compile()
+    if reason is not None:
+        raise TargetUnavailableError(f"cannot compile for {spec.name} on this machine: {reason}")
     proto = load_model(model)
     mod, io = import_model(proto, input_shapes)
-    with target:
+    with target, spec.codegen_hooks(target) as record:
         try:
             executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(spec, target))
-        except tvm.error.TVMError as err:
-            first = str(err).strip().splitlines()[0]
-            raise ModelImportError(f"compiling for {spec.name} failed: {first}") from err
-    target_json = json.loads(json.dumps(dict(target.export()), default=list))
-    return CompiledModel(executable.mod, io, [{"name": spec.name, "target": target_json}])
+        except GimletError:
+            raise
+        except Exception as err:  # TVM's passes and code generators raise many error types
+            raise CompileError(f"compiling for {spec.name} failed: {summary(err)}") from err
+    device_code = spec.check_code(executable.mod, record, target)
+    built_for = {
+        "name": spec.name,
+        "target": json.loads(json.dumps(dict(target.export()), default=list)),
+        "device_code": device_code.to_json(),
+    }
+    return CompiledModel(executable.mod, io, [built_for])

@@ -14,7 +14,7 @@ import tvm_ffi
 from tvm import relax
 
 from .. import __version__
-from ..errors import ArtifactError, GimletError
+from ..errors import ArtifactError, TargetUnavailableError
 from ..io_spec import IOSpec, TensorSpec
 from ..targets import lookup
 from . import artifact
@@ -59,15 +59,26 @@ class CompiledModel:
         self._module = module
         self.io = io
         self.targets = [dict(t) for t in targets]
-        spec, _ = lookup(self.targets[0]["name"])
-        self.device = spec.device()
-        if not self.device.exist:
-            raise GimletError(
-                f"target '{spec.name}' cannot run on this machine: no {spec.device_type} device"
-            )
-        load_extensions()  # executables may call our runtime library functions
-        self._vm = relax.VirtualMachine(module, self.device)
-        self._main = self._vm["main"]
+        self._spec, _ = lookup(self.targets[0]["name"])
+        self._main: tvm_ffi.Function | None = None
+
+    @property
+    def device(self) -> tvm.runtime.Device:
+        return self._spec.device()
+
+    def _entry(self) -> tvm_ffi.Function:
+        """The VM's `main`, created on first run: a model built for a device this machine
+        lacks can still be exported."""
+        if self._main is None:
+            reason = self._spec.can_run()
+            if reason is not None or not self.device.exist:
+                raise TargetUnavailableError(
+                    f"target '{self._spec.name}' cannot run on this machine: "
+                    f"{reason or 'no device'} (export it and run it where one exists)"
+                )
+            load_extensions()  # executables may call our runtime library functions
+            self._main = relax.VirtualMachine(self._module, self.device)["main"]
+        return self._main
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
@@ -93,10 +104,11 @@ class CompiledModel:
         return dict(zip(self.output_names, outputs))
 
     def _execute(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        tensors = [tvm.runtime.tensor(np.ascontiguousarray(a), self.device) for a in arrays]
-        result = self._main(*tensors)
+        entry = self._entry()
+        tensors = [tvm.runtime.tensor(np.require(a, requirements="C"), self.device) for a in arrays]
+        result = entry(*tensors)
         flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
-        return [t.numpy() for t in flat]
+        return [_to_numpy(value) for value in flat]
 
     def benchmark(
         self,
@@ -140,6 +152,13 @@ class CompiledModel:
         artifact.write(path, self._module.export_library, self.metadata)
 
 
+def _to_numpy(value: Any) -> np.ndarray:
+    """An output as numpy: tensors copy to the host; shapes (ONNX `Shape`) become int64."""
+    if isinstance(value, tvm_ffi.Shape):
+        return np.array(list(value), dtype=np.int64)
+    return value.numpy()
+
+
 def random_inputs(io: IOSpec, *, seed: int = 0, dims: Mapping[str, int] | None = None) -> list:
     """Random arrays for `io`'s inputs; symbolic dims take `dims[name]`, else 1."""
     rng = np.random.default_rng(seed)
@@ -159,6 +178,12 @@ def random_inputs(io: IOSpec, *, seed: int = 0, dims: Mapping[str, int] | None =
 def load(path: str | os.PathLike) -> CompiledModel:
     """Load an artifact written by `CompiledModel.export`."""
     meta = artifact.read_metadata(path)
+    spec, _ = lookup(meta["targets"][0]["name"])
+    reason = spec.can_run()
+    if reason is not None:
+        raise TargetUnavailableError(
+            f"artifact is built for '{spec.name}', which cannot run on this machine: {reason}"
+        )
     if meta.get("tvm_version") != tvm.__version__:
         raise ArtifactError(
             f"artifact was built with TVM {meta.get('tvm_version')}, this is TVM "

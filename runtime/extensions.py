@@ -1,4 +1,4 @@
-"""Build and load gimlet's C++ runtime extensions (`runtime/ext/*.cc`).
+"""Build and load gimlet's C++ runtime extensions (`runtime/ext/`).
 
 The sources are compiled with g++ on first use into a cache keyed by the source hash, the TVM
 and tvm-ffi versions, the compiler and its flags, and the host CPU (the code is built with
@@ -25,6 +25,7 @@ import tvm_ffi
 import tvm_ffi.libinfo
 
 EXT_DIR = Path(__file__).resolve().parent / "ext"
+CPU_LIBRARY_SOURCES = [EXT_DIR / "cpu_library.cc"]
 COMPILER = os.environ.get("CXX", "g++")
 CXXFLAGS = ("-std=c++17", "-O3", "-march=native", "-fPIC", "-shared", "-Wall")
 
@@ -66,7 +67,7 @@ def _include_args() -> list[str]:
     return [f"-I{path}" for path in includes + [dlpack]]
 
 
-def _build_key(sources: list[Path]) -> str:
+def _build_key(sources: list[Path], args: list[str]) -> str:
     digest = hashlib.sha256()
     for source in sources:
         digest.update(source.name.encode())
@@ -74,18 +75,18 @@ def _build_key(sources: list[Path]) -> str:
     compiler_version = subprocess.run(
         [COMPILER, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    for part in (tvm.__version__, tvm_ffi.__version__, compiler_version, " ".join(CXXFLAGS)):
+    for part in (tvm.__version__, tvm_ffi.__version__, compiler_version, " ".join(args)):
         digest.update(part.encode())
     digest.update(_host_cpu().encode())
     return digest.hexdigest()[:24]
 
 
-def build_extensions() -> Path:
-    """Compile `ext/*.cc` into one shared library, or return the cached one."""
-    sources = sorted(EXT_DIR.glob("*.cc"))
+def build_library(name: str, sources: list[Path], args: list[str]) -> Path:
+    """Compile `sources` with `args` into a shared library in the cache, or return the
+    cached one (built under a lock, written to a temporary file and renamed into place)."""
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    library = directory / f"libgimlet_cpu_{_build_key(sources)}.so"
+    library = directory / f"lib{name}_{_build_key(sources, args)}.so"
     if library.exists():
         return library
     with open(directory / f"{library.name}.lock", "w") as lock:
@@ -95,16 +96,22 @@ def build_extensions() -> Path:
         fd, temporary = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(fd)
         try:
-            command = [COMPILER, *CXXFLAGS, *_include_args(), *map(str, sources)]
-            command += ["-o", temporary, *_link_args()]
+            command = [COMPILER, *map(str, sources), "-o", temporary, *args]
             result = subprocess.run(command, capture_output=True, text=True, check=False)
             if result.returncode != 0:
-                raise RuntimeError(f"building gimlet CPU extensions failed:\n{result.stderr}")
+                raise RuntimeError(f"building {name} failed:\n{result.stderr}")
             os.replace(temporary, library)
         finally:
             if os.path.exists(temporary):
                 os.unlink(temporary)
     return library
+
+
+def build_extensions() -> Path:
+    """Compile the CPU library extension, or return the cached build."""
+    return build_library(
+        "gimlet_cpu", CPU_LIBRARY_SOURCES, [*CXXFLAGS, *_include_args(), *_link_args()]
+    )
 
 
 def load_extensions() -> None:

@@ -6,14 +6,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Debian packages: a C++ compiler (artifacts are linked with it, the runtime extensions are
-# built with it).
+# built with it); for the GPU targets, the LLVM 22 tools matching TVM's LLVM (ld.lld links ROCm
+# code objects, llvm-readelf checks them, clang checks OpenCL C) and ROCm's device bitcode.
+# (nvcc comes with the machine image: CUDA builds need it.)
 missing=()
 command -v g++ >/dev/null || missing+=(g++)
+command -v ld.lld-22 >/dev/null || missing+=(lld-22)
+command -v llvm-readelf-22 >/dev/null || missing+=(llvm-22)
+command -v clang-22 >/dev/null || missing+=(clang-22)
+[ -f /usr/lib/x86_64-linux-gnu/amdgcn/bitcode/ocml.bc ] || [ -f /opt/rocm/amdgcn/bitcode/ocml.bc ] \
+  || missing+=(rocm-device-libs)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${missing[*]}"
   sudo_cmd=""; [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
   $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}"
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
 PYTHON=${PYTHON:-python3}

@@ -52,9 +52,8 @@ LLVM_CPU = TargetSpec(
     description="host CPU through LLVM (vectorized for the detected CPU model)",
     default_target=host_target,
     device_type="cpu",
-    facts=host_facts,
+    extra_facts=host_facts,
     library_passes=lambda target: (DispatchCPULibrary(), tvm.relax.transform.FastMathTransform()),
     schedule_rules=lambda target: tuple(rule() for rule in CPU_SCHEDULE_RULES),
-    can_compile=lambda: True,
-    can_run=lambda: True,
+    can_run=lambda: None,
 )

@@ -1,31 +1,81 @@
 """`TargetSpec`: everything the compiler needs to know about one target, in one place.
 
 The middle end never asks "is this CUDA?": it asks the spec for its TVM target, its device,
-its library-dispatch passes and its default schedule rules.
+its library-dispatch passes, its default schedule rules, the code-generation hooks to install
+around `tvm.compile`, and how to check the code that came out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import tvm
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCode:
+    """The generated code of one build, as the target's own tools read it back.
+
+    format: what the code is (`"CUDA fatbin (sm_90 SASS + PTX)"`, `"AMDGPU code object"`).
+    kernels: the kernel names found in it, sorted.
+    checked_with: the tool that read it (`"cuobjdump"`, `"llvm-readelf"`).
+    """
+
+    format: str
+    kernels: tuple[str, ...]
+    checked_with: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": self.format, "kernels": list(self.kernels), "checked_with": self.checked_with}
+
+
+@dataclasses.dataclass
+class CodegenRecord:
+    """What one build's code generation produced, collected by the target's hooks.
+
+    kernels: names of the device kernels TVM handed to the target's code generator.
+    binaries: device binaries the toolchain produced (fatbins, code objects), if any.
+    """
+
+    kernels: set[str] = dataclasses.field(default_factory=set)
+    binaries: list[bytes] = dataclasses.field(default_factory=list)
+
+
+CodegenHooks = Callable[[tvm.target.Target], ContextManager[CodegenRecord]]
+"""Installs the target's code-generation callbacks for one build, yielding its record."""
+
+CodeCheck = Callable[[tvm.runtime.Module, CodegenRecord, tvm.target.Target], DeviceCode]
+"""Reads the built code back with the target's tools; raises `CodeCheckError` when it is not
+what the build asked for (a kernel missing, another architecture)."""
+
+
+@contextlib.contextmanager
+def no_codegen_hooks(target: tvm.target.Target):
+    yield CodegenRecord()
+
+
+def no_device_code(module: tvm.runtime.Module, record: CodegenRecord, target) -> DeviceCode:
+    return DeviceCode("host code only", (), "-")
 
 
 @dataclasses.dataclass(frozen=True)
 class TargetSpec:
     """A registered compilation target.
 
-    name: the registry name users type (`"llvm"`).
-    aliases: other accepted names (`"cpu"`).
+    name / aliases: what users type (`"llvm"`, `"cpu"`).
     kind: the TVM target kind this spec builds for.
     description: one line for `gimlet-tvm targets`.
-    default_target: returns the TVM target dict for this machine (host detection lives here).
-    device_type: the DLPack device type name for `tvm.device` (`"cpu"`, `"cuda"`).
+    default_target: the TVM target dict for this machine (host detection lives here).
+    host: for device targets, the TVM target dict of the host code; None for host targets.
+    device_type: the device type name for `tvm.device` (`"cpu"`, `"cuda"`).
+    dtypes: element types the target's code generator handles.
     library_passes: Relax passes run before legalization that hand ops to libraries.
     schedule_rules: DLight-style schedule rules applied to every PrimFunc after fusion.
-    facts: device facts shown to users and read by passes (vector width, cores, ...).
-    can_compile / can_run: whether this machine can generate code for / execute on the target.
+    codegen_hooks / check_code: how to generate device code, and how to check it.
+    can_compile / can_run: whether this machine can generate code for / execute on it; each
+      returns None when it can, else the reason it can't.
     """
 
     name: str
@@ -34,18 +84,40 @@ class TargetSpec:
     default_target: Callable[[], dict[str, Any]]
     device_type: str
     aliases: tuple[str, ...] = ()
+    host: Callable[[], dict[str, Any]] | None = None
+    dtypes: tuple[str, ...] = ("float32", "float16", "int32", "int64", "bool")
     library_passes: Callable[[tvm.target.Target], Sequence[tvm.transform.Pass]] = lambda t: ()
     schedule_rules: Callable[[tvm.target.Target], Sequence[Any]] = lambda t: ()
-    facts: Callable[[], Mapping[str, Any]] = dict
-    can_compile: Callable[[], bool] = lambda: True
-    can_run: Callable[[], bool] = lambda: False
+    codegen_hooks: CodegenHooks = no_codegen_hooks
+    check_code: CodeCheck = no_device_code
+    extra_facts: Callable[[], Mapping[str, Any]] = dict
+    can_compile: Callable[[], str | None] = lambda: None
+    can_run: Callable[[], str | None] = lambda: "no runtime for this target in this build"
 
     def make_target(self, overrides: Mapping[str, Any] | None = None) -> tvm.target.Target:
         """The TVM target: this machine's defaults with `overrides` on top."""
         config = dict(self.default_target())
         config.update(overrides or {})
-        return tvm.target.Target(config)
+        if self.host is None:
+            return tvm.target.Target(config)
+        return tvm.target.Target(config, host=self.host())
 
     def device(self, index: int = 0) -> tvm.runtime.Device:
         """The runtime device executables built for this target run on."""
         return tvm.device(self.device_type, index)
+
+    def facts(self) -> dict[str, Any]:
+        """Device facts the compiler uses, read from the default TVM target and the spec."""
+        attrs = dict(self.make_target().export())
+        facts = {
+            key: attrs[attr]
+            for key, attr in (
+                ("max_threads_per_block", "max_num_threads"),
+                ("warp_size", "thread_warp_size"),
+                ("shared_memory_per_block", "max_shared_memory_per_block"),
+            )
+            if attr in attrs
+        }
+        facts.update(self.extra_facts())
+        facts["dtypes"] = ",".join(self.dtypes)
+        return facts

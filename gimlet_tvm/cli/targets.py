@@ -11,6 +11,10 @@ def add_parser(sub) -> None:
     parser.set_defaults(handler=run)
 
 
+def _yes_or_why(reason: str | None) -> str:
+    return "yes" if reason is None else f"no ({reason})"
+
+
 def run(args) -> int:
     rows = []
     for spec in registered():
@@ -18,8 +22,8 @@ def run(args) -> int:
         rows.append([
             spec.name,
             ",".join(spec.aliases) or "-",
-            "yes" if spec.can_compile() else "no",
-            "yes" if spec.can_run() else "no",
+            _yes_or_why(spec.can_compile()),
+            _yes_or_why(spec.can_run()),
             spec.description,
             facts,
         ])

@@ -1,0 +1,108 @@
+"""What GPU targets share: DLight schedule rules, reading device modules, checking kernels."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+from typing import Iterator, Sequence
+
+import tvm
+import tvm_ffi
+from tvm.s_tir import dlight
+
+from ..errors import CodeCheckError
+from .spec import CodegenRecord
+
+# DLight's GPU rules, most specific first; `Fallback` schedules anything left.
+_DLIGHT_GPU_RULES = {
+    "Matmul": dlight.gpu.Matmul,
+    "GEMV": dlight.gpu.GEMV,
+    "Reduction": dlight.gpu.Reduction,
+    "GeneralReduction": dlight.gpu.GeneralReduction,
+    "Fallback": dlight.gpu.Fallback,
+}
+
+
+def dlight_gpu_rules(*, without: Sequence[str] = ()) -> list:
+    """DLight's default GPU rules, less those named in `without` (known to fail a target)."""
+    return [rule() for name, rule in _DLIGHT_GPU_RULES.items() if name not in without]
+
+
+def device_modules(module: tvm.runtime.Module, kind: str) -> list[tvm.runtime.Module]:
+    """Every module of `kind` imported, directly or not, by the built `module`."""
+    found = []
+    for imported in module.imports:
+        if imported.kind == kind:
+            found.append(imported)
+        found += device_modules(imported, kind)
+    return found
+
+
+def device_source(module: tvm.runtime.Module, kind: str, fmt: str = "") -> str:
+    """The generated source of the build's `kind` device modules, concatenated."""
+    modules = device_modules(module, kind)
+    if not modules:
+        raise CodeCheckError(f"the build contains no {kind} device module")
+    return "\n".join(m.inspect_source(fmt) for m in modules)
+
+
+def kernel_names(pattern: str, text: str) -> set[str]:
+    """Names captured by `pattern` (group 1) in generated source or tool output."""
+    return set(re.findall(pattern, text, flags=re.MULTILINE))
+
+
+def require_kernels(record: CodegenRecord, found: set[str], where: str) -> tuple[str, ...]:
+    """Check every kernel handed to the code generator is present in its output."""
+    if not record.kernels:
+        raise CodeCheckError(f"no kernels were generated (checking {where})")
+    missing = sorted(record.kernels - found)
+    if missing:
+        raise CodeCheckError(f"{len(missing)} kernel(s) missing from {where}: {missing[:5]}")
+    return tuple(sorted(record.kernels))
+
+
+@contextlib.contextmanager
+def recording_codegen(kind: str) -> Iterator[CodegenRecord]:
+    """Wrap TVM's `target.build.<kind>` to record the kernels of each device module it builds."""
+    record = CodegenRecord()
+    build = tvm.get_global_func(f"target.build.{kind}")
+
+    def recording_build(mod: tvm.IRModule, target: tvm.target.Target):
+        record.kernels |= {
+            gv.name_hint for gv, func in mod.functions.items() if isinstance(func, tvm.tirx.PrimFunc)
+        }
+        return build(mod, target)
+
+    with global_func_override(f"target.build.{kind}", recording_build):
+        yield record
+
+
+def find_tool(*names: str) -> str | None:
+    """The first of `names` found on PATH."""
+    return next((path for path in map(shutil.which, names) if path), None)
+
+
+def run_tool(args: Sequence[str], what: str) -> str:
+    """Run a toolchain program; its failure becomes a `CodeCheckError` naming `what`."""
+    proc = subprocess.run(list(args), capture_output=True, text=True)
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise CodeCheckError(f"{what} failed ({os.path.basename(args[0])}): {' | '.join(detail)}")
+    return proc.stdout
+
+
+@contextlib.contextmanager
+def global_func_override(name: str, func) -> Iterator[None]:
+    """Register `func` as TVM global `name` for the duration; restore the previous one."""
+    previous = tvm.get_global_func(name, allow_missing=True)
+    tvm_ffi.register_global_func(name, func, override=True)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            tvm_ffi.register_global_func(name, previous, override=True)
+        else:
+            tvm_ffi.remove_global_func(name)
