@@ -22,6 +22,10 @@ def run(args) -> int:
     model.export(args.output)
     seconds = time.perf_counter() - start
     print(f"compiled {args.model} for {model.targets[0]['name']} in {seconds:.1f} s -> {args.output}")
+    code = model.targets[0]["device_code"]
+    if code["kernels"]:
+        print(f"  device code: {code['format']}, {len(code['kernels'])} kernels, "
+              f"checked with {code['checked_with']}")
     for kind, specs in (("input", model.inputs), ("output", model.outputs)):
         for spec in specs:
             print(f"  {kind:6} {spec.describe()}")
