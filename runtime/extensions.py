@@ -114,11 +114,25 @@ def build_extensions() -> Path:
     )
 
 
+def use_all_cores_in_tvm_thread_pool() -> None:
+    """Size TVM's thread pools to the cores this process may run on, unless the user chose.
+
+    On x86 TVM assumes two hyper-threads per core and starts half as many threads as there
+    are CPUs: on a 2-core machine without SMT, every parallel kernel (and OpenBLAS, which
+    runs on that pool) would use one core. TVM reads `TVM_NUM_THREADS` when a thread first
+    creates its pool, so this must run before any parallel kernel.
+    """
+    if "TVM_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
+        os.environ["TVM_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
+
+
 def load_extensions() -> None:
-    """Build (if needed) and load the extensions so their `gimlet.cpu.*` globals register.
+    """Build (if needed) and load the extensions so their `gimlet.cpu.*` globals register,
+    after sizing TVM's thread pool (`use_all_cores_in_tvm_thread_pool`).
 
     Loading again is a no-op.
     """
     global _loaded  # pylint: disable=global-statement
     if _loaded is None:
+        use_all_cores_in_tvm_thread_pool()
         _loaded = ctypes.CDLL(str(build_extensions()), mode=ctypes.RTLD_GLOBAL)

@@ -5,14 +5,15 @@
  * All functions use destination-passing style: inputs first, the output tensor last.
  * Tensors must be compact row-major float32 on the CPU.
  *
- * Threading: OpenBLAS runs its parallel jobs on TVM's own thread pool (through
- * scipy_openblas_set_threads_callback_function), with as many threads as that pool has, so
- * library calls and generated kernels never compete for cores. Measured on 2 Zen 4 cores
- * (default build, medians vs onnxruntime): OpenBLAS's own 2 pthreads next to TVM's pool made
- * the MLP 9x and the small ResNet 270x slower than onnxruntime (the two pools' spinning
- * workers preempt each other); 1 OpenBLAS thread left the MLP at 1.1-1.6x and the ResNet at
- * 2.4-2.8x; sharing TVM's pool gave 1.1-1.2x and 1.9-2.1x. conv2d additionally runs its own
- * work units on the pool with single-threaded sgemm (see Conv2D).
+ * Threading: OpenBLAS always runs single-threaded, and the work is split across TVM's own
+ * thread pool here (GEMM columns or rows, batches, conv2d output rows), so library calls and
+ * generated kernels use one pool and never compete for cores. Measured on 2 Zen 4 cores
+ * against onnxruntime (MLP / small ResNet / transformer layer): OpenBLAS's own pthreads next
+ * to TVM's pool 1.4x / 200x / 58x (the pools' spinning workers preempt each other, and
+ * switching OpenBLAS's thread count per call is slow); OpenBLAS jobs run on TVM's pool through
+ * scipy_openblas_set_threads_callback_function 7.8x / 90x / 3.3x (its jobs spin-wait for each
+ * other while TVM pins its threads); single-threaded OpenBLAS split here: see the report in
+ * the commit that introduced this scheme.
  */
 #include <cblas.h>
 #include <tvm/ffi/container/tensor.h>
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace gimlet {
@@ -57,63 +59,99 @@ int64_t Product(const int64_t* begin, const int64_t* end) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Running OpenBLAS jobs on TVM's thread pool.
+// GEMM on TVM's thread pool
 
-struct BlasJobs {
-  openblas_dojob_callback dojob;
-  int num_jobs;
-  size_t job_size;
-  char* job_data;
-  int dojob_data;
-};
+/*! \brief The [begin, end) share of `num_items` (in whole `granule`s) for one parallel task. */
+std::pair<int64_t, int64_t> TaskRange(int task_id, const TVMParallelGroupEnv* penv,
+                                      int64_t num_items, int64_t granule = 1) {
+  const int64_t granules = (num_items + granule - 1) / granule;
+  const int64_t per_task = (granules + penv->num_task - 1) / penv->num_task * granule;
+  return {std::min(num_items, task_id * per_task),
+          std::min(num_items, (task_id + 1) * per_task)};
+}
 
-int RunBlasJob(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
-  auto* jobs = static_cast<BlasJobs*>(cdata);
-  for (int i = task_id; i < jobs->num_jobs; i += penv->num_task) {
-    jobs->dojob(i, jobs->job_data + i * jobs->job_size, jobs->dojob_data);
+/*! \brief Run `task` as a parallel launch, or inline as a single task when `parallel` is false. */
+void Launch(FTVMParallelLambda task, void* cdata, bool parallel) {
+  if (parallel) {
+    TVMBackendParallelLaunch(task, cdata, 0);
+  } else {
+    TVMParallelGroupEnv serial{nullptr, 1};
+    task(0, &serial, cdata);
   }
-  return 0;
 }
 
-void RunBlasJobsOnTVMPool(int /*sync*/, openblas_dojob_callback dojob, int num_jobs,
-                          size_t job_size, void* job_data, int dojob_data) {
-  // OpenBLAS jobs wait for each other, so all of them must run at once: one task each.
-  BlasJobs jobs{dojob, num_jobs, job_size, static_cast<char*>(job_data), dojob_data};
-  TVMBackendParallelLaunch(RunBlasJob, &jobs, num_jobs);
-}
-
-int CountPoolThreads(int /*task_id*/, TVMParallelGroupEnv* penv, void* cdata) {
-  *static_cast<int*>(cdata) = penv->num_task;
-  return 0;
-}
-
-// Called before the first BLAS call (not at load time: the pool must not start inside dlopen).
-void UseTVMThreadPoolForBlas() {
-  static const bool done = [] {
-    int pool_threads = 1;
-    TVMBackendParallelLaunch(CountPoolThreads, &pool_threads, 0);
-    scipy_openblas_set_num_threads(std::max(pool_threads, 1));
-    scipy_openblas_set_threads_callback_function(RunBlasJobsOnTVMPool);
-    return true;
-  }();
-  (void)done;
-}
-
-// Row-major C[m, n] = A[m, k] @ (B[k, n] or B[n, k]^T).
-void Sgemm(bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, const float* b,
-           float* c) {
+/*! \brief Row-major C[m, n] (row stride ldc) = A[m, k] @ (B[k, n] or B[n, k]^T); serial. */
+void Sgemm(bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+           const float* b, int64_t ldb, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
-  UseTVMThreadPoolForBlas();
   if (k == 0) {
-    std::fill(c, c + m * n, 0.0f);
+    for (int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
     return;
   }
   scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, m, n,
-                    k, 1.0f, a, k, b, transpose_b ? k : n, 0.0f, c, n);
+                    k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+}
+
+// GEMMs with fewer multiply-adds than this run on the calling thread.
+constexpr int64_t kMinParallelGemm = int64_t{1} << 18;
+// Column slices handed to threads are multiples of this (whole vectors and cache lines).
+constexpr int64_t kColumnGranule = 64;
+
+/*! \brief out[m, n] = a[m, k] @ (b[k, n] or b[n, k]^T); a is compact, b and out have row
+ * strides ldb and ldc. */
+struct Gemm {
+  bool transpose_b;
+  int64_t m, n, k;
+  const float* a;
+  const float* b;
+  int64_t ldb;
+  float* out;
+  int64_t ldc;
+
+  bool SplitColumns(int num_tasks) const { return n >= kColumnGranule * num_tasks; }
+  int64_t Work() const { return m * n * k; }
+};
+
+int RunGemmSlice(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& g = *static_cast<const Gemm*>(cdata);
+  if (g.SplitColumns(penv->num_task)) {
+    const auto [n0, n1] = TaskRange(task_id, penv, g.n, kColumnGranule);
+    Sgemm(g.transpose_b, g.m, n1 - n0, g.k, g.a, g.k, g.b + (g.transpose_b ? n0 * g.ldb : n0),
+          g.ldb, g.out + n0, g.ldc);
+  } else {
+    const auto [m0, m1] = TaskRange(task_id, penv, g.m);
+    Sgemm(g.transpose_b, m1 - m0, g.n, g.k, g.a + m0 * g.k, g.k, g.b, g.ldb, g.out + m0 * g.ldc,
+          g.ldc);
+  }
+  return 0;
+}
+
+/*! \brief One GEMM, its columns (or rows, when there are few columns) split across the pool. */
+void ParallelGemm(const Gemm& gemm) {
+  Launch(RunGemmSlice, const_cast<Gemm*>(&gemm), gemm.Work() >= kMinParallelGemm);
 }
 
 // ---------------------------------------------------------------------------------------------
 // matmul
+
+/*! \brief Equal-shaped GEMMs at per-batch offsets; each thread runs whole GEMMs. */
+struct BatchedGemm {
+  Gemm shape;  // a, b, out: bases the offsets apply to
+  std::vector<int64_t> a_offsets, b_offsets;
+
+  int64_t Size() const { return static_cast<int64_t>(a_offsets.size()); }
+};
+
+int RunBatchedGemms(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& batch = *static_cast<const BatchedGemm*>(cdata);
+  const Gemm& g = batch.shape;
+  const auto [begin, end] = TaskRange(task_id, penv, batch.Size());
+  for (int64_t i = begin; i < end; ++i) {
+    Sgemm(g.transpose_b, g.m, g.n, g.k, g.a + batch.a_offsets[i], g.k, g.b + batch.b_offsets[i],
+          g.ldb, g.out + i * g.m * g.n, g.ldc);
+  }
+  return 0;
+}
 
 /*!
  * \brief out = a @ b (or a @ b^T over the last two axes), batch axes broadcast numpy-style.
@@ -129,42 +167,41 @@ void Matmul(DLTensor* a, DLTensor* b, int64_t transpose_b, DLTensor* out) {
   TVM_FFI_ICHECK_EQ(k, transpose_b ? b->shape[b->ndim - 1] : b->shape[b->ndim - 2])
       << "gimlet.cpu.matmul: reduction lengths differ";
   TVM_FFI_ICHECK(out->shape[out->ndim - 2] == m && out->shape[out->ndim - 1] == n);
-  const float* a_data = Data(a);
-  const float* b_data = Data(b);
-  float* out_data = Data(out);
+  Gemm gemm{transpose_b != 0, m, n, k, Data(a), Data(b), transpose_b ? k : n, Data(out), n};
 
-  const int64_t b_batch = Product(b->shape, b->shape + b->ndim - 2);
-  if (b_batch == 1) {
+  if (Product(b->shape, b->shape + b->ndim - 2) == 1) {
     // One weight matrix: fold every batch axis of a into M (a is compact).
-    const int64_t rows = Product(a->shape, a->shape + a->ndim - 1);
-    TVM_FFI_ICHECK_EQ(rows * n, Product(out->shape, out->shape + out->ndim));
-    Sgemm(transpose_b != 0, rows, n, k, a_data, b_data, out_data);
+    gemm.m = Product(a->shape, a->shape + a->ndim - 1);
+    TVM_FFI_ICHECK_EQ(gemm.m * n, Product(out->shape, out->shape + out->ndim));
+    ParallelGemm(gemm);
     return;
   }
   // General broadcast: walk the output batch index, keeping offsets into a and b.
   const int batch_ndim = out->ndim - 2;
   std::vector<int64_t> a_stride(batch_ndim, 0), b_stride(batch_ndim, 0);
-  {
-    int64_t sa = m * k, sb = k * n;
-    for (int d = batch_ndim - 1; d >= 0; --d) {
-      const int ad = d - (batch_ndim - (a->ndim - 2));
-      const int bd = d - (batch_ndim - (b->ndim - 2));
-      const int64_t a_extent = ad >= 0 ? a->shape[ad] : 1;
-      const int64_t b_extent = bd >= 0 ? b->shape[bd] : 1;
-      TVM_FFI_ICHECK((a_extent == 1 || a_extent == out->shape[d]) &&
-                     (b_extent == 1 || b_extent == out->shape[d]))
-          << "gimlet.cpu.matmul: batch axes do not broadcast";
-      a_stride[d] = a_extent == 1 ? 0 : sa;
-      b_stride[d] = b_extent == 1 ? 0 : sb;
-      sa *= a_extent;
-      sb *= b_extent;
-    }
+  int64_t a_size = m * k, b_size = k * n;
+  for (int d = batch_ndim - 1; d >= 0; --d) {
+    const int ad = d - (batch_ndim - (a->ndim - 2));
+    const int bd = d - (batch_ndim - (b->ndim - 2));
+    const int64_t a_extent = ad >= 0 ? a->shape[ad] : 1;
+    const int64_t b_extent = bd >= 0 ? b->shape[bd] : 1;
+    TVM_FFI_ICHECK((a_extent == 1 || a_extent == out->shape[d]) &&
+                   (b_extent == 1 || b_extent == out->shape[d]))
+        << "gimlet.cpu.matmul: batch axes do not broadcast";
+    a_stride[d] = a_extent == 1 ? 0 : a_size;
+    b_stride[d] = b_extent == 1 ? 0 : b_size;
+    a_size *= a_extent;
+    b_size *= b_extent;
   }
   const int64_t num_batches = Product(out->shape, out->shape + batch_ndim);
+  BatchedGemm batch{gemm};
+  batch.a_offsets.reserve(num_batches);
+  batch.b_offsets.reserve(num_batches);
   std::vector<int64_t> index(batch_ndim, 0);
   int64_t a_offset = 0, b_offset = 0;
   for (int64_t i = 0; i < num_batches; ++i) {
-    Sgemm(transpose_b != 0, m, n, k, a_data + a_offset, b_data + b_offset, out_data + i * m * n);
+    batch.a_offsets.push_back(a_offset);
+    batch.b_offsets.push_back(b_offset);
     for (int d = batch_ndim - 1; d >= 0; --d) {
       a_offset += a_stride[d];
       b_offset += b_stride[d];
@@ -173,6 +210,11 @@ void Matmul(DLTensor* a, DLTensor* b, int64_t transpose_b, DLTensor* out) {
       b_offset -= b_stride[d] * index[d];
       index[d] = 0;
     }
+  }
+  if (num_batches == 1) {
+    ParallelGemm(gemm);
+  } else {
+    Launch(RunBatchedGemms, &batch, num_batches * gemm.Work() >= kMinParallelGemm);
   }
 }
 
@@ -237,8 +279,12 @@ void Im2Col(const Conv2DWork& t, const float* x, int64_t oy0, int64_t oy1, float
   }
 }
 
-/*! \brief One work unit: out rows [oy0, oy1) of one image-group = weight @ unfolded input. */
-void RunConv2DUnit(const Conv2DWork& t, int64_t unit, std::vector<float>* col) {
+/*!
+ * \brief One work unit: out rows [oy0, oy1) of one image-group = weight @ unfolded input,
+ * with serial sgemm or, for a unit that is a whole deep-layer plane, the pool's.
+ */
+void RunConv2DUnit(const Conv2DWork& t, int64_t unit, bool parallel_gemm,
+                   std::vector<float>* col) {
   const int64_t plane = unit / t.units_per_plane;  // image * groups + group
   const int64_t g = plane % t.groups, img = plane / t.groups;
   const int64_t oy0 = unit % t.units_per_plane * t.rows_per_unit;
@@ -246,26 +292,27 @@ void RunConv2DUnit(const Conv2DWork& t, int64_t unit, std::vector<float>* col) {
   const int64_t num_cols = (oy1 - oy0) * t.out_w, spatial = t.out_h * t.out_w;
   const int64_t reduction = t.group_in_c * t.kernel_h * t.kernel_w;
   const float* x = t.x + (img * t.in_c + g * t.group_in_c) * t.height * t.width;
-  const float* cols = x + oy0 * t.out_w;
-  int64_t ld_cols = spatial;
+  Gemm gemm{false, t.group_out_c, num_cols, reduction, t.w + g * t.group_out_c * reduction,
+            x + oy0 * t.out_w, spatial,
+            t.y + (img * t.groups + g) * t.group_out_c * spatial + oy0 * t.out_w, spatial};
   if (!t.pointwise) {
     col->resize(reduction * num_cols);
     Im2Col(t, x, oy0, oy1, col->data());
-    cols = col->data();
-    ld_cols = num_cols;
+    gemm.b = col->data();
+    gemm.ldb = num_cols;
   }
-  float* y = t.y + (img * t.groups + g) * t.group_out_c * spatial + oy0 * t.out_w;
-  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, t.group_out_c, num_cols, reduction,
-                    1.0f, t.w + g * t.group_out_c * reduction, reduction, cols, ld_cols, 0.0f, y,
-                    spatial);
+  if (parallel_gemm) {
+    ParallelGemm(gemm);
+  } else {
+    Sgemm(false, gemm.m, gemm.n, gemm.k, gemm.a, gemm.k, gemm.b, gemm.ldb, gemm.out, gemm.ldc);
+  }
 }
 
 int RunConv2DUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const auto& work = *static_cast<const Conv2DWork*>(cdata);
   thread_local std::vector<float> col;
-  const int64_t per_task = (work.num_units + penv->num_task - 1) / penv->num_task;
-  const int64_t end = std::min(work.num_units, (task_id + 1) * per_task);
-  for (int64_t unit = task_id * per_task; unit < end; ++unit) RunConv2DUnit(work, unit, &col);
+  const auto [begin, end] = TaskRange(task_id, penv, work.num_units);
+  for (int64_t unit = begin; unit < end; ++unit) RunConv2DUnit(work, unit, false, &col);
   return 0;
 }
 
@@ -279,7 +326,7 @@ constexpr int64_t kColumnBudget = 1 << 16;
  * When there are many output pixels per channel, the output rows of every image-group are
  * cut into units whose column matrix fits in L2; TVM's thread pool runs the units, each
  * unfolding its own columns and calling single-threaded sgemm, so unfolding is parallel and
- * cache-resident too. Otherwise whole planes are unfolded and multi-threaded sgemm splits them.
+ * cache-resident too. Otherwise whole planes are unfolded and each GEMM is split across the pool.
  */
 void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t groups,
             DLTensor* out) {
@@ -303,16 +350,15 @@ void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t gro
     std::fill(work.y, work.y + batch * out_c * work.out_h * work.out_w, 0.0f);
     return;
   }
-  UseTVMThreadPoolForBlas();
   const int64_t planes = batch * groups;
   if (work.out_h * work.out_w < 4 * work.group_out_c) {
     // Few output pixels per channel (deep layers): units would repack the large weight
-    // matrix for a handful of columns each, so unfold whole planes and let BLAS split them.
+    // matrix for a handful of columns each, so unfold whole planes and split their GEMMs.
     work.rows_per_unit = work.out_h;
     work.units_per_plane = 1;
     work.num_units = planes;
     thread_local std::vector<float> col;
-    for (int64_t unit = 0; unit < work.num_units; ++unit) RunConv2DUnit(work, unit, &col);
+    for (int64_t unit = 0; unit < work.num_units; ++unit) RunConv2DUnit(work, unit, true, &col);
     return;
   }
   const int64_t budget_rows = std::max<int64_t>(1, kColumnBudget / reduction / work.out_w);
@@ -321,17 +367,14 @@ void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t gro
   work.rows_per_unit = std::min({budget_rows, balance_rows, work.out_h});
   work.units_per_plane = (work.out_h + work.rows_per_unit - 1) / work.rows_per_unit;
   work.num_units = planes * work.units_per_plane;
-  // Each pool thread runs whole units with single-threaded BLAS (no nested parallelism).
-  const int blas_threads = scipy_openblas_get_num_threads();
-  scipy_openblas_set_num_threads(1);
-  TVMBackendParallelLaunch(RunConv2DUnits, &work, 0);
-  scipy_openblas_set_num_threads(blas_threads);
+  Launch(RunConv2DUnits, &work, true);
 }
 
 }  // namespace
 
 TVM_FFI_STATIC_INIT_BLOCK() {
   namespace refl = tvm::ffi::reflection;
+  scipy_openblas_set_num_threads(1);  // parallelism comes from TVM's pool (see the top)
   refl::GlobalDef()
       .def_packed("gimlet.cpu.matmul",
                   [](PackedArgs args, tvm::ffi::Any*) {
