@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight import ScheduleRule
 from tvm.s_tir.dlight.base import get_extent
@@ -85,26 +87,49 @@ def vectorize_innermost(
     return outer
 
 
+def _vector_suffix(extents: list[int | None], lanes: int) -> tuple[int, int]:
+    """(number of innermost loops to fuse, vector width) for a spatial loop nest.
+
+    The shortest suffix of static loops whose product is a multiple of `lanes`; failing that,
+    the one divisible by the widest power of two of at least 4. Vectors then never straddle
+    an outer index, so every access stays a contiguous (or broadcast) vector. (0, 0) when
+    no suffix fits.
+    """
+    best, product = (0, 0), 1
+    for count, extent in enumerate(reversed(extents), start=1):
+        if extent is None:
+            break
+        product *= extent
+        width = lanes
+        while width >= 4 and product % width:
+            width //= 2
+        if width == lanes:
+            return count, width
+        if width >= 4 and width > best[1]:
+            best = (count, width)
+    return best
+
+
 def schedule_spatial_block(
     sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, lanes: int
 ) -> None:
-    """Loops of a spatial block: innermost axis vectorized, all the rest fused and parallel.
+    """Loops of a spatial block: an innermost suffix vectorized, the rest fused and parallel.
 
-    When the innermost axis is a multiple of `lanes` only it is split, which keeps every
-    vector access contiguous; otherwise the whole nest is fused first so short or symbolic
-    inner axes still fill vectors.
+    See `_vector_suffix` for the suffix; when none fits (symbolic or odd inner extents), the
+    whole nest is fused so vectors still fill, with a scalar tail.
     """
     loops = sch.get_loops(block)
     if not loops:
         return
-    iterations = loop_product(sch, loops)
-    innermost = get_extent(sch, loops[-1])
-    if isinstance(innermost, int) and innermost % lanes == 0:
-        outer = [*loops[:-1], vectorize_innermost(sch, loops[-1], lanes)]
-        outer = [loop for loop in outer if loop is not None]
-    else:
-        fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-        vector_outer = vectorize_innermost(sch, fused, lanes)
-        outer = [] if vector_outer is None else [vector_outer]
+    extents = [get_extent(sch, loop) for loop in loops]
+    static = [extent if isinstance(extent, int) else None for extent in extents]
+    iterations = None if None in static else math.prod(static)
+    count, width = _vector_suffix(static, lanes)
+    if count == 0:
+        count, width = len(loops), lanes
+    suffix = loops[-count:]
+    inner = sch.fuse(*suffix) if len(suffix) > 1 else suffix[0]
+    vector_outer = vectorize_innermost(sch, inner, width)
+    outer = [*loops[:-count], *([] if vector_outer is None else [vector_outer])]
     if outer and worth_parallel(iterations):
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
