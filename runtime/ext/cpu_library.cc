@@ -7,13 +7,13 @@
  *
  * Threading: OpenBLAS always runs single-threaded, and the work is split across TVM's own
  * thread pool here (GEMM columns or rows, batches, conv2d output rows), so library calls and
- * generated kernels use one pool and never compete for cores. Measured on 2 Zen 4 cores
- * against onnxruntime (MLP / small ResNet / transformer layer): OpenBLAS's own pthreads next
- * to TVM's pool 1.4x / 200x / 58x (the pools' spinning workers preempt each other, and
- * switching OpenBLAS's thread count per call is slow); OpenBLAS jobs run on TVM's pool through
- * scipy_openblas_set_threads_callback_function 7.8x / 90x / 3.3x (its jobs spin-wait for each
- * other while TVM pins its threads); single-threaded OpenBLAS split here: see the report in
- * the commit that introduced this scheme.
+ * generated kernels share one pool and never compete for cores. Measured on 2 Zen 4 cores,
+ * default build vs onnxruntime (2 threads), MLP / small ResNet / transformer layer:
+ *   - OpenBLAS's own pthreads next to TVM's pool: 1.4x / 226x / 58x (the pools' spinning
+ *     workers preempt each other, and changing OpenBLAS's thread count per call is slow);
+ *   - OpenBLAS jobs on TVM's pool via scipy_openblas_set_threads_callback_function:
+ *     7.8x / 90x / 3.3x (its jobs spin-wait for each other while TVM pins its threads);
+ *   - single-threaded OpenBLAS, split here: 1.3-1.5x / 1.8-2.0x / 0.7-0.9x.
  */
 #include <cblas.h>
 #include <tvm/ffi/container/tensor.h>
