@@ -5,6 +5,7 @@ from .llvm import LLVM_CPU
 from .metal import METAL
 from .opencl import OPENCL
 from .rocm import ROCM
+from .vulkan import VULKAN
 from .registry import ENTRY_POINT_GROUP, TargetLike, lookup, register, registered
 from .spec import DeviceCode, TargetSpec
 
@@ -13,5 +14,6 @@ register(CUDA)
 register(ROCM)
 register(METAL)
 register(OPENCL)
+register(VULKAN)
 
 __all__ = ["DeviceCode", "ENTRY_POINT_GROUP", "TargetLike", "TargetSpec", "lookup", "register", "registered"]

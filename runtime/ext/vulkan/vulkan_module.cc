@@ -15,6 +15,7 @@
  */
 #include <tvm/ffi/cast.h>
 #include <tvm/ffi/container/array.h>
+#include <tvm/ffi/container/map.h>
 #include <tvm/ffi/extra/json.h>
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
@@ -121,6 +122,13 @@ class VulkanModuleObj : public ffi::ModuleObj {
       out.append(kernel.spirv.data(), kernel.spirv.size());
     }
     return ffi::Bytes(out.data(), out.size());
+  }
+
+  /*! \brief Each kernel's SPIR-V, by name (what the code check validates). */
+  ffi::Map<ffi::String, ffi::Bytes> Spirv() const {
+    ffi::Map<ffi::String, ffi::Bytes> result;
+    for (const KernelInfo& kernel : kernels_) result.Set(kernel.name, kernel.spirv);
+    return result;
   }
 
   /*! \brief `format` "glsl" (or empty): the GLSL the shaders were compiled from. */
@@ -421,6 +429,12 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("gimlet.vulkan.module_create",
            [](ffi::String description, ffi::Array<ffi::Bytes> blobs) {
              return CreateModule(description, std::vector<ffi::Bytes>(blobs.begin(), blobs.end()));
+           })
+      .def("gimlet.vulkan.module_spirv",
+           [](ffi::Module module) {
+             TVM_FFI_CHECK(std::string(module->kind()) == "vulkan", ValueError)
+                 << "not a Vulkan module: " << module->kind();
+             return static_cast<const VulkanModuleObj*>(module.get())->Spirv();
            })
       .def("ffi.Module.load_from_bytes.vulkan", LoadFromBytes);
 }
