@@ -7,8 +7,9 @@ shader with the calling convention of `runtime/ext/vulkan/vulkan_module.cc`:
 
 - buffer arguments: std430 storage buffers, binding i of set 0, in argument order;
 - scalar arguments: push constants, one 8-byte slot each;
-- blockIdx / threadIdx: gl_WorkGroupID / gl_LocalInvocationID; the threadIdx extents are the
-  compile-time workgroup size;
+- then the logical grid (x, y, total: 3 x uint32) as push constants; blockIdx comes from the
+  linear workgroup index (the runtime folds big grids to fit maxComputeWorkGroupCount);
+  threadIdx is gl_LocalInvocationID, its extents the compile-time workgroup size;
 - shared arrays: `shared` arrays; `tvm_storage_sync` : workgroup barriers;
 - int64 (TVM's index type here) through GL_EXT_shader_explicit_arithmetic_types: the target
   must support shaderInt64 (lavapipe does). Array indices are converted to int: a storage
@@ -130,7 +131,17 @@ _BINARY = {
     tirx.BitwiseAnd: "&", tirx.BitwiseOr: "|", tirx.BitwiseXor: "^", tirx.LShift: "<<",
     tirx.RShift: ">>",
 }
-_THREAD_BUILTINS = {"blockIdx": "gl_WorkGroupID", "threadIdx": "gl_LocalInvocationID"}
+_THREAD_BUILTINS = {"blockIdx": "g_block", "threadIdx": "gl_LocalInvocationID"}
+# TVM's grid (blockIdx extents, in pc.grid_*) is folded by the runtime into a dispatch within
+# maxComputeWorkGroupCount: each workgroup recovers its blockIdx from its linear index, and the
+# rounding-up surplus returns at once (whole workgroups, so barriers stay uniform).
+_GRID_PROLOGUE = (
+    "  const uint g_linear = gl_WorkGroupID.x + gl_NumWorkGroups.x * (gl_WorkGroupID.y +",
+    "                        gl_NumWorkGroups.y * gl_WorkGroupID.z);",
+    "  if (g_linear >= pc.grid_total) return;",
+    "  const uvec3 g_block = uvec3(g_linear % pc.grid_x, (g_linear / pc.grid_x) % pc.grid_y,",
+    "                              g_linear / (pc.grid_x * pc.grid_y));",
+)
 
 
 class VulkanCodegenError(CompileError):
@@ -242,16 +253,17 @@ class _Printer:
                 f"layout(std430, set = 0, binding = {i}) buffer B{i} "
                 f"{{ {self.type_of(dtype, _STORAGE_TYPES)} data[]; }} {block};"
             )
-        body_prefix = []
-        if scalars:
-            members = []
-            for i, param in enumerate(scalars):
-                dtype = _dtype(param)
-                glsl = "int" if dtype == "bool" else self.type_of(dtype)
-                members.append(f"  layout(offset = {8 * i}) {glsl} s{i};")
-                value = f"(pc.s{i} != 0)" if dtype == "bool" else f"pc.s{i}"
-                body_prefix.append(f"  const {self.type_of(dtype)} {self.ident(param)} = {value};")
-            decls.append("layout(push_constant) uniform Scalars {\n" + "\n".join(members) + "\n} pc;")
+        members, body_prefix = [], list(_GRID_PROLOGUE)
+        for i, param in enumerate(scalars):
+            dtype = _dtype(param)
+            glsl = "int" if dtype == "bool" else self.type_of(dtype)
+            members.append(f"  layout(offset = {8 * i}) {glsl} s{i};")
+            value = f"(pc.s{i} != 0)" if dtype == "bool" else f"pc.s{i}"
+            body_prefix.append(f"  const {self.type_of(dtype)} {self.ident(param)} = {value};")
+        grid = 8 * len(scalars)
+        members += [f"  layout(offset = {grid + 4 * i}) uint {name};"
+                    for i, name in enumerate(("grid_x", "grid_y", "grid_total"))]
+        decls.append("layout(push_constant) uniform Params {\n" + "\n".join(members) + "\n} pc;")
         self.stmt(self.func.body)
         invocations = math.prod(self.workgroup)
         if invocations > self.limits["max_num_threads"]:

@@ -6,9 +6,12 @@
  * TVM's host code passes, in this order):
  *   - one storage buffer per buffer argument, binding i of descriptor set 0 (the `void*` TVM
  *     passes is a `VulkanBuffer*`);
- *   - scalar arguments as push constants, 8 bytes each, in argument order;
+ *   - scalar arguments as push constants, 8 bytes each, in argument order, followed by the
+ *     logical grid as three uint32 push constants (x extent, y extent, total workgroups);
  *   - the launch parameters (grid and workgroup extents), named by `launch_params`.
  * The workgroup size is compiled into the shader; the launch checks TVM agrees with it.
+ * The grid is dispatched folded (`FoldGrid`): each workgroup recovers its blockIdx from its
+ * linear index, so grids larger than maxComputeWorkGroupCount[0] (65535) still launch.
  *
  * Serialized form (`SaveToBytes`): "GIMLETVK", then the JSON module description as a
  * length-prefixed string, then one length-prefixed SPIR-V blob per kernel, in JSON order.
@@ -22,6 +25,7 @@
 #include <tvm/ffi/reflection/registry.h>
 #include <tvm/ffi/string.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <sstream>
@@ -38,6 +42,9 @@ namespace ffi = tvm::ffi;
 
 constexpr char kMagic[] = "GIMLETVK";
 constexpr size_t kScalarSlot = 8;  // bytes of push-constant space per scalar argument
+constexpr size_t kGridBytes = 3 * sizeof(uint32_t);  // grid x, grid y, total workgroups
+
+size_t PushConstantBytes(size_t num_scalars) { return num_scalars * kScalarSlot + kGridBytes; }
 
 enum class ScalarKind { kInt64, kInt32, kUInt32, kFloat32, kFloat64, kBool };
 
@@ -169,12 +176,12 @@ class VulkanModuleObj : public ffi::ModuleObj {
     GIMLET_VK_CALL(vkCreateDescriptorSetLayout(vk, &set_info, nullptr, &p.set_layout));
 
     VkPushConstantRange push{VK_SHADER_STAGE_COMPUTE_BIT, 0,
-                             static_cast<uint32_t>(kernel.scalars.size() * kScalarSlot)};
+                             static_cast<uint32_t>(PushConstantBytes(kernel.scalars.size()))};
     VkPipelineLayoutCreateInfo layout_info{};
     layout_info.sType = VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO;
     layout_info.setLayoutCount = 1;
     layout_info.pSetLayouts = &p.set_layout;
-    layout_info.pushConstantRangeCount = kernel.scalars.empty() ? 0 : 1;
+    layout_info.pushConstantRangeCount = 1;
     layout_info.pPushConstantRanges = &push;
     GIMLET_VK_CALL(vkCreatePipelineLayout(vk, &layout_info, nullptr, &p.layout));
 
@@ -213,8 +220,9 @@ class VulkanModuleObj : public ffi::ModuleObj {
       why << kernel.shared_bytes << " bytes of shared memory, the device allows "
           << l.max_shared_memory << " (maxComputeSharedMemorySize)";
     }
-    if (why.tellp() == 0 && kernel.scalars.size() * kScalarSlot > l.max_push_constants) {
-      why << kernel.scalars.size() << " scalar arguments (" << kernel.scalars.size() * kScalarSlot
+    if (why.tellp() == 0 && PushConstantBytes(kernel.scalars.size()) > l.max_push_constants) {
+      why << kernel.scalars.size() << " scalar arguments ("
+          << PushConstantBytes(kernel.scalars.size())
           << " bytes of push constants), the device allows " << l.max_push_constants;
     }
     if (why.tellp() == 0 && kernel.num_buffers > l.max_storage_buffers) {
@@ -238,7 +246,7 @@ class VulkanModuleObj : public ffi::ModuleObj {
       buffers[i] = static_cast<VulkanBuffer*>(args[i].cast<void*>());
     }
     // Scalars: one 8-byte push-constant slot each (see the printer's push-constant block).
-    std::vector<char> push(num_scalars * kScalarSlot, 0);
+    std::vector<char> push(PushConstantBytes(num_scalars), 0);
     for (size_t i = 0; i < num_scalars; ++i) {
       char* slot = push.data() + i * kScalarSlot;
       ffi::AnyView arg = args[kernel.num_buffers + i];
@@ -291,15 +299,26 @@ class VulkanModuleObj : public ffi::ModuleObj {
                                     << block[d] << " threads in dimension " << d
                                     << ", but compiled for " << kernel.workgroup[d];
       }
-      if (grid[d] > limits.max_workgroup_count[d]) {
-        TVM_FFI_THROW(RuntimeError)
-            << "Vulkan kernel '" << kernel.name << "' exceeds the limits of device '"
-            << limits.name << "': it launches " << grid[d] << " workgroups in dimension " << d
-            << ", the device allows " << limits.max_workgroup_count[d]
-            << " (maxComputeWorkGroupCount)";
-      }
     }
-    if (grid[0] * grid[1] * grid[2] == 0) return;  // empty tensors: nothing to compute
+    const uint64_t total = grid[0] * grid[1] * grid[2];
+    if (total == 0) return;  // empty tensors: nothing to compute
+    // Fold the grid into x, then y, then z, each within the device's workgroup count limit.
+    const auto& max_count = limits.max_workgroup_count;
+    uint64_t dispatch[3];
+    dispatch[0] = std::min<uint64_t>(total, max_count[0]);
+    uint64_t rest = (total + dispatch[0] - 1) / dispatch[0];
+    dispatch[1] = std::min<uint64_t>(rest, max_count[1]);
+    dispatch[2] = (rest + dispatch[1] - 1) / dispatch[1];
+    if (total > UINT32_MAX || dispatch[2] > max_count[2]) {
+      TVM_FFI_THROW(RuntimeError) << "Vulkan kernel '" << kernel.name
+                                  << "' exceeds the limits of device '" << limits.name
+                                  << "': it launches " << total
+                                  << " workgroups (maxComputeWorkGroupCount)";
+    }
+    const uint32_t grid_push[3] = {static_cast<uint32_t>(grid[0]),
+                                   static_cast<uint32_t>(grid[1]),
+                                   static_cast<uint32_t>(total)};
+    std::memcpy(push.data() + num_scalars * kScalarSlot, grid_push, sizeof(grid_push));
 
     std::vector<VkDescriptorBufferInfo> infos(kernel.num_buffers);
     std::vector<VkWriteDescriptorSet> writes(kernel.num_buffers);
@@ -328,12 +347,10 @@ class VulkanModuleObj : public ffi::ModuleObj {
     vkCmdBindPipeline(cmd, VK_PIPELINE_BIND_POINT_COMPUTE, pipeline.pipeline);
     vkCmdBindDescriptorSets(cmd, VK_PIPELINE_BIND_POINT_COMPUTE, pipeline.layout, 0, 1, &set, 0,
                             nullptr);
-    if (!push.empty()) {
-      vkCmdPushConstants(cmd, pipeline.layout, VK_SHADER_STAGE_COMPUTE_BIT, 0,
-                         static_cast<uint32_t>(push.size()), push.data());
-    }
-    vkCmdDispatch(cmd, static_cast<uint32_t>(grid[0]), static_cast<uint32_t>(grid[1]),
-                  static_cast<uint32_t>(grid[2]));
+    vkCmdPushConstants(cmd, pipeline.layout, VK_SHADER_STAGE_COMPUTE_BIT, 0,
+                       static_cast<uint32_t>(push.size()), push.data());
+    vkCmdDispatch(cmd, static_cast<uint32_t>(dispatch[0]), static_cast<uint32_t>(dispatch[1]),
+                  static_cast<uint32_t>(dispatch[2]));
     // Kernels run in recording order only with a barrier: make this dispatch's writes visible
     // to the next dispatch's reads (and order its reads before the next one's writes).
     VkMemoryBarrier barrier{};

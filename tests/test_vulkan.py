@@ -1,0 +1,221 @@
+"""Vulkan: SPIR-V from our GLSL printer, run by our Vulkan runtime on a real device (lavapipe
+here), compared with onnxruntime; device limits, missing devices and invalid shaders are
+reported by name.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import scipy.special
+import tvm
+from tvm.script import tirx as T
+
+import gimlet_tvm
+from gimlet_tvm.errors import CodeCheckError, CompileError, TargetUnavailableError
+from gimlet_tvm.models import SUITE
+from gimlet_tvm.runtime.vulkan_runtime import vulkan_devices
+from gimlet_tvm.targets import lookup
+from gimlet_tvm.targets.gpu import device_modules, run_tool
+from gimlet_tvm.targets.vulkan import validate_module
+from gimlet_tvm.targets.vulkan_codegen import Kernel, compile_glsl
+
+from .conftest import TEST_MODELS, assert_matches, onnxruntime_outputs, suite_model
+
+SPEC, _ = lookup("vulkan")
+
+
+@functools.lru_cache(maxsize=None)
+def vulkan_model(name: str) -> gimlet_tvm.CompiledModel:
+    return gimlet_tvm.build(suite_model(name), "vulkan")
+
+
+def build_kernel(func: tvm.tirx.PrimFunc, **target_overrides):
+    """Compile one TIR kernel for Vulkan through the target's hooks; returns the executable."""
+    target = SPEC.make_target(target_overrides)
+    with target, SPEC.codegen_hooks(target):
+        return tvm.compile(tvm.IRModule({"main": func}), target=target)
+
+
+def test_vulkan_device_is_present() -> None:
+    assert SPEC.can_run() is None
+    assert tvm.vulkan(0).exist
+
+
+@pytest.mark.parametrize("name", TEST_MODELS)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_model_suite_matches_onnxruntime(name: str, batch: int) -> None:
+    model = vulkan_model(name)
+    inputs = SUITE[name].example_inputs(batch=batch, seed=batch)
+    assert_matches(model(*inputs.values()), onnxruntime_outputs(suite_model(name), inputs))
+
+
+def test_device_code_is_validated_spirv() -> None:
+    model = vulkan_model("transformer_encoder")
+    code = model.targets[0]["device_code"]
+    assert code["format"] == "SPIR-V (vulkan1.1, from GLSL 450)"
+    assert code["checked_with"] == "spirv-val"
+    assert len(code["kernels"]) >= 3 and all(k.endswith("_kernel") for k in code["kernels"])
+
+
+def test_export_and_load_round_trip(tmp_path) -> None:
+    model = vulkan_model("resnet_cnn")
+    path = tmp_path / "resnet.so"
+    model.export(path)
+    loaded = gimlet_tvm.load(path)
+    assert loaded.metadata["targets"] == model.targets
+    inputs = SUITE["resnet_cnn"].example_inputs(batch=2)
+    assert_matches(loaded(*inputs.values()), onnxruntime_outputs(suite_model("resnet_cnn"), inputs))
+
+
+def test_device_facts_come_from_the_driver() -> None:
+    device = vulkan_devices()["devices"][0]
+    dev = tvm.vulkan(0)
+    assert dev.device_name == device["name"]
+    assert dev.max_threads_per_block == device["max_workgroup_invocations"]
+    assert dev.max_shared_memory_per_block == device["max_shared_memory"]
+    assert dev.warp_size == device["subgroup_size"]
+    facts = SPEC.facts()
+    assert facts["device"] == device["name"]
+    assert facts["shared_memory_per_block"] == device["max_shared_memory"]
+    assert facts["max_threads_per_block"] <= device["max_workgroup_invocations"]
+
+
+@T.prim_func
+def _math(a: T.Buffer((1024,), "float32"), erf: T.Buffer((1024,), "float32"),
+          tanh: T.Buffer((1024,), "float32"), cube: T.Buffer((1024,), "float32"),
+          exp: T.Buffer((1024,), "float32"), q: T.Buffer((1024,), "int64"),
+          r: T.Buffer((1024,), "int64")):
+    for i in T.thread_binding(8, thread="blockIdx.x"):
+        for j in T.thread_binding(128, thread="threadIdx.x"):
+            erf[i * 128 + j] = T.erf(a[i * 128 + j])
+            tanh[i * 128 + j] = T.tanh(a[i * 128 + j])
+            cube[i * 128 + j] = T.pow(a[i * 128 + j], T.float32(3.0))
+            exp[i * 128 + j] = T.exp(a[i * 128 + j])
+            q[i * 128 + j] = T.floordiv(T.int64(i * 128 + j) - T.int64(512), T.int64(7))
+            r[i * 128 + j] = T.floormod(T.int64(i * 128 + j) - T.int64(512), T.int64(7))
+
+
+def test_math_builtins_match_numpy() -> None:
+    ex = build_kernel(_math)
+    dev = tvm.vulkan(0)
+    x = np.linspace(-12, 12, 1024).astype("float32")
+    args = [tvm.runtime.tensor(x, dev)]
+    args += [tvm.runtime.empty((1024,), "float32", dev) for _ in range(4)]
+    args += [tvm.runtime.empty((1024,), "int64", dev) for _ in range(2)]
+    ex["main"](*args)
+    erf, tanh, cube, exp, q, r = (a.numpy() for a in args[1:])
+    x64 = x.astype("float64")
+    np.testing.assert_allclose(erf, scipy.special.erf(x64), rtol=1e-6, atol=5e-7)
+    np.testing.assert_allclose(tanh, np.tanh(x64), rtol=1e-6, atol=5e-7)
+    np.testing.assert_allclose(cube, x64**3, rtol=2e-6)  # C pow semantics for negative bases
+    np.testing.assert_allclose(exp, np.exp(x64), rtol=2e-6)
+    n = np.arange(1024) - 512
+    np.testing.assert_array_equal(q, n // 7)
+    np.testing.assert_array_equal(r, n % 7)
+
+
+@T.prim_func
+def _wide(a: T.Buffer((4096,), "float32"), b: T.Buffer((4096,), "float32")):
+    # 64 x 32 = 2048 invocations per workgroup: each dimension fits, the total does not.
+    for i in T.thread_binding(2, thread="blockIdx.x"):
+        for y in T.thread_binding(32, thread="threadIdx.y"):
+            for x in T.thread_binding(64, thread="threadIdx.x"):
+                b[i * 2048 + y * 64 + x] = a[i * 2048 + y * 64 + x] + T.float32(1.0)
+
+
+def test_workgroup_over_target_limit_fails_at_codegen() -> None:
+    # TVM re-raises our VulkanCodegenError as a RuntimeError across its FFI boundary.
+    with pytest.raises(RuntimeError, match=r"kernel '_wide_kernel'.*2048 threads \(64x32x1\)"
+                                           r".*max_num_threads=256"):
+        build_kernel(_wide)
+
+
+def test_workgroup_over_device_limit_fails_at_launch() -> None:
+    ex = build_kernel(_wide, max_num_threads=4096, max_threads_per_block=4096)
+    dev = tvm.vulkan(0)
+    a, b = (tvm.runtime.empty((4096,), "float32", dev) for _ in range(2))
+    with pytest.raises(RuntimeError, match=r"Vulkan kernel '_wide_kernel' exceeds the limits of "
+                                           r"device .*2048 invocations.*maxComputeWorkGroupInvocations"):
+        ex["main"](a, b)
+
+
+@T.prim_func
+def _big_grid(a: T.Buffer((300000,), "float32"), b: T.Buffer((300000,), "float32")):
+    for i in T.thread_binding(150000, thread="blockIdx.x"):
+        for j in T.thread_binding(2, thread="threadIdx.x"):
+            b[i * 2 + j] = a[i * 2 + j] * T.float32(2.0)
+
+
+def test_grid_beyond_max_workgroup_count_is_folded() -> None:
+    ex = build_kernel(_big_grid)  # 150000 workgroups; lavapipe allows 65535 per dimension
+    dev = tvm.vulkan(0)
+    x = np.random.default_rng(0).standard_normal(300000).astype("float32")
+    a, b = tvm.runtime.tensor(x, dev), tvm.runtime.empty((300000,), "float32", dev)
+    ex["main"](a, b)
+    np.testing.assert_array_equal(b.numpy(), x * 2)
+
+
+def test_invalid_spirv_names_the_kernel(tmp_path) -> None:
+    model = vulkan_model("mlp")
+    (module,) = device_modules(model._module, "vulkan")
+    spirv = tvm.get_global_func("gimlet.vulkan.module_spirv")(module)
+    name = sorted(spirv.keys())[0]
+    # Corrupt one kernel: an integer add on float operands is invalid SPIR-V.
+    binary = tmp_path / "k.spv"
+    binary.write_bytes(bytes(spirv[name]))
+    text = run_tool(["spirv-dis", str(binary)], "disassembling")
+    assert "OpFAdd" in text
+    (tmp_path / "bad.spvasm").write_text(text.replace("OpFAdd", "OpIAdd", 1))
+    run_tool(["spirv-as", str(tmp_path / "bad.spvasm"), "-o", str(binary)], "assembling")
+    description = {"kernels": [{"name": name, "num_buffers": 1, "scalars": [],
+                                "launch_params": [], "workgroup": [1, 1, 1], "shared_bytes": 0}],
+                   "source": ""}
+    bad = tvm.get_global_func("gimlet.vulkan.module_create")(
+        json.dumps(description), [bytearray(binary.read_bytes())]
+    )
+    with pytest.raises(CodeCheckError, match=f"kernel '{name}' fails SPIR-V validation"):
+        validate_module(bad)
+    assert validate_module(module) == set(spirv.keys())
+
+
+def test_glsl_compile_error_names_the_kernel() -> None:
+    kernel = Kernel("broken_kernel", "#version 450\nvoid main() { undefined_call(); }\n",
+                    0, [], [], [1, 1, 1], 0)
+    with pytest.raises(CompileError, match="kernel 'broken_kernel'.*undefined_call"):
+        compile_glsl(kernel)
+
+
+def test_no_vulkan_device_is_a_clear_error(tmp_path) -> None:
+    script = textwrap.dedent(
+        """
+        import numpy as np
+        import gimlet_tvm
+        from gimlet_tvm.errors import TargetUnavailableError
+        from gimlet_tvm.models import SUITE
+        from gimlet_tvm.targets import lookup
+
+        spec, _ = lookup("vulkan")
+        print("REASON", spec.can_run())
+        model = gimlet_tvm.build(SUITE["mlp"].build(), "vulkan")  # cross-compiles
+        print("TARGET", model.targets[0]["target"]["max_shared_memory_per_block"])
+        try:
+            model(np.zeros((1, 1024), "float32"))
+        except TargetUnavailableError as err:
+            print("RUN", err)
+        """
+    )
+    env = {**os.environ, "VK_ICD_FILENAMES": str(tmp_path / "no-such-icd.json")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "REASON cannot create a Vulkan instance" in proc.stdout
+    assert "TARGET 16384" in proc.stdout  # Vulkan's guaranteed minimum, not this machine's
+    assert "RUN target 'vulkan' cannot run on this machine: cannot create a Vulkan instance" in proc.stdout
