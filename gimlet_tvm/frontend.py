@@ -7,15 +7,17 @@ fixing symbolic dimensions on request, and the model's `IOSpec`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from typing import Iterator, Mapping, Sequence, Union
+from typing import Any, Iterator, Mapping, Sequence, Union
 
 import onnx
 import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
+from . import onnx_ops
 from .errors import InputError, ModelImportError, ModelLoadError, UnsupportedOpError, summary
 from .io_spec import Dim, IOSpec, TensorSpec
 
@@ -25,6 +27,29 @@ InputShapes = Mapping[str, Sequence[Dim]]
 # Handled by the importer itself rather than through its converter map.
 _BUILTIN_OPS = {"Constant", "If"}
 _DEFAULT_DOMAINS = {"", "ai.onnx"}
+
+
+_TVM_CONVERT_MAP = onnx_frontend._get_convert_map
+_OUR_CONVERTERS = onnx_ops.registry.converters_of(onnx_ops.MODULES)
+
+
+def _convert_map() -> dict[str, Any]:
+    """TVM's converter map with ours (`gimlet_tvm.onnx_ops`) added over it, folding constants."""
+    return onnx_ops.registry.convert_map(_TVM_CONVERT_MAP(), _OUR_CONVERTERS)
+
+
+@contextlib.contextmanager
+def _our_converters() -> Iterator[None]:
+    """The one hook into TVM's importer: while active, it converts with `_convert_map()`.
+
+    TVM's files stay untouched; the importer looks its map up through
+    `onnx_frontend._get_convert_map` for every node, so swapping that function is enough.
+    """
+    onnx_frontend._get_convert_map = _convert_map
+    try:
+        yield
+    finally:
+        onnx_frontend._get_convert_map = _TVM_CONVERT_MAP
 
 
 def load_model(model: ModelLike) -> onnx.ModelProto:
@@ -76,7 +101,7 @@ def _walk_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
 
 def unsupported_ops(model: onnx.ModelProto) -> dict[str, list[str]]:
     """Op types the importer has no converter for, each with the names of its nodes."""
-    converters = onnx_frontend._get_convert_map()
+    converters = _convert_map()
     found: dict[str, list[str]] = {}
     for index, node in enumerate(_walk_nodes(model.graph)):
         known_domain = node.domain in _DEFAULT_DOMAINS
@@ -188,7 +213,7 @@ def import_model(
             raise ModelImportError(
                 f"input '{spec.name}' has no declared shape; give it with input_shapes"
             )
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _our_converters():
         warnings.simplefilter("ignore")
         try:
             mod = onnx_frontend.from_onnx(

@@ -1,0 +1,145 @@
+"""Attention (opset 23/24): 3-D or 4-D inputs, masks, KV cache, GQA, softcap, windows."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from tvm import relax
+
+from ._common import OnnxOpConverter, const, dtype_of, optional_input, reject, scalar, static_shape
+
+_op = relax.op
+
+
+def _split_heads(bb: relax.BlockBuilder, x: relax.Expr, heads: int) -> relax.Expr:
+    """(batch, seq, heads * size) -> (batch, heads, seq, size)."""
+    batch, seq, hidden = static_shape(x)
+    x = bb.emit(_op.reshape(x, (batch, seq, heads, hidden // heads)))
+    return bb.emit(_op.permute_dims(x, [0, 2, 1, 3]))
+
+
+def _is_neg_inf(bb: relax.BlockBuilder, x: relax.Expr) -> relax.Expr:
+    """x == -inf, tested in float32 (finiteness ops have no bfloat16 kernels)."""
+    x = bb.emit(_op.astype(x, "float32"))
+    return bb.emit(_op.logical_and(_op.isinf(x), _op.less(x, scalar(0, "float32"))))
+
+
+def _safe_softmax(bb: relax.BlockBuilder, x: relax.Expr) -> relax.Expr:
+    """Softmax over the last axis that gives 0 (not NaN) for rows that are all -inf."""
+    dtype = dtype_of(x)
+    row_max = bb.emit(_op.max(x, axis=[-1], keepdims=True))
+    row_max = bb.emit(_op.where(_is_neg_inf(bb, row_max), scalar(0, dtype), row_max))
+    exp = bb.emit(_op.exp(_op.subtract(x, row_max)))
+    total = bb.emit(_op.sum(exp, axis=[-1], keepdims=True))
+    total = bb.emit(_op.where(_op.equal(total, scalar(0, dtype)), scalar(1, dtype), total))
+    return bb.emit(_op.divide(exp, total))
+
+
+class Attention(OnnxOpConverter):
+    """Follows the ONNX reference implementation step by step (scale split over Q and K)."""
+
+    @classmethod
+    def _impl_v23(cls, bb, inputs, attr, params):
+        q, k, v = inputs[0], inputs[1], inputs[2]
+        mask, past_key, past_value = (optional_input(inputs, i) for i in (3, 4, 5))
+        nonpad = optional_input(inputs, 6)
+        if any(static_shape(x) is None for x in (q, k, v)):
+            raise reject("Attention", "dynamic input shapes")
+        dtype = dtype_of(q)
+        rank = len(static_shape(q))
+        if rank == 3:
+            if "q_num_heads" not in attr or "kv_num_heads" not in attr:
+                raise reject("Attention", "3-D inputs without q_num_heads/kv_num_heads")
+            q = _split_heads(bb, q, attr["q_num_heads"])
+            k = _split_heads(bb, k, attr["kv_num_heads"])
+            v = _split_heads(bb, v, attr["kv_num_heads"])
+        q_len, head_size = static_shape(q)[2], static_shape(q)[3]
+        scale = attr.get("scale", 1.0 / np.sqrt(head_size))
+        scale_sqrt = scalar(np.sqrt(scale), "float32")
+        if past_key is not None:
+            k = bb.emit(_op.concat([past_key, k], axis=2))
+            v = bb.emit(_op.concat([past_value, v], axis=2))
+        present_key, present_value = k, v
+        kv_len = static_shape(k)[2]
+        past_len = static_shape(past_key)[2] if past_key is not None else None
+
+        bias = cls._bias(bb, attr, mask, nonpad, dtype, q_len, kv_len, past_len)
+
+        q_heads, kv_heads = static_shape(q)[1], static_shape(k)[1]
+        if q_heads != kv_heads:
+            if q_heads % kv_heads:
+                raise reject("Attention", f"{q_heads} query heads over {kv_heads} KV heads")
+            k = bb.emit(_op.repeat(k, q_heads // kv_heads, axis=1))
+            v = bb.emit(_op.repeat(v, q_heads // kv_heads, axis=1))
+        sqrt_scale = bb.emit(_op.astype(scale_sqrt, dtype))
+        scores = bb.emit(_op.matmul(_op.multiply(q, sqrt_scale),
+                                    _op.permute_dims(_op.multiply(k, sqrt_scale), [0, 1, 3, 2])))
+        softcap = attr.get("softcap", 0.0)
+        if softcap > 0:
+            cap = scalar(softcap, dtype)
+            scores = bb.emit(_op.multiply(_op.tanh(_op.divide(scores, cap)), cap))
+        biased = bb.emit(_op.add(scores, bias)) if bias is not None else scores
+        mode = attr.get("qk_matmul_output_mode", 0)
+        qk_output = biased if mode == 2 else scores
+
+        precision = attr.get("softmax_precision")
+        probs = biased
+        if precision is not None:
+            probs = bb.emit(_op.astype(probs, onnx.helper.tensor_dtype_to_np_dtype(precision).name))
+        probs = _safe_softmax(bb, probs)
+        if bias is not None:
+            bias_max = bb.emit(_op.max(bias, axis=[-1], keepdims=True))
+            probs = bb.emit(_op.where(_is_neg_inf(bb, bias_max), scalar(0, dtype_of(probs)), probs))
+        probs = bb.emit(_op.astype(probs, dtype))
+        if mode == 3:
+            qk_output = probs
+        out = bb.emit(_op.matmul(probs, v))
+        if rank == 3:
+            batch, heads, seq, size = static_shape(out)
+            out = bb.emit(_op.reshape(_op.permute_dims(out, [0, 2, 1, 3]),
+                                      (batch, seq, heads * size)))
+        results = [out, present_key, present_value, qk_output]
+        return relax.Tuple(results[: attr["tvm_custom"]["num_outputs"]])
+
+    @classmethod
+    def _bias(cls, bb, attr, mask, nonpad, dtype, q_len, kv_len, past_len):
+        """The additive bias (mask, causal, window, padding), or None when there is none."""
+        neg_inf, zero = scalar(-np.inf, dtype), scalar(0, dtype)
+        bias = None
+        if mask is not None:
+            mask_shape = static_shape(mask)
+            pad = kv_len - mask_shape[-1]
+            if pad > 0:
+                fill = np.zeros(mask_shape[:-1] + [pad], "bool")
+                if dtype_of(mask) != "bool":
+                    fill = _op.astype(const(fill - np.float32(np.inf)), dtype_of(mask))
+                filler = bb.emit(const(fill) if isinstance(fill, np.ndarray) else fill)
+                mask = bb.emit(_op.concat([mask, filler], axis=-1))
+            if dtype_of(mask) == "bool":
+                mask = bb.emit(_op.where(mask, zero, neg_inf))
+            bias = mask
+        rows = np.arange(q_len).reshape(q_len, 1)
+        cols = np.arange(kv_len).reshape(1, kv_len)
+        # offset: where query i sits among the keys; per batch with an external cache.
+        if nonpad is not None:
+            lengths = bb.emit(_op.astype(nonpad, "int64"))
+            lengths = bb.emit(_op.reshape(lengths, (-1, 1, 1, 1)))
+        if nonpad is not None and past_len is None:
+            offset = bb.emit(_op.subtract(lengths, scalar(q_len, "int64")))
+            diff = bb.emit(_op.subtract(_op.add(const(rows), offset), const(cols)))
+        else:
+            diff = const(rows + (past_len or 0) - cols)
+        allowed = []
+        if attr.get("is_causal", 0):
+            allowed.append(_op.greater_equal(diff, scalar(0, "int64")))
+        left, right = attr.get("left_window_size", -1), attr.get("right_window_size", -1)
+        if left >= 0:
+            allowed.append(_op.less_equal(diff, scalar(left, "int64")))
+        if right >= 0:
+            allowed.append(_op.greater_equal(diff, scalar(-right, "int64")))
+        if nonpad is not None:
+            allowed.append(_op.less(const(cols), lengths))
+        for condition in allowed:
+            term = bb.emit(_op.where(condition, zero, neg_inf))
+            bias = term if bias is None else bb.emit(_op.add(bias, term))
+        return bias
