@@ -16,6 +16,10 @@ command -v llvm-readelf-22 >/dev/null || missing+=(llvm-22)
 command -v clang-22 >/dev/null || missing+=(clang-22)
 [ -f /usr/lib/x86_64-linux-gnu/amdgcn/bitcode/ocml.bc ] || [ -f /opt/rocm/amdgcn/bitcode/ocml.bc ] \
   || missing+=(rocm-device-libs)
+[ -f /usr/include/vulkan/vulkan.h ] || missing+=(libvulkan-dev)
+command -v glslangValidator >/dev/null || missing+=(glslang-tools)
+command -v spirv-val >/dev/null || missing+=(spirv-tools)
+ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 || missing+=(mesa-vulkan-drivers)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${missing[*]}"
   sudo_cmd=""; [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
