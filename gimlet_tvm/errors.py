@@ -56,3 +56,7 @@ class TargetUnavailableError(GimletError):
 
 class CodeCheckError(GimletError):
     """Generated code failed its check by the target's own tools (missing kernels, wrong arch)."""
+
+
+class RemoteDeviceError(GimletError):
+    """A remote device (TVM RPC) failed or stopped answering; names the device and the step."""

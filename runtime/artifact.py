@@ -9,12 +9,14 @@ it is handed to the loader.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import struct
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..errors import ArtifactError
 
@@ -29,11 +31,7 @@ def write(path: str | os.PathLike, export_library: Callable[[str], None], metada
 
     Nothing is left at `path` unless the whole artifact was written.
     """
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".gimlet-", suffix=".so", dir=folder)
-    os.close(fd)
-    try:
+    with _atomic(path) as tmp:
         export_library(tmp)
         with open(tmp, "rb") as f:
             library_sha256 = hashlib.sha256(f.read()).hexdigest()
@@ -41,7 +39,26 @@ def write(path: str | os.PathLike, export_library: Callable[[str], None], metada
         blob = json.dumps(meta, sort_keys=True).encode()
         with open(tmp, "ab") as f:
             f.write(blob + _LENGTH.pack(len(blob)) + MAGIC)
-            f.flush()
+
+
+def copy(source: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Copy an artifact atomically, after checking it."""
+    read_metadata(source)
+    with _atomic(path) as tmp:
+        shutil.copyfile(source, tmp)
+
+
+@contextlib.contextmanager
+def _atomic(path: str | os.PathLike) -> Iterator[str]:
+    """A temporary file beside `path`, renamed onto it (synced) if the block succeeds and
+    removed if it fails."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".gimlet-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

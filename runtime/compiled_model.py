@@ -6,7 +6,7 @@ import dataclasses
 import os
 import statistics
 import time
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import tvm
@@ -19,6 +19,9 @@ from ..io_spec import IOSpec, TensorSpec
 from ..targets import lookup
 from . import artifact
 from .extensions import load_extensions
+
+if TYPE_CHECKING:
+    from .remote import RemoteDevice, RemoteModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +57,14 @@ class CompiledModel:
     """
 
     def __init__(
-        self, module: tvm.runtime.Module, io: IOSpec, targets: Sequence[Mapping[str, Any]]
+        self,
+        module: tvm.runtime.Module,
+        io: IOSpec,
+        targets: Sequence[Mapping[str, Any]],
+        artifact_path: str | None = None,
     ):
         self._module = module
+        self._artifact_path = artifact_path  # set when loaded from an artifact file
         self.io = io
         self.targets = [dict(t) for t in targets]
         self._spec, _ = lookup(self.targets[0]["name"])
@@ -108,7 +116,7 @@ class CompiledModel:
         tensors = [tvm.runtime.tensor(np.require(a, requirements="C"), self.device) for a in arrays]
         result = entry(*tensors)
         flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
-        return [_to_numpy(value) for value in flat]
+        return [to_numpy(value) for value in flat]
 
     def benchmark(
         self,
@@ -137,6 +145,12 @@ class CompiledModel:
             samples.append(time.perf_counter() - start)
         return BenchmarkResult.from_samples(samples)
 
+    def remote(self, device: "RemoteDevice") -> "RemoteModel":
+        """This model uploaded to a remote device (TVM RPC), callable like this one."""
+        from .remote import RemoteModel
+
+        return RemoteModel(self, device, device.connect())
+
     @property
     def metadata(self) -> dict[str, Any]:
         """What the artifact records besides the code: interface, targets and versions."""
@@ -148,11 +162,17 @@ class CompiledModel:
         }
 
     def export(self, path: str | os.PathLike) -> None:
-        """Write one artifact file (shared library + metadata), atomically; see `load`."""
-        artifact.write(path, self._module.export_library, self.metadata)
+        """Write one artifact file (shared library + metadata), atomically; see `load`.
+
+        A model loaded from an artifact writes a copy of that file (a loaded library cannot
+        be exported again)."""
+        if self._artifact_path is not None:
+            artifact.copy(self._artifact_path, path)
+        else:
+            artifact.write(path, self._module.export_library, self.metadata)
 
 
-def _to_numpy(value: Any) -> np.ndarray:
+def to_numpy(value: Any) -> np.ndarray:
     """An output as numpy: tensors copy to the host; shapes (ONNX `Shape`) become int64."""
     if isinstance(value, tvm_ffi.Shape):
         return np.array(list(value), dtype=np.int64)
@@ -193,4 +213,6 @@ def load(path: str | os.PathLike) -> CompiledModel:
         module = tvm.runtime.load_module(os.fspath(path))
     except Exception as err:
         raise ArtifactError(f"cannot load artifact {os.fspath(path)}: {err}") from None
-    return CompiledModel(module, IOSpec.from_json(meta["io"]), meta["targets"])
+    return CompiledModel(
+        module, IOSpec.from_json(meta["io"]), meta["targets"], artifact_path=os.fspath(path)
+    )

@@ -14,6 +14,8 @@ import gimlet_tvm
 from gimlet_tvm.models import SUITE
 from gimlet_tvm.peers import onnxruntime_session
 
+pytest_plugins = ["tests.rpc_plugin"]
+
 TEST_MODELS = [name for name, info in SUITE.items() if info.in_tests]
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 

@@ -19,11 +19,11 @@ from .conftest import (
 
 @pytest.mark.parametrize("name", TEST_MODELS)
 @pytest.mark.parametrize("batch", [1, 8])
-def test_matches_onnxruntime_with_symbolic_batch(name: str, batch: int) -> None:
+def test_matches_onnxruntime_with_symbolic_batch(on_device, name: str, batch: int) -> None:
     model = compiled_suite_model(name)
     assert model.inputs[0].shape[0] == "batch"
     inputs = SUITE[name].example_inputs(batch=batch, seed=batch)
-    ours = model(*inputs.values())
+    ours = on_device(model)(*inputs.values())
     assert_matches(ours, onnxruntime_outputs(suite_model(name), inputs))
     assert ours == [] or ours[0].shape[0] == batch
 

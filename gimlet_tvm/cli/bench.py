@@ -12,7 +12,14 @@ from ..errors import GimletError
 from ..frontend import load_model
 from ..peers import max_abs_diff, onnxruntime_session, time_interleaved
 from ..runtime import CompiledModel, random_inputs
-from .common import add_target_args, format_table, is_artifact, model_or_artifact
+from .common import (
+    add_remote_args,
+    add_target_args,
+    format_table,
+    is_artifact,
+    model_or_artifact,
+    remote_device,
+)
 
 PEERS = ("onnxruntime",)
 
@@ -26,6 +33,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--dim", action="append", metavar="NAME=N", default=[],
                         help="value of a symbolic dim in the random inputs (default 1)")
     add_target_args(parser)
+    add_remote_args(parser)
     parser.set_defaults(handler=run)
 
 
@@ -35,6 +43,13 @@ def run(args) -> int:
     dims = {k: int(v) for k, _, v in (d.partition("=") for d in args.dim)}
     model = model_or_artifact(args.model, args)
     inputs = random_inputs(model.io, dims=dims)
+    device = remote_device(args)
+    if device is not None:
+        if args.compare:
+            raise GimletError("--compare runs the peer locally: not with a remote device")
+        result = model.remote(device).benchmark(inputs, repeat=args.repeat)
+        print(f"on {device.describe()}: {result}")
+        return 0
     peer = load_model(args.model) if args.compare else None
     print(latency_report(model, inputs, peer, repeat=args.repeat, warmup=args.warmup))
     return 0

@@ -12,6 +12,7 @@ from .. import build, load
 from ..errors import GimletError, InputError
 from ..runtime import CompiledModel
 from ..runtime.artifact import MAGIC
+from ..runtime.remote import RemoteDevice
 
 
 def parse_input_shapes(items: list[str] | None) -> dict[str, list]:
@@ -33,6 +34,22 @@ def add_target_args(parser) -> None:
         metavar="NAME=D0,D1,...",
         help="fix an input's shape (repeatable); other symbolic dims stay symbolic",
     )
+
+
+def add_remote_args(parser) -> None:
+    group = parser.add_argument_group("remote device (TVM RPC)")
+    group.add_argument("--rpc", metavar="HOST:PORT", help="run on the RPC server at HOST:PORT")
+    group.add_argument("--tracker", metavar="HOST:PORT", help="get a device from this tracker")
+    group.add_argument("--key", help="device key to request from the tracker")
+    group.add_argument("--rpc-timeout", type=float, default=60.0,
+                       help="seconds each remote step may take (default 60)")
+
+
+def remote_device(args) -> RemoteDevice | None:
+    """The remote device the command line names, or None to run locally."""
+    if args.rpc is None and args.tracker is None:
+        return None
+    return RemoteDevice(server=args.rpc, tracker=args.tracker, key=args.key, timeout=args.rpc_timeout)
 
 
 def is_artifact(path: str) -> bool:

@@ -1,0 +1,145 @@
+"""Running compiled models on remote devices through TVM RPC (a server, or a tracker + key).
+
+Every step against the remote side (connect, upload, load, copy inputs, run, fetch outputs)
+runs under a deadline: a server that dies or stops answering gives a `RemoteDeviceError`
+naming the device and the step, never a hang. TVM RPC has no authentication: run servers on
+trusted networks only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
+
+import numpy as np
+import tvm
+from tvm import rpc
+
+from ..errors import GimletError, RemoteDeviceError, summary
+from ..io_spec import IOSpec
+
+if TYPE_CHECKING:
+    from .compiled_model import BenchmarkResult, CompiledModel
+
+T = TypeVar("T")
+
+
+def parse_address(address: str, what: str) -> tuple[str, int]:
+    """`HOST:PORT` -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise GimletError(f"{what} must be HOST:PORT, got '{address}'")
+    return host, int(port)
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteDevice:
+    """Where to run: an RPC server (`server="host:port"`) or a tracker and a device key."""
+
+    server: str | None = None
+    tracker: str | None = None
+    key: str | None = None
+    timeout: float = 60.0
+
+    def __post_init__(self):
+        if (self.server is None) == (self.tracker is None):
+            raise GimletError("give either an RPC server address or a tracker address")
+        if self.tracker is not None and not self.key:
+            raise GimletError("a tracker needs a device key (--key)")
+
+    def describe(self) -> str:
+        if self.server is not None:
+            return f"RPC server {self.server}"
+        return f"device '{self.key}' via tracker {self.tracker}"
+
+    def connect(self) -> rpc.RPCSession:
+        """A session on the device; the server ends it after `timeout` x 10 seconds."""
+        session_timeout = self.timeout * 10
+        if self.server is not None:
+            host, port = parse_address(self.server, "the RPC server address")
+            return self.call("connect", lambda: rpc.connect(host, port, session_timeout=session_timeout))
+        host, port = parse_address(self.tracker, "the tracker address")
+        return self.call(
+            "connect",
+            lambda: rpc.connect_tracker(host, port).request(
+                self.key, session_timeout=session_timeout, max_retry=2
+            ),
+        )
+
+    def call(self, step: str, func: Callable[[], T]) -> T:
+        """Run one remote step with the deadline; failures name the device and the step."""
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        future = pool.submit(func)
+        try:
+            return future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise RemoteDeviceError(
+                f"{self.describe()}: '{step}' got no answer within {self.timeout:g} s"
+            ) from None
+        except GimletError:
+            raise
+        except Exception as err:  # socket and RPC errors come in many types
+            raise RemoteDeviceError(f"{self.describe()}: '{step}' failed: {summary(err)}") from err
+        finally:
+            pool.shutdown(wait=False)  # a stuck call is left behind, not waited for
+
+
+class RemoteModel:
+    """A `CompiledModel` uploaded to and loaded on a remote device; same calling API."""
+
+    def __init__(self, model: "CompiledModel", device: RemoteDevice, session: rpc.RPCSession):
+        self.io: IOSpec = model.io
+        self.output_names = model.output_names
+        self._device = device
+        self._session = session
+        with tempfile.TemporaryDirectory(prefix="gimlet-rpc-") as folder:
+            path = os.path.join(folder, "model.so")
+            model.export(path)
+            device.call("upload", lambda: session.upload(path))
+        module = device.call("load", lambda: session.load_module("model.so"))
+        self._remote_device = session.device(model.device.dlpack_device_type(), 0)
+        self._vm = device.call(
+            "load", lambda: tvm.relax.VirtualMachine(module, self._remote_device)
+        )
+
+    def _set_inputs(self, arrays: Sequence[np.ndarray]) -> None:
+        def copy() -> None:
+            tensors = [tvm.runtime.tensor(np.require(a, requirements="C"), self._remote_device)
+                       for a in arrays]
+            self._vm.set_input("main", *tensors)
+
+        self._device.call("copy inputs", copy)
+
+    def _execute(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        from .compiled_model import to_numpy
+
+        self._set_inputs(arrays)
+        self._device.call("run", lambda: self._vm.invoke_stateful("main"))
+        result = self._device.call("fetch outputs", lambda: self._vm.get_outputs("main"))
+        flat = list(result) if isinstance(result, (list, tuple)) else [result]
+        return self._device.call("fetch outputs", lambda: [to_numpy(v) for v in flat])
+
+    def __call__(self, *arrays: Any) -> list[np.ndarray]:
+        return self._execute(self.io.order_inputs(arrays))
+
+    def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return dict(zip(self.output_names, self._execute(self.io.order_inputs((), inputs))))
+
+    def benchmark(self, inputs: Sequence[Any], *, repeat: int = 50) -> "BenchmarkResult":
+        """Time `repeat` runs on the remote device, measured there (no network in the time)."""
+        from .compiled_model import BenchmarkResult
+
+        self._set_inputs(self.io.order_inputs(inputs))
+        evaluator = self._vm.time_evaluator("invoke_stateful", self._remote_device, repeat=repeat, number=1)
+        result = self._device.call("benchmark", lambda: evaluator("main"))
+        return BenchmarkResult.from_samples(list(result.results))
+
+
+def load_all_extensions() -> None:
+    """Server start-up hook: load our runtime extensions so remote artifacts find them."""
+    from .extensions import load_extensions
+
+    load_extensions()

@@ -1,0 +1,152 @@
+"""TVM RPC: a real tracker and real servers on 127.0.0.1, started through our CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gimlet_tvm.errors import GimletError, RemoteDeviceError
+from gimlet_tvm.models import SUITE
+from gimlet_tvm.runtime.remote import RemoteDevice
+
+from .conftest import assert_matches, compiled_suite_model
+
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "gimlet-tvm")
+KEYS = ("cpu-a", "cpu-b")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Service:
+    """A `gimlet-tvm rpc ...` process in its own process group, killed with its children."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen(
+            [SCRIPT, "rpc", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )
+        line = self.proc.stdout.readline()  # "... listening on HOST:PORT ..."
+        assert "listening on" in line, line + self.proc.stderr.read()
+        self.address = line.split("listening on ")[1].split()[0]
+
+    def signal(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def tracker():
+    service = Service("tracker", "--port", str(free_port()))
+    servers = [
+        Service("server", "--port", str(free_port()), "--tracker", service.address, "--key", key)
+        for key in KEYS
+    ]
+    time.sleep(3)  # servers register with the tracker
+    yield service.address
+    for process in [*servers, service]:
+        process.stop()
+
+
+@pytest.fixture
+def server():
+    service = Service("server", "--port", str(free_port()))
+    yield service
+    service.stop()
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_run_and_benchmark_through_each_server(tracker, key: str) -> None:
+    model = compiled_suite_model("transformer_encoder")
+    inputs = SUITE["transformer_encoder"].example_inputs(batch=2)
+    remote = model.remote(RemoteDevice(tracker=tracker, key=key, timeout=60))
+    assert_matches(remote(*inputs.values()), model(*inputs.values()))
+    result = remote.benchmark(list(inputs.values()), repeat=3)
+    assert result.runs == 3 and result.median_ms > 0
+
+
+def test_cli_run_and_bench_via_tracker(tracker, cli, tmp_path) -> None:
+    model = compiled_suite_model("mlp")
+    model.export(tmp_path / "mlp.so")
+    inputs = SUITE["mlp"].example_inputs(batch=2)
+    np.savez(tmp_path / "in.npz", **inputs)
+    code, out, err = cli("run", "mlp.so", "--inputs", "in.npz", "--outputs", "out.npz",
+                         "--tracker", tracker, "--key", "cpu-b")
+    assert code == 0, err
+    assert "ran on device 'cpu-b' via tracker" in out
+    with np.load(tmp_path / "out.npz") as outputs:
+        assert_matches([outputs["y"]], model(*inputs.values()))
+    code, out, err = cli("bench", "mlp.so", "--tracker", tracker, "--key", "cpu-a", "--repeat", "3")
+    assert code == 0, err
+    assert "on device 'cpu-a' via tracker" in out and "3 runs" in out
+
+
+def test_direct_server_and_loaded_artifact(server, tmp_path) -> None:
+    import gimlet_tvm
+
+    compiled_suite_model("mobilenet_cnn").export(tmp_path / "m.so")
+    loaded = gimlet_tvm.load(tmp_path / "m.so")
+    inputs = SUITE["mobilenet_cnn"].example_inputs(batch=1)
+    remote = loaded.remote(RemoteDevice(server=server.address, timeout=60))
+    assert_matches(remote(*inputs.values()), loaded(*inputs.values()))
+
+
+def test_killed_server_gives_clear_error(server) -> None:
+    model = compiled_suite_model("mobilenet_cnn")
+    remote = model.remote(RemoteDevice(server=server.address, timeout=20))
+    server.signal(signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RemoteDeviceError, match=f"RPC server {server.address}: '(copy inputs|run)'"):
+        remote(*SUITE["mobilenet_cnn"].example_inputs(batch=1).values())
+    assert time.monotonic() - start < 25
+
+
+def test_hung_server_times_out(server) -> None:
+    model = compiled_suite_model("mobilenet_cnn")
+    remote = model.remote(RemoteDevice(server=server.address, timeout=10))
+    server.signal(signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RemoteDeviceError, match="got no answer within 10 s"):
+            remote(*SUITE["mobilenet_cnn"].example_inputs(batch=1).values())
+        assert time.monotonic() - start < 20
+    finally:
+        server.signal(signal.SIGCONT)
+
+
+def test_no_server_listening() -> None:
+    device = RemoteDevice(server=f"127.0.0.1:{free_port()}", timeout=10)
+    with pytest.raises(RemoteDeviceError, match="'connect' failed"):
+        device.connect()
+
+
+def test_bad_addresses_are_named() -> None:
+    with pytest.raises(GimletError, match="must be HOST:PORT, got 'nowhere'"):
+        RemoteDevice(server="nowhere").connect()
+    with pytest.raises(GimletError, match="needs a device key"):
+        RemoteDevice(tracker="127.0.0.1:1")
+
+
+def test_server_warns_when_exposed(cli) -> None:
+    proc = subprocess.Popen([SCRIPT, "rpc", "server", "--host", "0.0.0.0", "--port",
+                             str(free_port())], stderr=subprocess.PIPE, text=True,
+                            stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert "WARNING: listening on all interfaces" in proc.stderr.readline()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
