@@ -11,9 +11,9 @@ import sys
 from typing import Sequence
 
 from ..errors import GimletError
-from . import bench, compile, demo, run, targets
+from . import bench, compile, demo, rpc, run, targets
 
-SUBCOMMANDS = (compile, run, bench, targets, demo)
+SUBCOMMANDS = (compile, run, bench, targets, demo, rpc)
 
 
 def _version() -> str:
