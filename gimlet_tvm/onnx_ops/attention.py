@@ -45,7 +45,9 @@ class Attention(OnnxOpConverter):
         nonpad = optional_input(inputs, 6)
         if any(static_shape(x) is None for x in (q, k, v)):
             raise reject("Attention", "dynamic input shapes")
-        dtype = dtype_of(q)
+        out_dtype = dtype_of(q)
+        # Half-precision inputs are computed in float32 (as onnxruntime does) and cast back.
+        dtype = "float32" if out_dtype in ("float16", "bfloat16") else out_dtype
         rank = len(static_shape(q))
         if rank == 3:
             if "q_num_heads" not in attr or "kv_num_heads" not in attr:
@@ -60,6 +62,10 @@ class Attention(OnnxOpConverter):
             k = bb.emit(_op.concat([past_key, k], axis=2))
             v = bb.emit(_op.concat([past_value, v], axis=2))
         present_key, present_value = k, v
+        if dtype != out_dtype:
+            q, k, v = (bb.emit(_op.astype(x, dtype)) for x in (q, k, v))
+            if mask is not None and dtype_of(mask) != "bool":
+                mask = bb.emit(_op.astype(mask, dtype))
         kv_len = static_shape(k)[2]
         past_len = static_shape(past_key)[2] if past_key is not None else None
 
@@ -93,7 +99,8 @@ class Attention(OnnxOpConverter):
         probs = bb.emit(_op.astype(probs, dtype))
         if mode == 3:
             qk_output = probs
-        out = bb.emit(_op.matmul(probs, v))
+        out = bb.emit(_op.astype(_op.matmul(probs, v), out_dtype))
+        qk_output = bb.emit(_op.astype(qk_output, out_dtype))
         if rank == 3:
             batch, heads, seq, size = static_shape(out)
             out = bb.emit(_op.reshape(_op.permute_dims(out, [0, 2, 1, 3]),

@@ -68,6 +68,7 @@ class Result:
     category: str
     detail: str = ""
     seconds: float = 0.0
+    onnxruntime: bool | None = None  # whether onnxruntime passes the same test (None: not run)
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -206,6 +207,23 @@ def run_case(case: Case, target: str) -> tuple[str, str]:
     return (WRONG, mismatch) if mismatch else (PASS, "")
 
 
+def run_onnxruntime(case: Case) -> bool:
+    """Whether onnxruntime (CPU, one thread) runs `case` and matches its expected outputs."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.log_severity_level = 4
+    try:
+        session = onnxruntime.InferenceSession(case.model, options,
+                                               providers=["CPUExecutionProvider"])
+        actual = session.run(None, case.inputs)
+    except Exception:  # onnxruntime rejecting or failing the test is a failed test
+        return False
+    return compare_outputs(case.expected, [np.asarray(a) for a in actual], case.rtol,
+                           case.atol) is None
+
+
 def worker_main(conn: multiprocessing.connection.Connection, target: str, quiet: bool) -> None:
     """Worker process: import TVM once, then answer `(category, detail)` per received case."""
     if quiet:
@@ -225,7 +243,7 @@ def worker_main(conn: multiprocessing.connection.Connection, target: str, quiet:
             return
         if case is None:
             return
-        conn.send(run_case(case, target))
+        conn.send((*run_case(case, target), run_onnxruntime(case)))
 
 
 # --- parent side ------------------------------------------------------------------------------
@@ -273,12 +291,12 @@ def run_cases(cases: Sequence[Case], target: str, jobs: int, timeout: float, qui
     workers = [_Worker(context, target, quiet) for _ in range(min(max(1, jobs), total))]
     done = 0
 
-    def finish(worker: _Worker, category: str, detail: str) -> None:
+    def finish(worker: _Worker, category: str, detail: str, ort: bool | None = None) -> None:
         nonlocal done
         case = worker.case
         assert case is not None
         seconds = time.monotonic() - worker.started
-        results.append(Result(case.name, case.op, category, detail, seconds))
+        results.append(Result(case.name, case.op, category, detail, seconds, ort))
         worker.case = None
         done += 1
         if progress:
@@ -337,12 +355,13 @@ class Summary:
     tensor_total: int
     passed: int
     by_category: dict[str, int]
+    onnxruntime_passed: int
 
     @classmethod
     def of(cls, results: Sequence[Result]) -> "Summary":
         counts = collections.Counter(r.category for r in results)
         return cls(len(results), len(results) - counts[NON_TENSOR], counts[PASS],
-                   {c: counts[c] for c in CATEGORIES})
+                   {c: counts[c] for c in CATEGORIES}, sum(bool(r.onnxruntime) for r in results))
 
     def describe(self) -> str:
         def rate(n: int, d: int) -> str:
@@ -350,7 +369,9 @@ class Summary:
 
         kinds = ", ".join(f"{c}: {n}" for c, n in self.by_category.items() if c != PASS)
         return (f"passed {rate(self.passed, self.total)} overall, "
-                f"{rate(self.passed, self.tensor_total)} of tensor-only cases; {kinds}")
+                f"{rate(self.passed, self.tensor_total)} of tensor-only cases; {kinds}; "
+                f"onnxruntime on the same tensor-only cases: "
+                f"{rate(self.onnxruntime_passed, self.tensor_total)}")
 
 
 def markdown_report(results: Sequence[Result], target: str, wall_seconds: float, jobs: int) -> str:
@@ -373,20 +394,54 @@ def markdown_report(results: Sequence[Result], target: str, wall_seconds: float,
         "Non-tensor cases take or return sequences/optionals, which the API does not support; "
         "they are not run and count as neither pass nor failure kind.",
         "",
-        "| op | tests | " + " | ".join(CATEGORIES) + " |",
-        "|---|---:|" + "---:|" * len(CATEGORIES),
+        "| op | tests | " + " | ".join(CATEGORIES) + " | onnxruntime pass |",
+        "|---|---:|" + "---:|" * (len(CATEGORIES) + 1),
     ]
+    ort_per_op = collections.Counter(r.op for r in results if r.onnxruntime)
     for op in sorted(per_op, key=str.lower):
         counts = per_op[op]
         cells = " | ".join(str(counts[c]) if counts[c] else "" for c in CATEGORIES)
-        lines.append(f"| {op} | {sum(counts.values())} | {cells} |")
+        lines.append(f"| {op} | {sum(counts.values())} | {cells} | {ort_per_op[op] or ''} |")
     totals = " | ".join(str(summary.by_category[c]) for c in CATEGORIES)
-    lines += [f"| **all** | {summary.total} | {totals} |", "", "## Failures", ""]
-    lines += ["| test | kind | reason |", "|---|---|---|"]
+    lines += [f"| **all** | {summary.total} | {totals} | {summary.onnxruntime_passed} |", "",
+              "## Failures", ""]
+    lines += ["| test | kind | onnxruntime | reason |", "|---|---|---|---|"]
     for result in results:
         if result.category not in (PASS, NON_TENSOR):
             reason = result.detail.replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {result.name} | {result.category} | {reason} |")
+            ort = {True: "pass", False: "fail", None: ""}[result.onnxruntime]
+            lines.append(f"| {result.name} | {result.category} | {ort} | {reason} |")
+    return "\n".join(lines) + "\n"
+
+
+def ops_table(results: Sequence[Result], target: str) -> str:
+    """Per-op coverage: tests, our passes and onnxruntime's on the same tests, tensor-only."""
+    tests: collections.Counter[str] = collections.Counter()
+    ours: collections.Counter[str] = collections.Counter()
+    ort: collections.Counter[str] = collections.Counter()
+    for result in results:
+        if result.category == NON_TENSOR:
+            continue
+        tests[result.op] += 1
+        ours[result.op] += result.category == PASS
+        ort[result.op] += bool(result.onnxruntime)
+    summary = Summary.of(results)
+    lines = [
+        f"# ONNX op coverage: `{target}` against onnxruntime",
+        "",
+        "Each row counts the ONNX backend node tests of one op (tensor-only cases; `_expanded` "
+        "tests count for their op) that gimlet-tvm and onnxruntime (CPU provider) pass, "
+        "checked the same way. Generated by `python -m tests.conformance.runner --ops-table ...`.",
+        "",
+        f"**{summary.describe()}**",
+        "",
+        "| op | tests | gimlet-tvm | onnxruntime |",
+        "|---|---:|---:|---:|",
+    ]
+    for op in sorted(tests, key=str.lower):
+        lines.append(f"| {op} | {tests[op]} | {ours[op]} | {ort[op]} |")
+    lines.append(f"| **all** | {sum(tests.values())} | {sum(ours.values())} | "
+                 f"{sum(ort.values())} |")
     return "\n".join(lines) + "\n"
 
 
@@ -422,6 +477,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--filter", metavar="REGEX", help="run tests whose name matches REGEX")
     parser.add_argument("--subset", type=int, metavar="K", help="run K tests spread evenly by name")
     parser.add_argument("--report", metavar="PATH.md", help="write the per-op Markdown report")
+    parser.add_argument("--ops-table", metavar="PATH.md",
+                        help="write the per-op table: our passes next to onnxruntime's")
     parser.add_argument("--expected", metavar="PATH", help="expected-pass list (default "
                         "tests/conformance/expected_pass_TARGET.txt)")
     parser.add_argument("--update-expected", action="store_true",
@@ -460,6 +517,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.report, "w") as f:
             f.write(markdown_report(results, args.target, wall, args.jobs))
         print(f"report written to {args.report}")
+    if args.ops_table:
+        with open(args.ops_table, "w") as f:
+            f.write(ops_table(results, args.target))
+        print(f"per-op table written to {args.ops_table}")
     if args.update_expected:
         passing = write_expected(expected_path, results)
         print(f"{len(passing)} expected passes written to {expected_path}")

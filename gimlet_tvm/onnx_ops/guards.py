@@ -1,0 +1,149 @@
+"""Refusals at import for cases TVM's converters would compute wrongly (found by conformance).
+
+Each class wraps TVM's converter of the same op: `check` raises `unsupported: <op> with ...`
+for the cases known to give wrong results, and everything else converts as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import onnx
+from tvm.relax.frontend.onnx import onnx_frontend
+
+from ._common import OnnxOpConverter, const_value, dtype_of, optional_input, reject, static_shape
+
+# Sub-byte integers, float8/float4 and e8m0: TVM has no correct kernels for them.
+_EXOTIC_DTYPE_PREFIXES = ("float8", "float4", "float6", "int4", "uint4", "int2", "uint2")
+
+
+def _exotic(dtype: str) -> bool:
+    return dtype.startswith(_EXOTIC_DTYPE_PREFIXES)
+
+
+class _Guarded(OnnxOpConverter):
+    """TVM's converter for `cls.__name__`, called after `check`."""
+
+    @classmethod
+    def check(cls, inputs: Sequence[Any], attr: dict) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def get_converter(cls, opset: int):
+        convert = getattr(onnx_frontend, cls.__name__).get_converter(opset)
+
+        def guarded(bb, inputs, attr, params):
+            cls.check(inputs, attr)
+            return convert(bb, inputs, attr, params)
+
+        return guarded
+
+
+def _onnx_dtype_name(code: int) -> str:
+    return onnx.TensorProto.DataType.Name(code).lower()
+
+
+class Cast(_Guarded):
+    """Refuses casts from or to float8/float4/e8m0 and 2-/4-bit integers."""
+
+    @classmethod
+    def check(cls, inputs, attr):
+        target = _onnx_dtype_name(attr["to"])
+        for dtype in (dtype_of(inputs[0]), target):
+            if _exotic(dtype):
+                raise reject(cls.__name__, f"dtype {dtype}")
+
+
+class CastLike(_Guarded):
+    """As Cast, with the target dtype taken from the second input."""
+
+    @classmethod
+    def check(cls, inputs, attr):
+        for dtype in (dtype_of(inputs[0]), dtype_of(inputs[1])):
+            if _exotic(dtype):
+                raise reject(cls.__name__, f"dtype {dtype}")
+
+
+class BatchNormalization(_Guarded):
+    """training_mode=1 (batch statistics) is refused."""
+
+    @classmethod
+    def check(cls, inputs, attr):
+        if attr.get("training_mode", 0):
+            raise reject(cls.__name__, "training_mode=1")
+
+
+class Dropout(_Guarded):
+    """Training mode and the mask output are refused (TVM returns a float mask)."""
+
+    @classmethod
+    def check(cls, inputs, attr):
+        training = optional_input(inputs, 2)
+        if training is not None and (const_value(training) is None or const_value(training)):
+            raise reject(cls.__name__, "training_mode input")
+        if attr["tvm_custom"]["num_outputs"] > 1:
+            raise reject(cls.__name__, "the mask output")
+
+
+class IsInf(_Guarded):
+    """detect_negative=0 / detect_positive=0 are refused (TVM ignores them)."""
+
+    @classmethod
+    def check(cls, inputs, attr):
+        if not attr.get("detect_negative", 1) or not attr.get("detect_positive", 1):
+            raise reject(cls.__name__, "detect_negative=0 or detect_positive=0")
+
+
+class LayerNormalization(_Guarded):
+    """The Mean and InvStdDev outputs are refused (TVM returns them with the wrong shape)."""
+
+    @classmethod
+    def check(cls, inputs, attr):
+        if attr["tvm_custom"]["num_outputs"] > 1:
+            raise reject(cls.__name__, "Mean/InvStdDev outputs")
+
+
+class Mod(_Guarded):
+    """fmod=1 on floats is refused (NaN/inf edge cases differ from C fmod)."""
+
+    @classmethod
+    def check(cls, inputs, attr):
+        if attr.get("fmod", 0) and dtype_of(inputs[0]).startswith(("float", "bfloat")):
+            raise reject(cls.__name__, "fmod=1 on floating-point inputs")
+
+
+class ConvTranspose(_Guarded):
+    """The output_shape attribute is refused (TVM ignores it)."""
+
+    @classmethod
+    def check(cls, inputs, attr):
+        if "output_shape" in attr:
+            raise reject(cls.__name__, "output_shape")
+
+
+class NonMaxSuppression(_Guarded):
+    """More than one batch or class is refused (TVM drops boxes)."""
+
+    @classmethod
+    def check(cls, inputs, attr):
+        scores = static_shape(inputs[1])
+        if scores is None or scores[0] > 1 or scores[1] > 1:
+            raise reject(cls.__name__, "several batches or classes")
+
+
+class RoiAlign(_Guarded):
+    """mode='max' is refused."""
+
+    @classmethod
+    def check(cls, inputs, attr):
+        if attr.get("mode", b"avg") in (b"max", "max"):
+            raise reject(cls.__name__, "mode='max'")
+
+
+class SpaceToDepth(_Guarded):
+    """mode='CRD' is refused (TVM applies DCR)."""
+
+    @classmethod
+    def check(cls, inputs, attr):
+        if attr.get("mode", b"DCR") in (b"CRD", "CRD"):
+            raise reject(cls.__name__, "mode='CRD'")
