@@ -14,7 +14,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 from ._common import OnnxOpConverter, const_value, dtype_of, optional_input, reject, static_shape
 
 # Sub-byte integers, float8/float4 and e8m0: TVM has no correct kernels for them.
-_EXOTIC_DTYPE_PREFIXES = ("float8", "float4", "float6", "int4", "uint4", "int2", "uint2")
+_EXOTIC_DTYPE_PREFIXES = ("float8", "float4", "int4", "uint4", "int2", "uint2")
 
 
 def _exotic(dtype: str) -> bool:
