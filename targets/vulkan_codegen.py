@@ -35,6 +35,8 @@ import tvm
 from tvm import tirx
 
 from ..errors import CompileError
+from ..runtime.vulkan_runtime import load_vulkan_runtime
+from .gpu import find_tool
 
 _SCALAR_TYPES = {
     "float32": "float",
@@ -601,8 +603,6 @@ def print_kernels(mod: tvm.IRModule, target: tvm.target.Target) -> list[Kernel]:
 
 def glslang() -> str | None:
     """glslangValidator on PATH (Debian: glslang-tools)."""
-    from .gpu import find_tool
-
     return find_tool("glslangValidator")
 
 
@@ -626,8 +626,6 @@ def compile_glsl(kernel: Kernel) -> bytes:
 
 def build_vulkan(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Module:
     """`target.build.vulkan`: the kernels of `mod` as a runnable gimlet Vulkan module."""
-    from ..runtime.vulkan_runtime import load_vulkan_runtime
-
     load_vulkan_runtime()
     kernels = print_kernels(mod, target)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
