@@ -14,6 +14,10 @@ from tvm.target.codegen import llvm_get_vector_width
 # thread pool costs a few microseconds, more than the work it would split.
 MIN_PARALLEL_ITERATIONS = 1 << 14
 
+# Math the LLVM backend can only call per element (libm): a vectorized loop calling them does
+# not compile ("unknown intrinsic"), so functions using them stay scalar.
+SCALAR_ONLY_MATH = ("T.sinh(", "T.cosh(", "T.fmod(")
+
 # What scheduling primitives raise when a rule's assumptions do not hold for a function.
 SCHEDULE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
 
@@ -41,16 +45,21 @@ class CPURule(ScheduleRule):
         raise NotImplementedError
 
 
-def vector_lanes(target: Target, dtype_bits: int) -> int:
-    """How many `dtype_bits`-wide elements fit in the target's vector register."""
+def vector_lanes(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> int:
+    """How many of the elements `block` writes fit in the target's vector register; 1 when
+    the function calls math that cannot be vectorized."""
+    if _calls_scalar_only_math(sch):
+        return 1
+    writes = sch.get(block).writes
+    dtype_bits = writes[0].source.dtype.bits if writes else 32
     vector_bits = llvm_get_vector_width(target)
     return max((vector_bits if vector_bits > 0 else 128) // dtype_bits, 1)
 
 
-def output_dtype_bits(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int:
-    """Bit width of the element `block` writes."""
-    writes = sch.get(block).writes
-    return writes[0].source.dtype.bits if writes else 32
+def _calls_scalar_only_math(sch: s_tir.Schedule) -> bool:
+    # The wheel's Python API has no TIR visitor; the printed function names every call.
+    script = sch.mod.script()
+    return any(call in script for call in SCALAR_ONLY_MATH)
 
 
 def loop_product(sch: s_tir.Schedule, loops: list[s_tir.schedule.LoopRV]) -> int | None:

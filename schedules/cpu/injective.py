@@ -6,7 +6,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight import normalize_prim_func, try_inline
 from tvm.target import Target
 
-from .base import CPURule, output_dtype_bits, schedule_spatial_block, vector_lanes
+from .base import CPURule, schedule_spatial_block, vector_lanes
 
 
 class Injective(CPURule):
@@ -19,6 +19,6 @@ class Injective(CPURule):
         if not blocks or not all(block.is_injective() for block in blocks):
             return None
         for block in try_inline(sch, blocks):
-            lanes = vector_lanes(target, output_dtype_bits(sch, block.block_rv))
+            lanes = vector_lanes(sch, block.block_rv, target)
             schedule_spatial_block(sch, block.block_rv, lanes)
         return sch

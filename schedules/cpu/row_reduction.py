@@ -9,7 +9,6 @@ from tvm.target import Target
 from .base import (
     CPURule,
     loop_product,
-    output_dtype_bits,
     schedule_spatial_block,
     vector_lanes,
     worth_parallel,
@@ -27,7 +26,7 @@ class RowReduction(CPURule):
             return None
         for block in try_inline(sch, blocks):
             if block.is_injective():
-                lanes = vector_lanes(target, output_dtype_bits(sch, block.block_rv))
+                lanes = vector_lanes(sch, block.block_rv, target)
                 schedule_spatial_block(sch, block.block_rv, lanes)
                 continue
             kinds = block.dom_kind()

@@ -10,7 +10,6 @@ from tvm.target import Target
 from .base import (
     CPURule,
     loop_product,
-    output_dtype_bits,
     vector_lanes,
     vectorize_innermost,
     worth_parallel,
@@ -55,7 +54,7 @@ class WindowReduction(CPURule):
         consumers = blocks[index + 1 :]
         for consumer in consumers[:-1]:  # the epilogue chain collapses into its last block
             sch.compute_inline(consumer.block_rv)
-        lanes = vector_lanes(target, output_dtype_bits(sch, reduction.block_rv))
+        lanes = vector_lanes(sch, reduction.block_rv, target)
         iterations = loop_product(sch, loops)
         # Loops: [spatial outer...] [window...] [innermost spatial, vectorized].
         sch.reorder(*spatial[:-1], *window, spatial[-1])
