@@ -47,17 +47,18 @@ def _host_cpu() -> str:
     return platform.machine() + "\n".join(wanted)
 
 
-def _link_args() -> list[str]:
-    tvm_lib = Path(tvm.__file__).parent / "lib"
-    ffi_lib = Path(tvm_ffi.__file__).parent / "lib"
-    blas_lib = Path(scipy_openblas32.get_lib_dir())
+def link_args(*libraries: tuple[Path, str]) -> list[str]:
+    """Linker flags for TVM's runtime and tvm-ffi plus `(folder, name)` libraries, each
+    folder also on the rpath."""
+    tvm_lib = (Path(tvm.__file__).parent / "lib", "tvm_runtime")
+    ffi_lib = (Path(tvm_ffi.__file__).parent / "lib", "tvm_ffi")
     args = []
-    for lib_dir in (tvm_lib, ffi_lib, blas_lib):
-        args += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
-    return args + ["-ltvm_runtime", "-ltvm_ffi", f"-l{scipy_openblas32.get_library()}"]
+    for folder, name in (tvm_lib, ffi_lib, *libraries):
+        args += [f"-L{folder}", f"-Wl,-rpath,{folder}", f"-l{name}"]
+    return args
 
 
-def _include_args() -> list[str]:
+def include_args() -> list[str]:
     includes = [
         Path(tvm.__file__).parent / "include",
         Path(tvm_ffi.libinfo.find_include_path()),
@@ -69,7 +70,8 @@ def _include_args() -> list[str]:
 
 def _build_key(sources: list[Path], args: list[str]) -> str:
     digest = hashlib.sha256()
-    for source in sources:
+    headers = {h for source in sources for h in source.parent.glob("*.h")}
+    for source in [*sources, *sorted(headers)]:
         digest.update(source.name.encode())
         digest.update(source.read_bytes())
     compiler_version = subprocess.run(
@@ -83,7 +85,8 @@ def _build_key(sources: list[Path], args: list[str]) -> str:
 
 def build_library(name: str, sources: list[Path], args: list[str]) -> Path:
     """Compile `sources` with `args` into a shared library in the cache, or return the
-    cached one (built under a lock, written to a temporary file and renamed into place)."""
+    cached one (built under a lock, written to a temporary file and renamed into place).
+    The cache key covers the sources, the headers beside them, the flags and the compiler."""
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     library = directory / f"lib{name}_{_build_key(sources, args)}.so"
@@ -110,7 +113,13 @@ def build_library(name: str, sources: list[Path], args: list[str]) -> Path:
 def build_extensions() -> Path:
     """Compile the CPU library extension, or return the cached build."""
     return build_library(
-        "gimlet_cpu", CPU_LIBRARY_SOURCES, [*CXXFLAGS, *_include_args(), *_link_args()]
+        "gimlet_cpu",
+        CPU_LIBRARY_SOURCES,
+        [
+            *CXXFLAGS,
+            *include_args(),
+            *link_args((Path(scipy_openblas32.get_lib_dir()), scipy_openblas32.get_library())),
+        ],
     )
 
 

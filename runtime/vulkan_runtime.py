@@ -12,27 +12,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import tvm
 
-from .extensions import CXXFLAGS, EXT_DIR, _include_args, build_library
+from .extensions import CXXFLAGS, EXT_DIR, build_library, include_args, link_args
 
 VULKAN_SOURCES = sorted((EXT_DIR / "vulkan").glob("*.cc"))
-VULKAN_HEADERS = sorted((EXT_DIR / "vulkan").glob("*.h"))
 VULKAN_HEADER = Path("/usr/include/vulkan/vulkan.h")
-
-
-def _link_args() -> list[str]:
-    tvm_lib = Path(tvm.__file__).parent / "lib"
-    ffi_lib = Path(tvm.__file__).parents[1] / "tvm_ffi" / "lib"
-    args = []
-    for lib_dir in (tvm_lib, ffi_lib):
-        args += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
-    return args + ["-ltvm_runtime", "-ltvm_ffi", "-lvulkan"]
 
 
 def missing_toolchain() -> str | None:
@@ -48,13 +37,8 @@ def load_vulkan_runtime() -> Path:
     reason = missing_toolchain()
     if reason is not None:
         raise RuntimeError(f"cannot build the Vulkan runtime: {reason}")
-    # build_library keys its cache on the sources and flags; the headers' digest goes in as a
-    # (harmless) define so that editing a header rebuilds too.
-    headers = hashlib.sha256(b"".join(h.read_bytes() for h in VULKAN_HEADERS)).hexdigest()[:16]
     library = build_library(
-        "gimlet_vulkan",
-        VULKAN_SOURCES,
-        [*CXXFLAGS, f"-DGIMLET_VULKAN_HEADERS={headers}", *_include_args(), *_link_args()],
+        "gimlet_vulkan", VULKAN_SOURCES, [*CXXFLAGS, *include_args(), *link_args(), "-lvulkan"]
     )
     ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
     return library
