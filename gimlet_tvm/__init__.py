@@ -21,6 +21,7 @@ from .errors import (
     UnsupportedOpError,
 )
 from .runtime import BenchmarkResult, CompiledModel, load
+from .schedules.tuning import tune
 
 __all__ = [
     "ArtifactError",
@@ -38,4 +39,5 @@ __all__ = [
     "__version__",
     "build",
     "load",
+    "tune",
 ]

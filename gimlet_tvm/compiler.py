@@ -14,6 +14,7 @@ from tvm.s_tir import dlight
 from .errors import CompileError, GimletError, TargetUnavailableError, summary
 from .frontend import InputShapes, ModelLike, import_model, load_model
 from .runtime import CompiledModel
+from .schedules.records import ApplyRecords, RecordsDB
 from .targets import TargetLike, TargetSpec, lookup
 
 Targets = Union[TargetLike, Sequence[TargetLike]]
@@ -31,10 +32,9 @@ def canonicalize_passes() -> list[tvm.transform.Pass]:
     ]
 
 
-def relax_pipeline(spec: TargetSpec, target: tvm.target.Target) -> tvm.transform.Pass:
-    """The whole Relax pipeline for one target; target specifics come from `spec` alone."""
-    rules = list(spec.schedule_rules(target))
-    passes = [
+def fusion_passes(spec: TargetSpec, target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """Imported graph to fused TIR kernels: the kernels we build, and the ones tuning sees."""
+    return [
         *canonicalize_passes(),
         *spec.library_passes(target),
         relax.transform.LegalizeOps(),
@@ -42,6 +42,20 @@ def relax_pipeline(spec: TargetSpec, target: tvm.target.Target) -> tvm.transform
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
+    ]
+
+
+def relax_pipeline(
+    spec: TargetSpec, target: tvm.target.Target, tuned: ApplyRecords | None = None
+) -> tvm.transform.Pass:
+    """The whole Relax pipeline for one target; target specifics come from `spec` alone.
+
+    `tuned` schedules the kernels that have tuning records; the default rules do the rest.
+    """
+    rules = list(spec.schedule_rules(target))
+    passes = [
+        *fusion_passes(spec, target),
+        *([tuned] if tuned is not None else []),
         *([dlight.ApplyDefaultSchedule(*rules)] if rules else []),
         *generic_pipeline.dataflow_lower_passes(target),
         *generic_pipeline.finalize_passes(target),
@@ -73,19 +87,20 @@ def build(
 
     `targets`: a registered name (`"llvm"`), a TVM target dict, or a one-element list.
     `input_shapes`: `{input name: shape}` fixing symbolic dims; others stay symbolic.
-    `records`: a tuning-records directory (not supported yet: raises).
+    `records`: a tuning-records directory (`gimlet_tvm.tune`); kernels without a record
+    get the target's default schedules. `targets[0]["tuned_tasks"]` counts the tuned ones.
     """
-    if records is not None:
-        raise GimletError("applying tuning records is not supported yet (no tuner exists)")
     spec, target = resolve_target(targets)
     reason = spec.can_compile()
     if reason is not None:
         raise TargetUnavailableError(f"cannot compile for {spec.name} on this machine: {reason}")
     proto = load_model(model)
     mod, io = import_model(proto, input_shapes)
+    tuned = ApplyRecords(RecordsDB(records), target) if records is not None else None
     with target, spec.codegen_hooks(target) as record:
         try:
-            executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(spec, target))
+            pipeline = relax_pipeline(spec, target, tuned)
+            executable = tvm.compile(mod, target, relax_pipeline=pipeline)
         except GimletError:
             raise
         except Exception as err:  # TVM's passes and code generators raise many error types
@@ -95,5 +110,6 @@ def build(
         "name": spec.name,
         "target": json.loads(json.dumps(dict(target.export()), default=list)),
         "device_code": device_code.to_json(),
+        "tuned_tasks": tuned.applied if tuned is not None else 0,
     }
     return CompiledModel(executable.mod, io, [built_for])

@@ -11,9 +11,9 @@ import sys
 from typing import Sequence
 
 from ..errors import GimletError
-from . import bench, compile, demo, rpc, run, targets
+from . import bench, compile, demo, records, rpc, run, targets, tune
 
-SUBCOMMANDS = (compile, run, bench, targets, demo, rpc)
+SUBCOMMANDS = (compile, run, bench, targets, demo, rpc, tune, records)
 
 
 def _version() -> str:

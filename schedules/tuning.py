@@ -1,0 +1,298 @@
+"""`tune`: MetaSchedule autotuning of a model's kernels, resumable from its records directory.
+
+Tasks are the fused TIR kernels our own pipeline builds (`compiler.fusion_passes`: after
+library dispatch, so matmul/conv2d sent to OpenBLAS are not tasks). Kernels whose shapes are
+still symbolic cannot be measured and are skipped (fix them with `input_shapes`).
+
+Trial allocation (`WeightedScheduler`): each task is first given one round; after that every
+round goes to the task with the largest share of the estimated model latency per trial spent,
+`weight * best_latency / trials` (weight: calls per model run). Over a run, trials thus go to
+tasks in proportion to their share of the kernels' end-to-end time. A task whose candidates
+all failed counts with the slowest measured latency.
+
+Resuming: `trials` is the total for the model's tasks in the records directory. A rerun counts
+the trials already recorded, warms the XGBoost cost model with them, seeds the evolutionary
+search with the best of them (MetaSchedule draws part of its initial population from the
+database) and runs only what is left (the last round may overshoot by less than a round).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import IO, Sequence
+
+import tvm
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+
+from ..compiler import Targets, fusion_passes, resolve_target
+from ..errors import GimletError
+from ..frontend import InputShapes, ModelLike, import_model, load_model
+from .records import FAILED_SECONDS, RecordsDB, target_key
+
+Duration = float | str
+
+
+@dataclass
+class TuningTask:
+    """One kernel to tune and where its tuning stands."""
+
+    name: str
+    weight: int
+    mod: tvm.IRModule
+    workload: list  # MetaSchedule's workload JSON: [structural hash, module]
+    trials: int = 0
+    best: float | None = None  # seconds
+    exhausted: bool = False  # the search found no new candidate in its last round
+
+    @property
+    def shash(self) -> str:
+        return str(self.workload[0])
+
+
+@dataclass
+class TuneResult:
+    """What a `tune` run did; `tasks` hold the totals including earlier runs."""
+
+    records: str
+    tasks: list[TuningTask]
+    skipped: list[str]
+    trials_run: int
+    seconds: float
+
+    @property
+    def estimated_latency(self) -> float | None:
+        """Sum over tasks of weight x best latency (seconds); None until all are measured."""
+        return _estimate(self.tasks)
+
+
+def _estimate(tasks: Sequence[TuningTask]) -> float | None:
+    if any(t.best is None for t in tasks):
+        return None
+    return sum(t.weight * t.best for t in tasks)
+
+
+def parse_duration(value: Duration) -> float:
+    """Seconds from a number or a string like `90`, `90s`, `10m`, `1.5h`."""
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*", value)
+        if not match:
+            raise GimletError(f"time budget must look like 90s, 10m or 1h, got '{value}'")
+        seconds = float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]]
+    if seconds <= 0:
+        raise GimletError(f"time budget must be positive, got {value}")
+    return seconds
+
+
+def extract_tasks(
+    model: ModelLike, target: Targets = "llvm", *, input_shapes: InputShapes | None = None
+) -> tuple[tvm.target.Target, list[TuningTask], list[str]]:
+    """The model's kernels as our pipeline builds them: (target, tunable tasks, skipped names)."""
+    spec, tvm_target = resolve_target(target)
+    mod, _ = import_model(load_model(model), input_shapes)
+    with tvm_target:
+        mod = tvm.transform.Sequential(fusion_passes(spec, tvm_target))(mod)
+    tasks, skipped = [], []
+    for task in ms.relax_integration.extract_tasks(mod, tvm_target):
+        kernel = task.dispatched[0]
+        try:
+            ms.arg_info.ArgInfo.from_prim_func(kernel["main"])
+        except TypeError:  # symbolic shapes: MetaSchedule cannot allocate arguments
+            skipped.append(task.task_name)
+            continue
+        workload = ms.database.Workload(kernel).as_json()
+        tasks.append(TuningTask(task.task_name, int(task.weight), kernel, workload))
+    return tvm_target, tasks, skipped
+
+
+def _progress_line(task: TuningTask, tasks: Sequence[TuningTask], done: int, budget: str,
+                   elapsed: float) -> str:
+    best = f"{task.best * 1e3:.4f} ms" if task.best is not None else "none yet"
+    model = _estimate(tasks)
+    measured = sum(t.best is not None for t in tasks)
+    estimate = (
+        f"{model * 1e3:.3f} ms" if model is not None else f"? ({measured}/{len(tasks)} measured)"
+    )
+    return (
+        f"[tune {elapsed:6.0f}s] {task.name}: {task.trials} trials, best {best} | "
+        f"kernels per model run {estimate} | run {done}/{budget} trials"
+    )
+
+
+@derived_object
+class RecordAndReport(ms.measure_callback.PyMeasureCallback):
+    """After each measured round: append the round to the records and print progress."""
+
+    def __init__(self, records: RecordsDB, tasks: list[TuningTask], target: tvm.target.Target,
+                 budget: str, log: IO[str]) -> None:
+        super().__init__()
+        self.records, self.tasks, self.target = records, tasks, target
+        self.budget, self.log = budget, log
+        self.done = 0
+        self.start = time.monotonic()
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results,
+              runner_results) -> None:
+        task = self.tasks[task_id]
+        if not measure_candidates:
+            task.exhausted = True
+            return
+        workload = ms.database.Workload(task.mod)
+        lines, errors = [], []
+        for candidate, built, ran in zip(measure_candidates, builder_results, runner_results):
+            ok = built.error_msg is None and ran.error_msg is None and ran.run_secs
+            if not ok:
+                errors.append(str(built.error_msg or ran.error_msg or "no run time").strip())
+            run_secs = [float(s) for s in ran.run_secs] if ok else [FAILED_SECONDS]
+            record = ms.database.TuningRecord(
+                candidate.sch.trace, workload, run_secs, self.target, candidate.args_info
+            )
+            lines.append((task.workload, record.as_json()))
+            if ok:
+                seconds = sum(run_secs) / len(run_secs)
+                task.best = seconds if task.best is None else min(task.best, seconds)
+        self.records.add(lines, dedupe=False)
+        task.trials += len(lines)
+        self.done += len(lines)
+        elapsed = time.monotonic() - self.start
+        if errors:
+            first = errors[0].splitlines()
+            print(f"[tune] {task.name}: {len(errors)} of {len(lines)} candidates failed; first: "
+                  f"{first[-1][:200] if first else '?'}", file=self.log)
+        print(_progress_line(task, self.tasks, self.done, self.budget, elapsed), file=self.log,
+              flush=True)
+
+
+@derived_object
+class WeightedScheduler(ms.task_scheduler.PyTaskScheduler):
+    """Gives each round to the task with the largest latency share per trial (module doc)."""
+
+    def __init__(self, tasks: list[TuningTask], deadline: float) -> None:
+        super().__init__()
+        self.tasks, self.deadline = tasks, deadline
+        self.running: int | None = None
+
+    def next_task_id(self) -> int:
+        records = self._outer().tasks_
+        if self.running is not None and not records[self.running].is_terminated:
+            self.join_running_task(self.running)
+        self.running = None
+        live = [
+            i for i, record in enumerate(records)
+            if not record.is_terminated and not self.tasks[i].exhausted
+        ]
+        if not live or time.monotonic() >= self.deadline:
+            return -1
+        fresh = [i for i in live if self.tasks[i].trials == 0]
+        if fresh:
+            self.running = fresh[0]
+        else:
+            slowest = max((t.best for t in self.tasks if t.best is not None), default=1.0)
+            share = lambda i: self.tasks[i].weight * (self.tasks[i].best or slowest)
+            self.running = max(live, key=lambda i: share(i) / self.tasks[i].trials)
+        return self.running
+
+
+def build_kernel(mod: tvm.IRModule, target: tvm.target.Target, _params: dict | None) -> tvm.runtime.Module:
+    """MetaSchedule's default build, without its import of every target's tensor intrinsics
+    (about 30 s in each fresh builder process here; LLVM CPU candidates do not use them)."""
+    from tvm.driver import build
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    return build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+
+
+def _warm_cost_model(cost_model: ms.cost_model.CostModel, contexts: list[ms.TuneContext],
+                     tasks: list[TuningTask], records: RecordsDB) -> None:
+    """Train the cost model on the records earlier runs measured for these tasks."""
+    by_hash = {w.shash: w.index for w in records.workloads if w is not None}
+    for context, task in zip(contexts, tasks):
+        if task.shash not in by_hash:
+            continue
+        done = [r for r in records.records_of(by_hash[task.shash]) if r.seconds is not None]
+        if done:
+            cost_model.update(
+                context,
+                [records.tuning_record(r).as_measure_candidate() for r in done],
+                [ms.runner.RunnerResult([r.seconds], None) for r in done],
+            )
+
+
+def tune(
+    model: ModelLike,
+    target: Targets = "llvm",
+    records: str = "tuning_records",
+    *,
+    trials: int | None = None,
+    time_budget: Duration | None = None,
+    input_shapes: InputShapes | None = None,
+    trials_per_round: int = 16,
+    population_size: int = 512,
+    runner_timeout: float = 10.0,
+    seed: int | None = None,
+    log: IO[str] = sys.stderr,
+) -> TuneResult:
+    """Tune `model`'s kernels for `target` with MetaSchedule (XGBoost cost model) into `records`.
+
+    `trials`: total measured candidates over the model's tasks in `records` (earlier runs
+    count); `time_budget`: wall time for this run (seconds, or "10m"). At least one is needed.
+    `trials_per_round` candidates are measured per round, chosen by an evolutionary search over
+    `population_size` schedules ranked by the cost model. A candidate that fails to build, crashes or runs past `runner_timeout` seconds is
+    recorded as failed and tuning goes on. Progress goes to `log`, one line a round.
+    """
+    if trials is None and time_budget is None:
+        raise GimletError("give a trial budget (trials) or a time budget (time_budget), or both")
+    if trials is not None and trials <= 0:
+        raise GimletError(f"trials must be positive, got {trials}")
+    start = time.monotonic()
+    deadline = start + parse_duration(time_budget) if time_budget is not None else float("inf")
+    tvm_target, tasks, skipped = extract_tasks(model, target, input_shapes=input_shapes)
+    if skipped:
+        print(f"[tune] skipping {len(skipped)} kernels with symbolic shapes "
+              f"(fix them with input shapes): {', '.join(skipped)}", file=log)
+    if not tasks:
+        raise GimletError("the model has no tunable kernels (all symbolic, or all library calls)")
+    db = RecordsDB(records, create=True)
+    db.add([], tasks={t.shash: {"name": t.name, "weight": t.weight} for t in tasks})
+    for task in tasks:
+        task.trials, task.best = db.progress(task.shash, tvm_target)
+    already = sum(t.trials for t in tasks)
+    remaining = (trials - already) if trials is not None else 10**9
+    print(f"[tune] {len(tasks)} tasks, {already} trials in {records}; "
+          f"running {remaining if trials is not None else 'until the time budget'}", file=log)
+    if remaining <= 0:
+        return TuneResult(records, tasks, skipped, 0, time.monotonic() - start)
+
+    cores = int(tvm_target.attrs.get("num-cores", 1))
+    contexts = [
+        ms.TuneContext(
+            mod=t.mod, target=tvm_target, space_generator="post-order-apply",
+            search_strategy=ms.search_strategy.EvolutionarySearch(population_size=population_size),
+            task_name=t.name, num_threads=cores,
+            rand_state=-1 if seed is None else seed + i,
+        ).clone()
+        for i, t in enumerate(tasks)
+    ]
+    cost_model = ms.cost_model.XGBModel(num_tuning_cores=cores)
+    _warm_cost_model(cost_model, contexts, tasks, db)
+    report = RecordAndReport(db, tasks, tvm_target, str(trials) if trials else "time", log)
+    runner = ms.runner.LocalRunner(
+        timeout_sec=runner_timeout,
+        evaluator_config=ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=40),
+    )
+    # TaskScheduler.tune itself (PyTaskScheduler.tune passes one argument too few in 0.27).
+    ms.task_scheduler.task_scheduler._ffi_api.TaskSchedulerTune(
+        WeightedScheduler(tasks, deadline),
+        contexts, [float(t.weight) for t in tasks], remaining, remaining, trials_per_round,
+        ms.builder.LocalBuilder(
+            max_workers=cores, timeout_sec=runner_timeout * 3, f_build=build_kernel
+        ), runner,
+        [*ms.measure_callback.MeasureCallback.create("default"), report],
+        db.database(tvm_target, best_only=False), cost_model,
+    )
+    return TuneResult(records, tasks, skipped, report.done, time.monotonic() - start)

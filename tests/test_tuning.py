@@ -1,0 +1,136 @@
+"""MetaSchedule tuning: tasks from our pipeline, resumable records, applying them in `build`."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from tvm.s_tir import meta_schedule as ms
+
+import gimlet_tvm
+from gimlet_tvm.schedules.records import RecordsDB
+from gimlet_tvm.schedules.tuning import extract_tasks, parse_duration
+
+from .conftest import assert_matches, onnxruntime_outputs
+
+TRIALS = 8
+SMALL = {"trials_per_round": 4, "population_size": 16, "seed": 0}
+
+
+def tiny_model() -> onnx.ModelProto:
+    """softmax(relu(x + b)) and a row sum: an injective kernel and two reductions."""
+    rng = np.random.default_rng(0)
+    bias = helper.make_tensor("b", TensorProto.FLOAT, [256], rng.standard_normal(256).tolist())
+    nodes = [
+        helper.make_node("Add", ["x", "b"], ["s"]),
+        helper.make_node("Relu", ["s"], ["r"]),
+        helper.make_node("Softmax", ["r"], ["y"], axis=-1),
+        helper.make_node("ReduceSum", ["r"], ["z"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 256]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, [])],
+        [bias],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@functools.lru_cache(maxsize=None)
+def _tune_once(path: str) -> str:
+    result = gimlet_tvm.tune(tiny_model(), "llvm", path, trials=TRIALS, **SMALL)
+    assert result.trials_run >= TRIALS
+    return path
+
+
+@pytest.fixture
+def tuned_records(tmp_path_factory) -> str:
+    """Records from one short tuning run of `tiny_model`, made once per session (read-only)."""
+    return _tune_once(str(tmp_path_factory.getbasetemp() / "tuned-records"))
+
+
+@pytest.fixture
+def records_copy(tuned_records, tmp_path) -> str:
+    """A private copy of the tuned records, for tests that change them."""
+    path = str(tmp_path / "records")
+    shutil.copytree(tuned_records, path)
+    return path
+
+
+def test_tasks_come_from_our_pipeline_after_library_dispatch():
+    _, tasks, skipped = extract_tasks(gimlet_tvm.models.SUITE["mlp"].build(),
+                                      input_shapes={"x": [32, 1024]})
+    assert not skipped
+    # The three matmuls go to OpenBLAS: only the bias/activation kernels are left to tune.
+    assert tasks and all("matmul" not in t.name for t in tasks)
+    _, tasks, skipped = extract_tasks(gimlet_tvm.models.SUITE["mlp"].build())
+    assert not tasks and skipped  # symbolic batch: nothing measurable
+
+
+def test_records_are_metaschedule_json_database(tuned_records):
+    ours = RecordsDB(tuned_records)
+    assert not ours.problems and len(ours.records) >= TRIALS
+    upstream = ms.database.JSONDatabase(work_dir=tuned_records)
+    assert len(upstream) == len(ours.records)
+    assert any(r.seconds is not None for r in ours.records)
+
+
+def test_tuned_build_applies_records_and_matches_onnxruntime(tuned_records):
+    model = tiny_model()
+    x = np.random.default_rng(1).standard_normal((16, 256), dtype=np.float32)
+    tuned = gimlet_tvm.build(model, "llvm", records=tuned_records)
+    assert 1 <= tuned.targets[0]["tuned_tasks"] <= len(RecordsDB(tuned_records).best())
+    assert_matches(tuned(x), onnxruntime_outputs(model, {"x": x}))
+    assert gimlet_tvm.build(model, "llvm").targets[0]["tuned_tasks"] == 0
+
+
+def test_rerun_resumes_from_the_records(records_copy):
+    before = len(RecordsDB(records_copy).records)
+    again = gimlet_tvm.tune(tiny_model(), "llvm", records_copy, trials=before, **SMALL)
+    assert again.trials_run == 0 and len(RecordsDB(records_copy).records) == before
+    more = gimlet_tvm.tune(tiny_model(), "llvm", records_copy, trials=before + 2, **SMALL)
+    # Only what is left of the total; the last round may overshoot it (MetaSchedule checks
+    # the budget before a round), by less than a round.
+    assert 2 <= more.trials_run < 2 + SMALL["trials_per_round"]
+    db = RecordsDB(records_copy)
+    assert len(db.records) == before + more.trials_run and not db.problems
+    assert sum(t.trials for t in more.tasks) == len(db.records)
+
+
+def test_failing_candidates_are_recorded_and_tuning_goes_on(tmp_path):
+    # A timeout no build or run can meet: every candidate fails, and tuning still finishes.
+    path = str(tmp_path / "records")
+    result = gimlet_tvm.tune(tiny_model(), "llvm", path, trials=4, runner_timeout=1e-3,
+                             **SMALL)
+    db = RecordsDB(path)
+    assert result.trials_run >= 4 and len(db.records) == result.trials_run
+    assert all(r.seconds is None for r in db.records) and not db.problems
+    assert result.estimated_latency is None
+
+
+def test_budgets_are_checked():
+    assert parse_duration("10m") == 600 and parse_duration("90s") == 90 and parse_duration(2) == 2
+    with pytest.raises(gimlet_tvm.GimletError, match="time budget"):
+        parse_duration("soon")
+    with pytest.raises(gimlet_tvm.GimletError, match="budget"):
+        gimlet_tvm.tune(tiny_model(), "llvm", "unused")
+
+
+def test_tune_and_compile_cli(cli, records_copy, tmp_path):
+    onnx.save(tiny_model(), str(tmp_path / "tiny.onnx"))
+    total = len(RecordsDB(records_copy).records)
+    code, out, err = cli("tune", "tiny.onnx", "--records", records_copy, "--trials", str(total))
+    assert code == 0, err
+    assert f"{total} trials in {records_copy}" in err and "ran 0 trials" in out
+    code, out, err = cli("compile", "tiny.onnx", "-o", "tiny.so", "--records", records_copy)
+    assert code == 0, err
+    assert "tuned kernels: " in out and "tuned kernels: 0" not in out
+    code, _, err = cli("tune", "tiny.onnx", "--records", "r", "--time-budget", "soon")
+    assert code == 2 and "gimlet-tvm: error: time budget" in err
+    assert os.path.exists(tmp_path / "tiny.so")
