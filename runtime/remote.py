@@ -8,10 +8,11 @@ trusted networks only.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import gc
 import os
 import tempfile
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -70,25 +71,38 @@ class RemoteDevice:
         )
 
     def call(self, step: str, func: Callable[[], T]) -> T:
-        """Run one remote step with the deadline; failures name the device and the step."""
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        future = pool.submit(func)
-        try:
-            return future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
+        """Run one remote step with the deadline; failures name the device and the step.
+
+        The step runs on a daemon thread: one stuck in a dead connection is abandoned, and
+        does not keep the process from exiting."""
+        outcome: list = []
+        thread = threading.Thread(target=lambda: outcome.append(_attempt(func)), daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if not outcome:
             raise RemoteDeviceError(
                 f"{self.describe()}: '{step}' got no answer within {self.timeout:g} s"
-            ) from None
-        except GimletError:
-            raise
-        except Exception as err:  # socket and RPC errors come in many types
-            raise RemoteDeviceError(f"{self.describe()}: '{step}' failed: {summary(err)}") from err
-        finally:
-            pool.shutdown(wait=False)  # a stuck call is left behind, not waited for
+            )
+        ok, value = outcome[0]
+        if ok:
+            return value
+        if isinstance(value, GimletError):
+            raise value
+        raise RemoteDeviceError(f"{self.describe()}: '{step}' failed: {summary(value)}") from value
+
+
+def _attempt(func: Callable[[], T]) -> tuple[bool, T | BaseException]:
+    try:
+        return True, func()
+    except Exception as err:  # socket and RPC errors come in many types
+        return False, err
 
 
 class RemoteModel:
-    """A `CompiledModel` uploaded to and loaded on a remote device; same calling API."""
+    """A `CompiledModel` uploaded to and loaded on a remote device; same calling API.
+
+    It holds the remote session (and so the device, for a tracker) until `close()` or the
+    end of a `with` block."""
 
     def __init__(self, model: "CompiledModel", device: RemoteDevice, session: rpc.RPCSession):
         self.io: IOSpec = model.io
@@ -104,6 +118,20 @@ class RemoteModel:
         self._vm = device.call(
             "load", lambda: tvm.relax.VirtualMachine(module, self._remote_device)
         )
+
+    def close(self) -> None:
+        """Release the remote session, so the tracker can hand the device to others.
+
+        A device from `session.device()` holds its session too, and TVM's RPC objects form
+        reference cycles: the session ends only once the cycle collector has run."""
+        self._vm = self._session = self._remote_device = None
+        gc.collect()
+
+    def __enter__(self) -> "RemoteModel":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def _set_inputs(self, arrays: Sequence[np.ndarray]) -> None:
         def copy() -> None:

@@ -73,9 +73,9 @@ def server():
 def test_run_and_benchmark_through_each_server(tracker, key: str) -> None:
     model = compiled_suite_model("transformer_encoder")
     inputs = SUITE["transformer_encoder"].example_inputs(batch=2)
-    remote = model.remote(RemoteDevice(tracker=tracker, key=key, timeout=60))
-    assert_matches(remote(*inputs.values()), model(*inputs.values()))
-    result = remote.benchmark(list(inputs.values()), repeat=3)
+    with model.remote(RemoteDevice(tracker=tracker, key=key, timeout=60)) as remote:
+        assert_matches(remote(*inputs.values()), model(*inputs.values()))
+        result = remote.benchmark(list(inputs.values()), repeat=3)
     assert result.runs == 3 and result.median_ms > 0
 
 
@@ -101,8 +101,8 @@ def test_direct_server_and_loaded_artifact(server, tmp_path) -> None:
     compiled_suite_model("mobilenet_cnn").export(tmp_path / "m.so")
     loaded = gimlet_tvm.load(tmp_path / "m.so")
     inputs = SUITE["mobilenet_cnn"].example_inputs(batch=1)
-    remote = loaded.remote(RemoteDevice(server=server.address, timeout=60))
-    assert_matches(remote(*inputs.values()), loaded(*inputs.values()))
+    with loaded.remote(RemoteDevice(server=server.address, timeout=60)) as remote:
+        assert_matches(remote(*inputs.values()), loaded(*inputs.values()))
 
 
 def test_killed_server_gives_clear_error(server) -> None:
@@ -126,6 +126,15 @@ def test_hung_server_times_out(server) -> None:
         assert time.monotonic() - start < 20
     finally:
         server.signal(signal.SIGCONT)
+
+
+def test_device_is_released_for_the_next_client(tracker) -> None:
+    """A closed remote model frees its server: the tracker hands the device on at once."""
+    model = compiled_suite_model("mobilenet_cnn")
+    inputs = SUITE["mobilenet_cnn"].example_inputs(batch=1)
+    for _ in range(2):
+        with model.remote(RemoteDevice(tracker=tracker, key="cpu-a", timeout=30)) as remote:
+            assert_matches(remote(*inputs.values()), model(*inputs.values()))
 
 
 def test_no_server_listening() -> None:
