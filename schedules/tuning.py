@@ -31,6 +31,7 @@ from tvm.s_tir import meta_schedule as ms
 from ..compiler import Targets, fusion_passes, resolve_target
 from ..errors import GimletError
 from ..frontend import InputShapes, ModelLike, import_model, load_model
+from ..runtime.remote import RemoteDevice, parse_address
 from .records import FAILED_SECONDS, RecordsDB, target_key
 
 Duration = float | str
@@ -223,6 +224,21 @@ def _warm_cost_model(cost_model: ms.cost_model.CostModel, contexts: list[ms.Tune
             )
 
 
+def _runner(remote: RemoteDevice | None, timeout: float) -> ms.runner.Runner:
+    """Where candidates are measured: locally, or on devices from an RPC tracker."""
+    evaluator = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=40)
+    if remote is None:
+        return ms.runner.LocalRunner(timeout_sec=timeout, evaluator_config=evaluator)
+    if remote.tracker is None:
+        raise GimletError("tuning on remote devices needs a tracker (--tracker and --key)")
+    host, port = parse_address(remote.tracker, "the tracker address")
+    config = ms.runner.RPCConfig(
+        tracker_host=host, tracker_port=port, tracker_key=remote.key,
+        session_timeout_sec=int(max(timeout, 1)),
+    )
+    return ms.runner.RPCRunner(rpc_config=config, evaluator_config=evaluator, max_workers=1)
+
+
 def tune(
     model: ModelLike,
     target: Targets = "llvm",
@@ -235,6 +251,7 @@ def tune(
     population_size: int = 512,
     runner_timeout: float = 10.0,
     seed: int | None = None,
+    remote: RemoteDevice | None = None,
     log: IO[str] = sys.stderr,
 ) -> TuneResult:
     """Tune `model`'s kernels for `target` with MetaSchedule (XGBoost cost model) into `records`.
@@ -244,6 +261,8 @@ def tune(
     `trials_per_round` candidates are measured per round, chosen by an evolutionary search over
     `population_size` schedules ranked by the cost model. A candidate that fails to build, crashes or runs past `runner_timeout` seconds is
     recorded as failed and tuning goes on. Progress goes to `log`, one line a round.
+    `remote`: measure on devices handed out by an RPC tracker (MetaSchedule's RPC runner); a
+    server lost during tuning fails its candidates, and the others carry on.
     """
     if trials is None and time_budget is None:
         raise GimletError("give a trial budget (trials) or a time budget (time_budget), or both")
@@ -281,10 +300,7 @@ def tune(
     cost_model = ms.cost_model.XGBModel(num_tuning_cores=cores)
     _warm_cost_model(cost_model, contexts, tasks, db)
     report = RecordAndReport(db, tasks, tvm_target, str(trials) if trials else "time", log)
-    runner = ms.runner.LocalRunner(
-        timeout_sec=runner_timeout,
-        evaluator_config=ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=40),
-    )
+    runner = _runner(remote, runner_timeout)
     # TaskScheduler.tune itself (PyTaskScheduler.tune passes one argument too few in 0.27).
     ms.task_scheduler.task_scheduler._ffi_api.TaskSchedulerTune(
         WeightedScheduler(tasks, deadline),

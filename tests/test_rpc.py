@@ -159,3 +159,51 @@ def test_server_warns_when_exposed(cli) -> None:
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+def test_tune_through_the_tracker(tracker, tmp_path) -> None:
+    from gimlet_tvm.schedules.records import RecordsDB
+    from gimlet_tvm.schedules.tuning import tune
+
+    from .test_tuning import SMALL, tiny_model
+
+    records = tmp_path / "records"
+    result = tune(tiny_model(), "llvm", str(records), trials=4,
+                  remote=RemoteDevice(tracker=tracker, key="cpu-b"), **SMALL)
+    assert result.trials_run >= 4
+    measured = [r for r in RecordsDB(str(records)).records if r.seconds is not None]
+    assert measured, "no candidate was measured on the remote device"
+
+
+def test_tuning_survives_losing_one_of_two_servers(tmp_path) -> None:
+    import threading
+
+    from gimlet_tvm.schedules.records import RecordsDB
+    from gimlet_tvm.schedules.tuning import tune
+
+    from .test_tuning import SMALL, tiny_model
+
+    pool_tracker = Service("tracker", "--port", str(free_port()))
+    servers = [Service("server", "--port", str(free_port()), "--tracker", pool_tracker.address,
+                       "--key", "pool") for _ in range(2)]
+    records = tmp_path / "records"
+    outcome: list = []
+    try:
+        time.sleep(3)
+        worker = threading.Thread(target=lambda: outcome.append(tune(
+            tiny_model(), "llvm", str(records), trials=12, runner_timeout=5,
+            remote=RemoteDevice(tracker=pool_tracker.address, key="pool"), log=open(os.devnull, "w"),
+            **SMALL)))
+        worker.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (records.exists() and RecordsDB(str(records)).records):
+            time.sleep(0.5)
+        servers[0].stop()  # lose one server while tuning runs
+        worker.join(timeout=300)
+        assert not worker.is_alive(), "tuning hung after losing a server"
+    finally:
+        for service in [*servers, pool_tracker]:
+            service.stop()
+    assert outcome and outcome[0].trials_run >= 12
+    db = RecordsDB(str(records))
+    assert not db.problems and sum(r.seconds is not None for r in db.records) >= 4

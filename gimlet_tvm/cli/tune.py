@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..schedules.tuning import tune
-from .common import add_target_args, format_table, parse_input_shapes
+from .common import add_remote_args, add_target_args, format_table, parse_input_shapes, remote_device
 
 
 def add_parser(sub) -> None:
@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--runner-timeout", type=float, default=10.0,
                         help="seconds before a candidate's run counts as failed")
     parser.add_argument("--seed", type=int, default=None, help="search random seed")
+    add_remote_args(parser)
     parser.set_defaults(handler=run)
 
 
@@ -32,7 +33,7 @@ def run(args) -> int:
         trials=args.trials, time_budget=args.time_budget,
         input_shapes=parse_input_shapes(args.input_shape),
         trials_per_round=args.trials_per_round, population_size=args.population,
-        runner_timeout=args.runner_timeout, seed=args.seed,
+        runner_timeout=args.runner_timeout, seed=args.seed, remote=remote_device(args),
     )
     rows = [
         [t.name, str(t.weight), str(t.trials), f"{t.best * 1e3:.4f}" if t.best else "-"]
