@@ -9,16 +9,15 @@ it is handed to the loader.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
 import struct
-import tempfile
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ..errors import ArtifactError
+from ..files import atomic_path
 
 FORMAT_VERSION = 1
 MAGIC = b"\0GIMLET-TVM-ARTIFACT-1"
@@ -31,7 +30,7 @@ def write(path: str | os.PathLike, export_library: Callable[[str], None], metada
 
     Nothing is left at `path` unless the whole artifact was written.
     """
-    with _atomic(path) as tmp:
+    with atomic_path(path, suffix=".so") as tmp:
         export_library(tmp)
         with open(tmp, "rb") as f:
             library_sha256 = hashlib.sha256(f.read()).hexdigest()
@@ -44,27 +43,8 @@ def write(path: str | os.PathLike, export_library: Callable[[str], None], metada
 def copy(source: str | os.PathLike, path: str | os.PathLike) -> None:
     """Copy an artifact atomically, after checking it."""
     read_metadata(source)
-    with _atomic(path) as tmp:
+    with atomic_path(path, suffix=".so") as tmp:
         shutil.copyfile(source, tmp)
-
-
-@contextlib.contextmanager
-def _atomic(path: str | os.PathLike) -> Iterator[str]:
-    """A temporary file beside `path`, renamed onto it (synced) if the block succeeds and
-    removed if it fails."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".gimlet-", suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:

@@ -23,7 +23,6 @@ import fcntl
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -31,7 +30,8 @@ import tvm
 from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 
-from ..errors import GimletError
+from ..errors import GimletError, summary
+from ..files import atomic_path
 
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
@@ -169,7 +169,7 @@ class RecordsDB:
             data = json.loads(text)
             workload = ms.database.Workload.from_json(data)
         except Exception as err:  # json errors and TVM's deserialisation errors alike
-            self._problem(WORKLOAD_FILE, number, f"not a workload: {_short(err)}")
+            self._problem(WORKLOAD_FILE, number, f"not a workload: {summary(err)}")
             return None
         return Workload(index, number, data, workload)
 
@@ -177,7 +177,7 @@ class RecordsDB:
         try:
             index, data = json.loads(text)
         except (ValueError, TypeError) as err:
-            self._problem(RECORD_FILE, number, f"not a [workload, record] pair: {_short(err)}")
+            self._problem(RECORD_FILE, number, f"not a [workload, record] pair: {summary(err)}")
             return None
         known = isinstance(index, int) and 0 <= index < len(self.workloads)
         entry = self.workloads[index] if known else None
@@ -188,7 +188,7 @@ class RecordsDB:
             if check:
                 ms.database.TuningRecord.from_json(data, entry.workload)
         except Exception as err:
-            self._problem(RECORD_FILE, number, f"not a tuning record: {_short(err)}")
+            self._problem(RECORD_FILE, number, f"not a tuning record: {summary(err)}")
             return None
         return Record(number, index, data, _mean_seconds(data[1]))
 
@@ -201,7 +201,7 @@ class RecordsDB:
                 tasks = json.load(f)
             return tasks if isinstance(tasks, dict) else {}
         except ValueError as err:
-            self._problem(TASKS_FILE, 1, f"not JSON: {_short(err)}")
+            self._problem(TASKS_FILE, 1, f"not JSON: {summary(err)}")
             return {}
 
     # ---- queries -------------------------------------------------------------------------
@@ -378,7 +378,7 @@ class RecordsDB:
             with open(path) as f:
                 portable = json.load(f)
         except (OSError, ValueError) as err:
-            raise GimletError(f"cannot read records file {path}: {_short(err)}") from None
+            raise GimletError(f"cannot read records file {path}: {summary(err)}") from None
         if not isinstance(portable, dict) or portable.get("format") != EXPORT_FORMAT:
             raise GimletError(f"{path} is not a gimlet-tvm records export ({EXPORT_FORMAT})")
         return self.add(
@@ -446,22 +446,9 @@ def merge(sources: Iterable[RecordsDB], output: str) -> RecordsDB:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".gimlet-", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
 
-
-def _short(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:160]}" if text else type(err).__name__
 
 
 @tvm.transform.module_pass(opt_level=0, name="gimlet_tvm.ApplyRecords")

@@ -32,7 +32,7 @@ from ..compiler import Targets, fusion_passes, resolve_target
 from ..errors import GimletError
 from ..frontend import InputShapes, ModelLike, import_model, load_model
 from ..runtime.remote import RemoteDevice, parse_address
-from .records import FAILED_SECONDS, RecordsDB, target_key
+from .records import FAILED_SECONDS, RecordsDB
 
 Duration = float | str
 

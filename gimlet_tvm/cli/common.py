@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Mapping
 
 import numpy as np
 
 from .. import build, load
 from ..errors import GimletError, InputError
+from ..files import atomic_path
 from ..runtime import CompiledModel
 from ..runtime.artifact import MAGIC
 from ..runtime.remote import RemoteDevice
@@ -82,15 +82,8 @@ def write_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise GimletError(f"output folder does not exist: {folder}")
-    fd, tmp = tempfile.mkstemp(prefix=".gimlet-", suffix=".npz", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path, suffix=".npz") as tmp, open(tmp, "wb") as f:
+        np.savez(f, **arrays)
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
