@@ -84,3 +84,19 @@ def test_host_target_detects_cpu() -> None:
     assert target["kind"] == "llvm"
     assert target["mcpu"] not in ("", "generic")
     assert target["num-cores"] >= 1
+
+
+def test_vector_code_uses_the_hosts_widest_registers(tmp_path) -> None:
+    """On an AVX-512 host the default build's kernels use 512-bit (zmm) registers."""
+    import subprocess
+
+    from gimlet_tvm.targets.llvm import host_facts
+
+    facts = host_facts()
+    register = {512: "zmm", 256: "ymm", 128: "xmm"}[facts["vector_bits"]]
+    path = tmp_path / "transformer.so"
+    compiled_suite_model("transformer_encoder").export(path)
+    assembly = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)],
+                              capture_output=True, text=True, check=True).stdout
+    vector_ops = [line for line in assembly.splitlines() if f"%{register}" in line]
+    assert len(vector_ops) > 100, f"{len(vector_ops)} instructions use {register} ({facts})"
