@@ -18,6 +18,7 @@ import tvm
 from ..errors import CodeCheckError
 from ..runtime.cuda_runtime import find_cudart, load_cuda_runtime
 from .gpu import (
+    binaries_on_disk,
     dlight_gpu_rules,
     find_tool,
     global_func_override,
@@ -88,13 +89,9 @@ def codegen_hooks(target: tvm.target.Target):
 def check_code(module, record: CodegenRecord, target: tvm.target.Target) -> DeviceCode:
     """Every generated kernel has SASS for the target's arch in the fatbin nvcc produced."""
     arch = str(target.attrs["arch"])
-    if not record.binaries:
-        raise CodeCheckError("no CUDA binary was produced (nvcc was not called)")
     found: set[str] = set()
-    with tempfile.TemporaryDirectory(prefix="gimlet-cuobjdump-") as folder:
-        for index, binary in enumerate(record.binaries):
-            path = os.path.join(folder, f"kernels{index}.fatbin")
-            Path(path).write_bytes(binary)
+    with binaries_on_disk(record, ".fatbin", "CUDA fatbin") as paths:
+        for path in paths:
             elves = run_tool([_cuobjdump(), "--list-elf", path], "listing the fatbin's ELF images")
             if f".{arch}." not in elves:
                 raise CodeCheckError(f"fatbin has no SASS for {arch}: {elves.strip()}")

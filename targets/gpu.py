@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import tvm
@@ -62,6 +64,18 @@ def require_kernels(record: CodegenRecord, found: set[str], where: str) -> tuple
     if missing:
         raise CodeCheckError(f"{len(missing)} kernel(s) missing from {where}: {missing[:5]}")
     return tuple(sorted(record.kernels))
+
+
+@contextlib.contextmanager
+def binaries_on_disk(record: CodegenRecord, suffix: str, what: str) -> Iterator[list[str]]:
+    """The record's device binaries as temporary files, for the toolchain to read back."""
+    if not record.binaries:
+        raise CodeCheckError(f"no {what} was produced (the toolchain was not called)")
+    with tempfile.TemporaryDirectory(prefix="gimlet-check-") as folder:
+        paths = [os.path.join(folder, f"kernels{i}{suffix}") for i in range(len(record.binaries))]
+        for path, binary in zip(paths, record.binaries):
+            Path(path).write_bytes(binary)
+        yield paths
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import tvm
 
 from ..errors import CodeCheckError
 from .gpu import (
+    binaries_on_disk,
     dlight_gpu_rules,
     find_tool,
     global_func_override,
@@ -79,13 +80,9 @@ def codegen_hooks(target: tvm.target.Target):
 def check_code(module, record: CodegenRecord, target: tvm.target.Target) -> DeviceCode:
     """The code object is an AMDGPU ELF for the target's mcpu defining every kernel."""
     mcpu = str(target.attrs["mcpu"])
-    if not record.binaries:
-        raise CodeCheckError("no AMDGPU code object was produced (the linker was not called)")
     found: set[str] = set()
-    with tempfile.TemporaryDirectory(prefix="gimlet-readelf-") as folder:
-        for index, binary in enumerate(record.binaries):
-            path = os.path.join(folder, f"kernels{index}.co")
-            Path(path).write_bytes(binary)
+    with binaries_on_disk(record, ".co", "AMDGPU code object") as paths:
+        for path in paths:
             header = run_tool([_readelf(), "--file-header", path], "reading the code object")
             if "EM_AMDGPU" not in header or not re.search(rf"Flags:.*\b{mcpu}\b", header):
                 raise CodeCheckError(f"code object is not an AMDGPU ELF for {mcpu}:\n{header}")
