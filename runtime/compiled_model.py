@@ -68,11 +68,8 @@ class CompiledModel:
         self.io = io
         self.targets = [dict(t) for t in targets]
         self._spec, _ = lookup(self.targets[0]["name"])
+        self.device: tvm.runtime.Device = self._spec.device()  # need not exist on this machine
         self._main: tvm_ffi.Function | None = None
-
-    @property
-    def device(self) -> tvm.runtime.Device:
-        return self._spec.device()
 
     def _entry(self) -> tvm_ffi.Function:
         """The VM's `main`, created on first run: a model built for a device this machine
