@@ -224,6 +224,11 @@ def _warm_cost_model(cost_model: ms.cost_model.CostModel, contexts: list[ms.Tune
             )
 
 
+# Building one candidate takes well under a second, but the builder's first job (a sanity check
+# in a fresh worker process) imports TVM: on a loaded machine that alone takes seconds.
+BUILD_TIMEOUT_S = 60.0
+
+
 def _runner(remote: RemoteDevice | None, timeout: float) -> ms.runner.Runner:
     """Where candidates are measured: locally, or on devices from an RPC tracker."""
     evaluator = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=40)
@@ -259,8 +264,8 @@ def tune(
     `trials`: total measured candidates over the model's tasks in `records` (earlier runs
     count); `time_budget`: wall time for this run (seconds, or "10m"). At least one is needed.
     `trials_per_round` candidates are measured per round, chosen by an evolutionary search over
-    `population_size` schedules ranked by the cost model. A candidate that fails to build, crashes or runs past `runner_timeout` seconds is
-    recorded as failed and tuning goes on. Progress goes to `log`, one line a round.
+    `population_size` schedules ranked by the cost model. A candidate that fails to build, crashes
+    or runs past `runner_timeout` seconds is recorded as failed and tuning goes on. Progress goes to `log`, one line a round.
     `remote`: measure on devices handed out by an RPC tracker (MetaSchedule's RPC runner); a
     server lost during tuning fails its candidates, and the others carry on.
     """
@@ -306,7 +311,8 @@ def tune(
         WeightedScheduler(tasks, deadline),
         contexts, [float(t.weight) for t in tasks], remaining, remaining, trials_per_round,
         ms.builder.LocalBuilder(
-            max_workers=cores, timeout_sec=runner_timeout * 3, f_build=build_kernel
+            max_workers=cores, timeout_sec=max(BUILD_TIMEOUT_S, 3 * runner_timeout),
+            f_build=build_kernel,
         ), runner,
         [*ms.measure_callback.MeasureCallback.create("default"), report],
         db.database(tvm_target, best_only=False), cost_model,

@@ -104,7 +104,7 @@ def test_rerun_resumes_from_the_records(records_copy):
 
 
 def test_failing_candidates_are_recorded_and_tuning_goes_on(tmp_path):
-    # A timeout no build or run can meet: every candidate fails, and tuning still finishes.
+    # A run timeout no candidate can meet: every candidate fails, and tuning still finishes.
     path = str(tmp_path / "records")
     result = gimlet_tvm.tune(tiny_model(), "llvm", path, trials=4, runner_timeout=1e-3,
                              **SMALL)
