@@ -14,6 +14,7 @@ from tvm.s_tir import dlight
 from .errors import CompileError, GimletError, TargetUnavailableError, summary
 from .frontend import InputShapes, ModelLike, import_model, load_model
 from .runtime import CompiledModel
+from .relax_passes.graph_fusion import graph_fusion_passes
 from .schedules.records import ApplyRecords, RecordsDB
 from .targets import TargetLike, TargetSpec, lookup
 
@@ -36,6 +37,7 @@ def fusion_passes(spec: TargetSpec, target: tvm.target.Target) -> list[tvm.trans
     """Imported graph to fused TIR kernels: the kernels we build, and the ones tuning sees."""
     return [
         *canonicalize_passes(),
+        *graph_fusion_passes(),
         *spec.library_passes(target),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
