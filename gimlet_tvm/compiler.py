@@ -1,10 +1,18 @@
-"""`build`: ONNX model in, `CompiledModel` out, along one pipeline for every target."""
+"""`build`: ONNX model in, `CompiledModel` out, along one pipeline for every target.
+
+One target builds the whole model for it. Several targets build one executable for several
+devices: `PlaceOnDevices` puts each op where the cost model says (the host CPU is device 0
+and keeps inputs, outputs and anything no other target can run), then every target compiles
+its own kernels and the Relax VM runs them all.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
-from typing import Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import tvm
 from tvm import relax
@@ -13,12 +21,18 @@ from tvm.s_tir import dlight
 
 from .errors import CompileError, GimletError, TargetUnavailableError, summary
 from .frontend import InputShapes, ModelLike, import_model, load_model
-from .runtime import CompiledModel
 from .relax_passes.graph_fusion import graph_fusion_passes
+from .relax_passes.kernel_targets import AssignKernelTargets, PerTarget
+from .relax_passes.place_on_devices import PlaceOnDevices
+from .relax_passes.placement import Device, Pins
+from .relax_passes.planned_memory import RecordPlannedMemory
+from .runtime import CompiledModel
 from .schedules.records import ApplyRecords, RecordsDB
-from .targets import TargetLike, TargetSpec, lookup
+from .targets import DeviceCode, TargetLike, TargetSpec, lookup
 
 Targets = Union[TargetLike, Sequence[TargetLike]]
+BuildDevice = tuple[TargetSpec, tvm.target.Target]
+HOST_TARGET = "llvm"
 
 
 def canonicalize_passes() -> list[tvm.transform.Pass]:
@@ -33,49 +47,112 @@ def canonicalize_passes() -> list[tvm.transform.Pass]:
     ]
 
 
-def fusion_passes(spec: TargetSpec, target: tvm.target.Target) -> list[tvm.transform.Pass]:
-    """Imported graph to fused TIR kernels: the kernels we build, and the ones tuning sees."""
+def kernel_passes(
+    devices: Sequence[BuildDevice], placer: PlaceOnDevices | None = None
+) -> list[tvm.transform.Pass]:
+    """Imported graph to fused TIR kernels, each tagged with the target that compiles it."""
     return [
         *canonicalize_passes(),
         *graph_fusion_passes(),
-        *spec.library_passes(target),
+        *([placer] if placer is not None else []),
+        *[p for spec, target in devices for p in spec.library_passes(target)],
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
+        *([AssignKernelTargets()] if placer is not None else []),
     ]
+
+
+def fusion_passes(spec: TargetSpec, target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """The kernels one target builds: the ones tuning sees."""
+    return kernel_passes([(spec, target)])
+
+
+def device_pipeline(
+    devices: Sequence[BuildDevice],
+    tuned: ApplyRecords | None = None,
+    placer: PlaceOnDevices | None = None,
+    memory: RecordPlannedMemory | None = None,
+) -> tvm.transform.Pass:
+    """The whole Relax pipeline; `devices[0]` compiles the kernels no device claimed.
+
+    Each target's kernels get its default schedule rules; `tuned` schedules the first
+    target's kernels that have tuning records; `memory` records the memory plan. Target
+    specifics come from the specs alone.
+    """
+    specs = {target.kind.name: spec for spec, target in devices}
+    default = devices[0][1]
+
+    def schedule(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+        rules = list(specs[target.kind.name].schedule_rules(target))
+        return [dlight.ApplyDefaultSchedule(*rules)] if rules else []
+
+    passes = [
+        *kernel_passes(devices, placer),
+        *([PerTarget([default], default, lambda target: [tuned])] if tuned is not None else []),
+        PerTarget([target for _, target in devices], default, schedule),
+        *generic_pipeline.dataflow_lower_passes(default),
+    ]
+    for finalize in generic_pipeline.finalize_passes(default):
+        passes.append(finalize)
+        if memory is not None and finalize.info.name == "StaticPlanBlockMemory":
+            passes.append(memory)
+    return tvm.transform.Sequential(passes, name="gimlet_tvm.relax_pipeline")
 
 
 def relax_pipeline(
     spec: TargetSpec, target: tvm.target.Target, tuned: ApplyRecords | None = None
 ) -> tvm.transform.Pass:
-    """The whole Relax pipeline for one target; target specifics come from `spec` alone.
+    """The pipeline of a one-target build."""
+    return device_pipeline([(spec, target)], tuned)
 
-    `tuned` schedules the kernels that have tuning records; the default rules do the rest.
-    """
-    rules = list(spec.schedule_rules(target))
-    passes = [
-        *fusion_passes(spec, target),
-        *([tuned] if tuned is not None else []),
-        *([dlight.ApplyDefaultSchedule(*rules)] if rules else []),
-        *generic_pipeline.dataflow_lower_passes(target),
-        *generic_pipeline.finalize_passes(target),
+
+def resolve_target(targets: Targets) -> BuildDevice:
+    """The one target of a single-device build (tuning tunes one target)."""
+    devices = resolve_devices(targets)
+    if len(devices) != 1:
+        raise GimletError(f"give one target here, not {len(devices)}")
+    return devices[0]
+
+
+def resolve_devices(targets: Targets) -> list[BuildDevice]:
+    """The build's targets; with several, the host CPU first (added when not asked for)."""
+    listed = list(targets) if isinstance(targets, (list, tuple)) else [targets]
+    if not listed:
+        raise GimletError("no target given")
+    devices = []
+    for entry in listed:
+        spec, overrides = lookup(entry)
+        devices.append((spec, spec.make_target(overrides)))
+    names = [spec.name for spec, _ in devices]
+    if len(set(names)) != len(names):
+        raise GimletError(f"a target is given twice: {', '.join(names)}")
+    if len(devices) > 1:
+        if HOST_TARGET not in names:
+            host = lookup(HOST_TARGET)[0]
+            devices.insert(0, (host, host.make_target()))
+        devices.sort(key=lambda device: device[0].name != HOST_TARGET)
+    return devices
+
+
+def _placer(
+    devices: Sequence[BuildDevice],
+    asked: set[str],
+    pins: Mapping[str, str] | None,
+    device_facts: Mapping[str, Mapping[str, Any]] | None,
+) -> PlaceOnDevices:
+    facts = dict(device_facts or {})
+    unknown = set(facts) - {spec.name for spec, _ in devices}
+    if unknown:
+        raise GimletError(f"device_facts for targets not in the build: {', '.join(sorted(unknown))}")
+    placement_devices = [
+        Device(spec, dataclasses.replace(spec.perf_facts(), **facts.get(spec.name, {})),
+               placeable=spec.name in asked)
+        for spec, _ in devices
     ]
-    return tvm.transform.Sequential(passes, name="gimlet_tvm.relax_pipeline")
-
-
-def resolve_target(targets: Targets) -> tuple[TargetSpec, tvm.target.Target]:
-    """The single target to build for (several targets need the partitioner: not yet)."""
-    if isinstance(targets, (list, tuple)):
-        if len(targets) != 1:
-            raise GimletError(
-                f"building for several targets at once ({len(targets)} given) is not "
-                "supported yet: cross-device partitioning is not implemented; pass one target"
-            )
-        targets = targets[0]
-    spec, overrides = lookup(targets)
-    return spec, spec.make_target(overrides)
+    return PlaceOnDevices(placement_devices, [target for _, target in devices], Pins(dict(pins or {})))
 
 
 def build(
@@ -84,34 +161,58 @@ def build(
     *,
     input_shapes: InputShapes | None = None,
     records: str | os.PathLike | None = None,
+    pins: Mapping[str, str] | None = None,
+    device_facts: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> CompiledModel:
     """Compile an ONNX model (path, `onnx.ModelProto` or bytes) for `targets`.
 
-    `targets`: a registered name (`"llvm"`), a TVM target dict, or a one-element list.
+    `targets`: a registered name (`"llvm"`), a TVM target dict, or a list of them: with
+    several, each op goes to the device where the modelled latency is least
+    (`CompiledModel.placement()` says where and why).
     `input_shapes`: `{input name: shape}` fixing symbolic dims; others stay symbolic.
-    `records`: a tuning-records directory (`gimlet_tvm.tune`); kernels without a record
-    get the target's default schedules. `targets[0]["tuned_tasks"]` counts the tuned ones.
+    `records`: a tuning-records directory (`gimlet_tvm.tune`) for the first target; kernels
+    without a record get the target's default schedules (`targets[0]["tuned_tasks"]`).
+    `pins`: `{ONNX op type or node name: target name}` puts ops on a device by hand (an op the
+    device cannot run falls back). `device_facts`: `{target name: {PerfFacts field: value}}`
+    overrides the placement cost model's roofline of a device.
     """
-    spec, target = resolve_target(targets)
-    reason = spec.can_compile()
-    if reason is not None:
-        raise TargetUnavailableError(f"cannot compile for {spec.name} on this machine: {reason}")
+    devices = resolve_devices(targets)
+    for spec, _ in devices:
+        reason = spec.can_compile()
+        if reason is not None:
+            raise TargetUnavailableError(f"cannot compile for {spec.name} on this machine: {reason}")
+    if len(devices) == 1 and (pins or device_facts):
+        raise GimletError("pins and device_facts need several targets to place ops on")
+    given = targets if isinstance(targets, (list, tuple)) else [targets]
+    asked = {lookup(entry)[0].name for entry in given}
+    placer = _placer(devices, asked, pins, device_facts) if len(devices) > 1 else None
     proto = load_model(model)
     mod, io = import_model(proto, input_shapes)
+    spec, target = devices[0]
     tuned = ApplyRecords(RecordsDB(records), target) if records is not None else None
-    with target, spec.codegen_hooks(target) as record:
+    names = "+".join(spec.name for spec, _ in devices)
+    memory = RecordPlannedMemory()
+    with target, contextlib.ExitStack() as stack:
+        codegen = [stack.enter_context(spec.codegen_hooks(t)) for spec, t in devices]
         try:
-            pipeline = relax_pipeline(spec, target, tuned)
+            pipeline = device_pipeline(devices, tuned, placer, memory)
             executable = tvm.compile(mod, target, relax_pipeline=pipeline)
         except GimletError:
             raise
         except Exception as err:  # TVM's passes and code generators raise many error types
-            raise CompileError(f"compiling for {spec.name} failed: {summary(err)}") from err
-    device_code = spec.check_code(executable.mod, record, target)
-    built_for = {
-        "name": spec.name,
-        "target": json.loads(json.dumps(dict(target.export()), default=list)),
-        "device_code": device_code.to_json(),
-        "tuned_tasks": tuned.applied if tuned is not None else 0,
-    }
-    return CompiledModel(executable.mod, io, [built_for])
+            raise CompileError(f"compiling for {names} failed: {summary(err)}") from err
+    built_for = []
+    for index, ((spec, target), record) in enumerate(zip(devices, codegen)):
+        if placer is not None and not record.kernels:
+            device_code = DeviceCode("no kernels placed on this device", (), "-")
+        else:
+            device_code = spec.check_code(executable.mod, record, target)
+        built_for.append({
+            "name": spec.name,
+            "target": json.loads(json.dumps(dict(target.export()), default=list)),
+            "device_code": device_code.to_json(),
+            "tuned_tasks": tuned.applied if tuned is not None and index == 0 else 0,
+            "planned_memory": memory.bytes_per_device.get(index, 0),
+        })
+    placement = placer.placement.to_json([s.name for s, _ in devices]) if placer is not None else None
+    return CompiledModel(executable.mod, io, built_for, placement=placement)

@@ -14,11 +14,13 @@ import tvm_ffi
 from tvm import relax
 
 from .. import __version__
-from ..errors import ArtifactError, TargetUnavailableError
+from ..errors import ArtifactError, GimletError, TargetUnavailableError
 from ..io_spec import IOSpec, TensorSpec
+from ..relax_passes.place_on_devices import WEIGHTS_FUNCTION
 from ..targets import lookup
 from . import artifact
 from .extensions import load_extensions
+from .placement_report import PlacementReport
 
 if TYPE_CHECKING:
     from .remote import RemoteDevice, RemoteModel
@@ -48,8 +50,35 @@ class BenchmarkResult:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """One profiled run. `calls`: per VM call (kernel, library function, copy) and device:
+    (name, device, count, total milliseconds), in first-call order; `planned_memory`: per
+    target, the bytes the build's static memory plan allocates on that device (None where
+    sizes depend on symbolic dims)."""
+
+    calls: list[tuple[str, str, int, float]]
+    planned_memory: dict[str, int | None]
+
+    def per_device_ms(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for _, device, _, ms in self.calls:
+            totals[device] = totals.get(device, 0.0) + ms
+        return totals
+
+    def __str__(self) -> str:
+        width = max([len(c[0]) for c in self.calls] + [4])
+        lines = [f"{'call':<{width}}  {'device':<8} {'count':>5} {'total ms':>10}"]
+        lines += [f"{n:<{width}}  {d:<8} {c:>5} {ms:>10.3f}" for n, d, c, ms in self.calls]
+        per_device = ", ".join(f"{d}: {ms:.3f} ms" for d, ms in self.per_device_ms().items())
+        memory = ", ".join(f"{name}: {'dynamic' if b is None else f'{b} bytes'}"
+                           for name, b in self.planned_memory.items())
+        lines.append(f"time per device: {per_device}; planned memory per device: {memory}")
+        return "\n".join(lines)
+
+
 class CompiledModel:
-    """A model compiled for one target, callable with numpy arrays.
+    """A model compiled for one target or placed across several, callable with numpy arrays.
 
     `model(*arrays)` returns the outputs as a list of numpy arrays in the model's output
     order; `model.run({name: array})` returns `{name: array}`. Inputs are checked against the
@@ -62,27 +91,42 @@ class CompiledModel:
         io: IOSpec,
         targets: Sequence[Mapping[str, Any]],
         artifact_path: str | None = None,
+        placement: Mapping[str, Any] | None = None,
     ):
         self._module = module
         self._artifact_path = artifact_path  # set when loaded from an artifact file
         self.io = io
         self.targets = [dict(t) for t in targets]
-        self._spec, _ = lookup(self.targets[0]["name"])
-        self.device: tvm.runtime.Device = self._spec.device()  # need not exist on this machine
+        self._placement = dict(placement) if placement is not None else None
+        self._specs = [lookup(t["name"])[0] for t in self.targets]
+        # The VM's devices, in the build's vdevice order; inputs and constants live on the
+        # first. They need not exist on this machine until the model runs.
+        self.devices: list[tvm.runtime.Device] = [spec.device() for spec in self._specs]
+        self.device = self.devices[0]
+        self._vm: relax.VirtualMachine | None = None
         self._main: tvm_ffi.Function | None = None
+        self._weights: list[Any] = []
 
-    def _entry(self) -> tvm_ffi.Function:
-        """The VM's `main`, created on first run: a model built for a device this machine
-        lacks can still be exported."""
-        if self._main is None:
-            reason = self._spec.can_run()
-            if reason is not None or not self.device.exist:
+    def _machine(self) -> relax.VirtualMachine:
+        """A VM over the model's devices (and its weights copied to them once): created on
+        first run, so a model built for a device this machine lacks can still be exported."""
+        for spec, device in zip(self._specs, self.devices):
+            reason = spec.can_run()
+            if reason is not None or not device.exist:
                 raise TargetUnavailableError(
-                    f"target '{self._spec.name}' cannot run on this machine: "
+                    f"target '{spec.name}' cannot run on this machine: "
                     f"{reason or 'no device'} (export it and run it where one exists)"
                 )
-            load_extensions()  # executables may call our runtime library functions
-            self._main = relax.VirtualMachine(self._module, self.device)["main"]
+        load_extensions()  # executables may call our runtime library functions
+        vm = relax.VirtualMachine(self._module, self.devices)
+        if not self._weights and vm.module.implements_function(WEIGHTS_FUNCTION):
+            self._weights = list(vm[WEIGHTS_FUNCTION]())
+        return vm
+
+    def _entry(self) -> tvm_ffi.Function:
+        if self._main is None:
+            self._vm = self._machine()
+            self._main = self._vm["main"]
         return self._main
 
     @property
@@ -111,7 +155,7 @@ class CompiledModel:
     def _execute(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         entry = self._entry()
         tensors = [tvm.runtime.tensor(np.require(a, requirements="C"), self.device) for a in arrays]
-        result = entry(*tensors)
+        result = entry(*tensors, *self._weights)
         flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
         return [to_numpy(value) for value in flat]
 
@@ -127,12 +171,7 @@ class CompiledModel:
 
         Without `inputs`, random inputs are drawn for the interface, symbolic dims set to 1.
         """
-        if inputs is None:
-            arrays = self.io.order_inputs(random_inputs(self.io, seed=seed))
-        elif isinstance(inputs, Mapping):
-            arrays = self.io.order_inputs((), inputs)
-        else:
-            arrays = self.io.order_inputs(inputs)
+        arrays = self._arrays(inputs, seed)
         for _ in range(warmup):
             self._execute(arrays)
         samples = []
@@ -142,11 +181,56 @@ class CompiledModel:
             samples.append(time.perf_counter() - start)
         return BenchmarkResult.from_samples(samples)
 
+    def _arrays(self, inputs: Mapping[str, Any] | Sequence[Any] | None, seed: int = 0) -> list:
+        """Checked inputs in interface order; random ones (symbolic dims 1) when None."""
+        if inputs is None:
+            return self.io.order_inputs(random_inputs(self.io, seed=seed))
+        if isinstance(inputs, Mapping):
+            return self.io.order_inputs((), inputs)
+        return self.io.order_inputs(inputs)
+
     def remote(self, device: "RemoteDevice") -> "RemoteModel":
         """This model uploaded to a remote device (TVM RPC), callable like this one."""
         from .remote import RemoteModel
 
         return RemoteModel(self, device, device.connect())
+
+    def placement(self) -> PlacementReport:
+        """Where each op runs, its modelled cost per device, and the cross-device copies."""
+        if self._placement is None:
+            raise GimletError(f"built for one target ({self.targets[0]['name']}): every op runs "
+                              "there; placement needs several targets")
+        return PlacementReport(self._placement)
+
+    def profile(self, inputs: Mapping[str, Any] | Sequence[Any] | None = None) -> "Profile":
+        """One run with every VM call timed (kernels, library calls, copies), each on its
+        device (the device is synchronised around every call, so times are exact but the
+        total exceeds an unprofiled run's)."""
+        arrays = self._arrays(inputs)
+        vm = self._machine()
+        names = {(d.dlpack_device_type(), d.index): s.name for s, d in zip(self._specs, self.devices)}
+        rows: dict[tuple[str, str], list[float]] = {}
+        started: list[tuple[float, Any]] = []
+
+        def instrument(func, symbol, before, result, *args):
+            device = next((a.device for a in args if isinstance(a, tvm.runtime.Tensor)), None)
+            if device is not None:
+                device.sync()
+            if before:
+                started.append((time.perf_counter(), device))
+            else:
+                start, _ = started.pop()
+                place = names.get((device.dlpack_device_type(), device.index), str(device)) if device else "host"
+                rows.setdefault((str(symbol), place), []).append(time.perf_counter() - start)
+            return 0
+
+        vm.set_instrument(instrument)
+        tensors = [tvm.runtime.tensor(np.require(a, requirements="C"), self.device) for a in arrays]
+        vm["main"](*tensors, *self._weights)
+        return Profile(
+            [(symbol, place, len(t), sum(t) * 1e3) for (symbol, place), t in rows.items()],
+            {t["name"]: t.get("planned_memory") for t in self.targets},
+        )
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -156,6 +240,7 @@ class CompiledModel:
             "tvm_version": tvm.__version__,
             "targets": self.targets,
             "io": self.io.to_json(),
+            "placement": self._placement,
         }
 
     def export(self, path: str | os.PathLike) -> None:
@@ -195,12 +280,13 @@ def random_inputs(io: IOSpec, *, seed: int = 0, dims: Mapping[str, int] | None =
 def load(path: str | os.PathLike) -> CompiledModel:
     """Load an artifact written by `CompiledModel.export`."""
     meta = artifact.read_metadata(path)
-    spec, _ = lookup(meta["targets"][0]["name"])
-    reason = spec.can_run()
-    if reason is not None:
-        raise TargetUnavailableError(
-            f"artifact is built for '{spec.name}', which cannot run on this machine: {reason}"
-        )
+    for built_for in meta["targets"]:
+        spec, _ = lookup(built_for["name"])
+        reason = spec.can_run()
+        if reason is not None:
+            raise TargetUnavailableError(
+                f"artifact is built for '{spec.name}', which cannot run on this machine: {reason}"
+            )
     if meta.get("tvm_version") != tvm.__version__:
         raise ArtifactError(
             f"artifact was built with TVM {meta.get('tvm_version')}, this is TVM "
@@ -211,5 +297,6 @@ def load(path: str | os.PathLike) -> CompiledModel:
     except Exception as err:
         raise ArtifactError(f"cannot load artifact {os.fspath(path)}: {err}") from None
     return CompiledModel(
-        module, IOSpec.from_json(meta["io"]), meta["targets"], artifact_path=os.fspath(path)
+        module, IOSpec.from_json(meta["io"]), meta["targets"], artifact_path=os.fspath(path),
+        placement=meta.get("placement"),
     )

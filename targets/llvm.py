@@ -10,7 +10,11 @@ import tvm
 
 from ..relax_passes.dispatch_cpu_library import DispatchCPULibrary
 from ..schedules.cpu import RULES as CPU_SCHEDULE_RULES
-from .spec import TargetSpec
+from .spec import PerfFacts, TargetSpec
+
+# Main-memory bandwidth one socket's share of DDR4/DDR5 channels gives a few cores: an estimate.
+HOST_MEMORY_GBPS = 20.0
+DEFAULT_CLOCK_GHZ = 2.5
 
 # Vector register width (bits) implied by the LLVM CPU features we recognise, widest first.
 _VECTOR_BITS = (("avx512f", 512), ("avx2", 256), ("avx", 256), ("sse2", 128), ("neon", 128))
@@ -45,6 +49,24 @@ def host_facts() -> dict[str, Any]:
     return {"mcpu": mcpu, "vector_bits": _vector_bits(mcpu), "cores": _num_cores()}
 
 
+def _clock_ghz() -> float:
+    """The CPU clock the kernel reports (first core), else a typical one."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = next(line for line in f if line.startswith("cpu MHz"))
+        return float(mhz.split(":")[1]) / 1000
+    except (OSError, StopIteration, ValueError):
+        return DEFAULT_CLOCK_GHZ
+
+
+def host_perf() -> PerfFacts:
+    """Roofline of the host: cores x fp32 lanes x 2 (FMA) x 2 FMA ports x clock."""
+    lanes = _vector_bits(_host_cpu()) // 32
+    peak = _num_cores() * lanes * 2 * 2 * _clock_ghz()
+    return PerfFacts(peak_gflops=peak, memory_gbps=HOST_MEMORY_GBPS, launch_us=1, link_gbps=None,
+                     copy_us=0)
+
+
 LLVM_CPU = TargetSpec(
     name="llvm",
     aliases=("cpu", "x86", "host"),
@@ -56,4 +78,5 @@ LLVM_CPU = TargetSpec(
     library_passes=lambda target: (DispatchCPULibrary(), tvm.relax.transform.FastMathTransform()),
     schedule_rules=lambda target: tuple(rule() for rule in CPU_SCHEDULE_RULES),
     can_run=lambda: None,
+    perf_facts=host_perf,
 )

@@ -31,6 +31,27 @@ class DeviceCode:
         return {"format": self.format, "kernels": list(self.kernels), "checked_with": self.checked_with}
 
 
+@dataclasses.dataclass(frozen=True)
+class PerfFacts:
+    """What the placement cost model assumes of a device: a roofline and its links.
+
+    peak_gflops: fp32 arithmetic peak; memory_gbps: device memory bandwidth (GB/s);
+    launch_us: fixed cost of one kernel launch; link_gbps: host <-> device copy bandwidth,
+    None where the device computes in host memory (copies cost nothing); copy_us: fixed cost
+    of one copy. Estimates, not measurements: `build(..., device_facts=...)` overrides them.
+    """
+
+    peak_gflops: float
+    memory_gbps: float
+    launch_us: float
+    link_gbps: float | None
+    copy_us: float = 10.0
+
+
+# A discrete GPU of the A100 class behind PCIe 4: for GPU targets that say nothing better.
+DISCRETE_GPU = PerfFacts(peak_gflops=19500, memory_gbps=1500, launch_us=8, link_gbps=20)
+
+
 @dataclasses.dataclass
 class CodegenRecord:
     """What one build's code generation produced, collected by the target's hooks.
@@ -76,6 +97,7 @@ class TargetSpec:
     codegen_hooks / check_code: how to generate device code, and how to check it.
     can_compile / can_run: whether this machine can generate code for / execute on it; each
       returns None when it can, else the reason it can't.
+    perf_facts: the device's roofline, for cross-device placement.
     """
 
     name: str
@@ -93,6 +115,7 @@ class TargetSpec:
     extra_facts: Callable[[], Mapping[str, Any]] = dict
     can_compile: Callable[[], str | None] = lambda: None
     can_run: Callable[[], str | None] = lambda: "no runtime for this target in this build"
+    perf_facts: Callable[[], PerfFacts] = lambda: DISCRETE_GPU
 
     def make_target(self, overrides: Mapping[str, Any] | None = None) -> tvm.target.Target:
         """The TVM target: this machine's defaults with `overrides` on top."""
@@ -105,6 +128,12 @@ class TargetSpec:
     def device(self, index: int = 0) -> tvm.runtime.Device:
         """The runtime device executables built for this target run on."""
         return tvm.device(self.device_type, index)
+
+    def cannot_run(self, dtypes: Sequence[str]) -> str | None:
+        """Why an op on tensors of `dtypes` cannot run on this target, or None (its capability
+        check, as an execution provider declares what it runs)."""
+        unsupported = sorted(set(dtypes) - set(self.dtypes))
+        return f"{self.name} has no {', '.join(unsupported)} support" if unsupported else None
 
     def facts(self) -> dict[str, Any]:
         """Device facts the compiler uses, read from the default TVM target and the spec."""

@@ -24,7 +24,8 @@ from .gpu import (
     require_kernels,
     run_tool,
 )
-from .spec import CodegenRecord, DeviceCode, TargetSpec
+from .llvm import host_perf
+from .spec import DISCRETE_GPU, CodegenRecord, DeviceCode, PerfFacts, TargetSpec
 from .vulkan_codegen import build_vulkan, glslang
 
 # Cross-compiling defaults: what Vulkan guarantees (maxComputeWorkGroupInvocations >= 128,
@@ -84,6 +85,17 @@ def extra_facts() -> dict[str, Any]:
         "device_max_workgroup_invocations": device["max_workgroup_invocations"],
         "subgroup_size": device["subgroup_size"],
     }
+
+
+def perf_facts() -> PerfFacts:
+    """A CPU Vulkan driver (lavapipe) computes in host memory with half the host's vector width
+    and pays a driver round trip per dispatch; a GPU is taken to be a discrete one."""
+    device = _device()
+    if device is None or device["kind"] != "cpu":
+        return DISCRETE_GPU
+    host = host_perf()
+    return PerfFacts(peak_gflops=host.peak_gflops / 2, memory_gbps=host.memory_gbps,
+                     launch_us=50, link_gbps=host.memory_gbps, copy_us=20)
 
 
 @contextlib.contextmanager
@@ -158,4 +170,5 @@ VULKAN = TargetSpec(
     extra_facts=extra_facts,
     can_compile=_missing_tools,
     can_run=no_device_reason,
+    perf_facts=perf_facts,
 )

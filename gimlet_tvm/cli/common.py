@@ -27,13 +27,39 @@ def parse_input_shapes(items: list[str] | None) -> dict[str, list]:
 
 
 def add_target_args(parser) -> None:
-    parser.add_argument("-t", "--target", default="llvm", help="registered target (default llvm)")
+    parser.add_argument("-t", "--target", default="llvm", type=parse_targets,
+                        help="registered target (default llvm), or several separated by commas "
+                             "to place the model's ops across their devices (vulkan,llvm)")
+    parser.add_argument("--pin", action="append", metavar="OP=TARGET",
+                        help="with several targets: put an ONNX op type or node name on TARGET "
+                             "(repeatable)")
     parser.add_argument(
         "--input-shape",
         action="append",
         metavar="NAME=D0,D1,...",
         help="fix an input's shape (repeatable); other symbolic dims stay symbolic",
     )
+
+
+def parse_targets(text: str) -> str | list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    return names[0] if len(names) == 1 else names
+
+
+def parse_pins(items: list[str] | None) -> dict[str, str] | None:
+    pins = {}
+    for item in items or []:
+        op, sep, target = item.rpartition("=")
+        if not sep or not op or not target:
+            raise InputError(f"--pin expects OP=TARGET, got '{item}'")
+        pins[op] = target
+    return pins or None
+
+
+def build_from_args(path: str, args, **options) -> CompiledModel:
+    """`build` with the target, input shape and pin options of the command line."""
+    return build(path, args.target, input_shapes=parse_input_shapes(args.input_shape),
+                 pins=parse_pins(args.pin), **options)
 
 
 def add_remote_args(parser) -> None:
@@ -64,7 +90,7 @@ def model_or_artifact(path: str, args) -> CompiledModel:
     """Load `path` as an artifact if it is one, else compile it as an ONNX model."""
     if is_artifact(path):
         return load(path)
-    return build(path, args.target, input_shapes=parse_input_shapes(args.input_shape))
+    return build_from_args(path, args)
 
 
 def read_npz(path: str) -> dict[str, np.ndarray]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import time
 
-from .. import build
-from .common import add_target_args, parse_input_shapes
+from .common import add_target_args, build_from_args
 
 
 def add_parser(sub) -> None:
@@ -14,24 +13,29 @@ def add_parser(sub) -> None:
     parser.add_argument("-o", "--output", required=True, help="artifact to write (e.g. out.so)")
     add_target_args(parser)
     parser.add_argument("--records", metavar="DIR", help="apply tuning records (gimlet-tvm tune)")
+    parser.add_argument("--placement-graph", metavar="FILE",
+                        help="with several targets: draw the placement (.png, .svg or .dot)")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
     start = time.perf_counter()
-    model = build(
-        args.model, args.target, input_shapes=parse_input_shapes(args.input_shape),
-        records=args.records,
-    )
+    model = build_from_args(args.model, args, records=args.records)
     model.export(args.output)
     seconds = time.perf_counter() - start
-    print(f"compiled {args.model} for {model.targets[0]['name']} in {seconds:.1f} s -> {args.output}")
+    names = "+".join(t["name"] for t in model.targets)
+    print(f"compiled {args.model} for {names} in {seconds:.1f} s -> {args.output}")
     if args.records:
         print(f"  tuned kernels: {model.targets[0]['tuned_tasks']} from {args.records}")
-    code = model.targets[0]["device_code"]
-    if code["kernels"]:
-        print(f"  device code: {code['format']}, {len(code['kernels'])} kernels, "
-              f"checked with {code['checked_with']}")
+    for built_for in model.targets:
+        code = built_for["device_code"]
+        if code["kernels"]:
+            print(f"  {built_for['name']} device code: {code['format']}, {len(code['kernels'])} "
+                  f"kernels, checked with {code['checked_with']}")
+    if len(model.targets) > 1:
+        print(model.placement())
+        if args.placement_graph:
+            model.placement().write_graph(args.placement_graph)
     for kind, specs in (("input", model.inputs), ("output", model.outputs)):
         for spec in specs:
             print(f"  {kind:6} {spec.describe()}")

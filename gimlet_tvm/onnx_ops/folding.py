@@ -3,10 +3,14 @@
 The value comes from ONNX's reference implementation (`onnx.reference`), so shape arithmetic
 in expanded function bodies (`Shape` -> `Gather` -> `Concat` -> `Reshape`) reaches the
 converters that need it as plain constants.
+
+Every converted node's result is bound to a variable named after the node (`binding_name`),
+so later stages (placement pins, reports) can name what came from which ONNX node.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -68,6 +72,12 @@ def fold(op: str, opset: int, inputs: Sequence[Any], attr: dict) -> relax.Expr |
     return consts[0] if len(consts) == 1 else relax.Tuple(consts)
 
 
+def binding_name(node_name: str) -> str:
+    """The Relax variable name for an ONNX node's result: its name as an identifier."""
+    name = re.sub(r"\W", "_", node_name)
+    return f"n_{name}" if name[:1].isdigit() else name
+
+
 class Folding:
     """A converter entry that folds all-constant nodes and defers everything else to `base`."""
 
@@ -82,6 +92,12 @@ class Folding:
         def fold_or_convert(bb: relax.BlockBuilder, inputs: Sequence[Any], attr: dict,
                             params: Any) -> Any:
             folded = fold(self.op, opset, inputs, attr)
-            return folded if folded is not None else convert(bb, inputs, attr, params)
+            if folded is not None:
+                return folded
+            node_name = attr.get("tvm_custom", {}).get("name", "")
+            result = convert(bb, inputs, attr, params)
+            if isinstance(result, relax.Call) and node_name:
+                return bb.emit(result, name_hint=binding_name(node_name))
+            return result
 
         return fold_or_convert

@@ -46,6 +46,16 @@ std::string VersionString(uint32_t version) {
   return os.str();
 }
 
+const char* DeviceKindName(VkPhysicalDeviceType type) {
+  switch (type) {
+    case VK_PHYSICAL_DEVICE_TYPE_CPU: return "cpu";
+    case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: return "discrete_gpu";
+    case VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: return "integrated_gpu";
+    case VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: return "virtual_gpu";
+    default: return "other";
+  }
+}
+
 }  // namespace
 
 void CheckVk(VkResult result, const char* call) {
@@ -153,6 +163,7 @@ void VulkanDevice::ReadLimits(VkPhysicalDevice physical) {
   vkGetPhysicalDeviceProperties2(physical, &props);
   const VkPhysicalDeviceLimits& l = props.properties.limits;
   limits_.name = props.properties.deviceName;
+  limits_.kind = DeviceKindName(props.properties.deviceType);
   limits_.api_version = props.properties.apiVersion;
   limits_.driver_version = props.properties.driverVersion;
   for (int i = 0; i < 3; ++i) {
@@ -447,6 +458,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
           const DeviceLimits& l = context.device(static_cast<int>(i)).limits();
           tvm::ffi::json::Object d;
           d.Set(tvm::ffi::String("name"), tvm::ffi::String(l.name));
+          d.Set(tvm::ffi::String("kind"), tvm::ffi::String(l.kind));
           d.Set(tvm::ffi::String("api_version"), tvm::ffi::String(VersionString(l.api_version)));
           d.Set(tvm::ffi::String("max_workgroup_invocations"),
                 static_cast<int64_t>(l.max_workgroup_invocations));

@@ -46,6 +46,7 @@ struct VulkanBuffer {
 /*! \brief Limits and facts read from the driver, used for checks and device attributes. */
 struct DeviceLimits {
   std::string name;
+  std::string kind;  // "cpu", "discrete_gpu", "integrated_gpu", "virtual_gpu", "other"
   uint32_t api_version{0};
   uint32_t driver_version{0};
   std::array<uint32_t, 3> max_workgroup_size{};

@@ -1,0 +1,197 @@
+"""Cross-device placement (vulkan on lavapipe + llvm) and the multi-device VM: real builds,
+real runs on both devices in one VM, compared with onnxruntime; the minimum-cut placement
+checked against brute force.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import gimlet_tvm
+from gimlet_tvm.compiler import canonicalize_passes, resolve_devices
+from gimlet_tvm.frontend import import_model
+from gimlet_tvm.relax_passes.op_graph import OpGraph
+from gimlet_tvm.relax_passes.placement import Device, Pins, _report, place
+from gimlet_tvm.targets import lookup
+from gimlet_tvm.targets.spec import PerfFacts
+
+from .conftest import assert_matches, onnxruntime_outputs
+
+TARGETS = ["vulkan", "llvm"]
+# A device described as much faster than the host at arithmetic, over a fast link.
+FAST_DEVICE = {"peak_gflops": 1e6, "memory_gbps": 1e4, "launch_us": 5, "link_gbps": 1e3, "copy_us": 1}
+# The same device behind a link so slow that any copy costs more than the work.
+SLOW_LINK = {**FAST_DEVICE, "link_gbps": 1e-3}
+
+
+def mlp_block(hidden: int = 64, rng=np.random.default_rng(0)) -> onnx.ModelProto:
+    """x -> MatMul -> Add -> Relu -> MatMul -> Softmax: a heavy op between cheap ones."""
+    weights = [
+        numpy_helper.from_array(rng.standard_normal((hidden, hidden)).astype(np.float32) * 0.1, "w1"),
+        numpy_helper.from_array(rng.standard_normal(hidden).astype(np.float32), "b1"),
+        numpy_helper.from_array(rng.standard_normal((hidden, hidden)).astype(np.float32) * 0.1, "w2"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="first_matmul"),
+        helper.make_node("Add", ["h", "b1"], ["hb"], name="bias"),
+        helper.make_node("Relu", ["hb"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "w2"], ["y"], name="second_matmul"),
+        helper.make_node("Softmax", ["y"], ["out"], name="softmax", axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes, "mlp_block",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", hidden])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", hidden])],
+        initializer=weights,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def float64_section() -> onnx.ModelProto:
+    """A float32 model with a float64 island (Cast, Mul, Cast back): vulkan has no float64."""
+    nodes = [
+        helper.make_node("Cast", ["x"], ["x64"], name="to_double", to=TensorProto.DOUBLE),
+        helper.make_node("Mul", ["x64", "x64"], ["sq"], name="square"),
+        helper.make_node("Cast", ["sq"], ["y"], name="to_float", to=TensorProto.FLOAT),
+        helper.make_node("Relu", ["y"], ["out"], name="relu"),
+    ]
+    graph = helper.make_graph(
+        nodes, "float64_island",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [4, 8])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def run_both(model: onnx.ModelProto, compiled: gimlet_tvm.CompiledModel, batch: int = 3) -> None:
+    shape = [batch if isinstance(d, str) else d for d in compiled.inputs[0].shape]
+    inputs = {"x": np.random.default_rng(batch).standard_normal(shape).astype(np.float32)}
+    assert_matches(list(compiled.run(inputs).values()), onnxruntime_outputs(model, inputs))
+
+
+def test_pinned_ops_run_on_vulkan_and_the_rest_on_llvm_in_one_vm(tmp_path):
+    model = mlp_block()
+    compiled = gimlet_tvm.build(model, TARGETS, pins={"MatMul": "vulkan"})
+    placement = compiled.placement()
+    assert placement.device_of("first_matmul") == "vulkan"
+    assert placement.device_of("second_matmul") == "vulkan"
+    assert placement.device_of("relu") == "llvm"  # lavapipe's launch cost loses on cheap ops
+    assert len(placement.copies) >= 3 and placement.copy_bytes > 0
+    assert [t["name"] for t in compiled.targets] == ["llvm", "vulkan"]
+    assert compiled.targets[1]["device_code"]["checked_with"] == "spirv-val"
+    run_both(model, compiled, batch=1)
+    run_both(model, compiled, batch=5)
+    profile = compiled.profile()
+    devices_used = {device for _, device, _, _ in profile.calls}
+    assert {"llvm", "vulkan"} <= devices_used
+    assert any(name.startswith("vm.builtin.to_device") for name, *_ in profile.calls)
+    assert set(profile.planned_memory) == {"llvm", "vulkan"}
+    # The artifact keeps both devices' code and the placement.
+    compiled.export(tmp_path / "placed.so")
+    loaded = gimlet_tvm.load(tmp_path / "placed.so")
+    assert loaded.placement().device_of("first_matmul") == "vulkan"
+    run_both(model, loaded, batch=2)
+
+
+def test_an_op_vulkan_cannot_run_falls_back_to_llvm():
+    model = float64_section()
+    compiled = gimlet_tvm.build(model, TARGETS, pins={"square": "vulkan", "Relu": "vulkan"})
+    placement = compiled.placement()
+    square = next(op for op in placement.ops if op["name"] == "square")
+    assert square["device"] == "llvm"
+    assert "float64" in square["reason"] and "falls back" in square["reason"]
+    relu = next(op for op in placement.ops if op["op"] == "nn.relu")  # the output: named gv
+    assert relu["device"] == "vulkan" and relu["reason"] == "pinned to vulkan"
+    run_both(model, compiled)
+
+
+def test_transfer_cost_keeps_the_model_on_one_device():
+    model = mlp_block(hidden=256)
+    compiled = gimlet_tvm.build(model, TARGETS, device_facts={"vulkan": SLOW_LINK})
+    placement = compiled.placement()
+    assert placement.ops_per_device() == {"llvm": len(placement.ops)}
+    assert placement.copies == []
+    run_both(model, compiled)
+
+
+def test_a_much_faster_device_takes_the_heavy_op():
+    model = mlp_block(hidden=256)
+    facts = {"vulkan": FAST_DEVICE, "llvm": {"peak_gflops": 1.0}}
+    compiled = gimlet_tvm.build(model, TARGETS, device_facts=facts)
+    placement = compiled.placement()
+    assert placement.device_of("first_matmul") == "vulkan"
+    assert placement.device_of("second_matmul") == "vulkan"
+    run_both(model, compiled)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_minimum_cut_matches_brute_force(seed):
+    """On random device descriptions the cut's labelling has the least modelled latency of
+    all 2^n labellings."""
+    rng = np.random.default_rng(seed)
+    mod, _ = import_model(mlp_block(hidden=int(rng.integers(8, 512))))
+    import tvm
+
+    graph = OpGraph.of(tvm.transform.Sequential(canonicalize_passes())(mod)["main"])
+    devices = []
+    for (spec, _), scale in zip(resolve_devices(TARGETS), rng.uniform(0.01, 100, size=2)):
+        facts = PerfFacts(peak_gflops=100 * scale, memory_gbps=20 * rng.uniform(0.1, 10),
+                          launch_us=float(rng.uniform(0, 50)),
+                          link_gbps=None if spec.name == "llvm" else float(rng.uniform(0.01, 50)),
+                          copy_us=float(rng.uniform(0, 30)))
+        devices.append(Device(spec, facts))
+    best = place(graph, devices, Pins())
+    reasons = [op.reason for op in best.ops]
+    free = [i for i, node in enumerate(graph.nodes) if not node.host_only]
+    brute = float("inf")
+    for labels in itertools.product([0, 1], repeat=len(free)):
+        full = [0] * len(graph.nodes)
+        for i, label in zip(free, labels):
+            full[i] = label
+        brute = min(brute, _report(graph, devices, full, reasons).modelled_seconds)
+    assert best.modelled_seconds == pytest.approx(brute, rel=1e-9, abs=1e-12)
+
+
+def test_placement_reports_and_draws(tmp_path):
+    compiled = gimlet_tvm.build(mlp_block(), TARGETS, pins={"second_matmul": "vulkan"})
+    report = compiled.placement()
+    text = str(report)
+    assert "second_matmul" in text and "pinned to vulkan" in text and "copies" in text
+    report.write_graph(tmp_path / "placement.dot")
+    dot = (tmp_path / "placement.dot").read_text()
+    assert dot.startswith("digraph") and 'label="copy"' in dot
+    report.write_graph(tmp_path / "placement.png")
+    assert (tmp_path / "placement.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_placement_errors_name_the_problem():
+    with pytest.raises(gimlet_tvm.GimletError, match="pinned to 'cuda'"):
+        gimlet_tvm.build(mlp_block(), TARGETS, pins={"Relu": "cuda"})
+    with pytest.raises(gimlet_tvm.GimletError, match="given twice"):
+        gimlet_tvm.build(mlp_block(), ["llvm", "cpu"])
+    with pytest.raises(gimlet_tvm.GimletError, match="device_facts for targets not in the build"):
+        gimlet_tvm.build(mlp_block(), TARGETS, device_facts={"rocm": {"peak_gflops": 1}})
+    with pytest.raises(gimlet_tvm.GimletError, match="placement needs several targets"):
+        gimlet_tvm.build(mlp_block(), "llvm").placement()
+
+
+def test_cli_compiles_across_devices_and_runs_the_artifact(cli, tmp_path):
+    model = mlp_block()
+    onnx.save(model, str(tmp_path / "block.onnx"))
+    code, out, err = cli("compile", "block.onnx", "-t", "vulkan,llvm", "--pin", "MatMul=vulkan",
+                         "-o", "placed.so", "--placement-graph", "placement.svg")
+    assert code == 0, err
+    assert "for llvm+vulkan" in out and "pinned to vulkan" in out and "copies" in out
+    assert (tmp_path / "placement.svg").read_text().lstrip().startswith("<?xml")
+    x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    code, _, err = cli("run", "placed.so", "--inputs", "in.npz", "--outputs", "out.npz")
+    assert code == 0, err
+    assert_matches([np.load(tmp_path / "out.npz")["out"]], onnxruntime_outputs(model, {"x": x}))
+    code, _, err = cli("compile", "block.onnx", "-t", "vulkan,llvm", "--pin", "MatMul", "-o", "x.so")
+    assert code == 2 and "--pin expects OP=TARGET" in err
