@@ -12,7 +12,8 @@
 3. It does not handle: other dtypes or mixed-precision `out_dtype`, rank-1 matmul operands,
    transposes of other axes than the last two, other layouts, depthwise conv2d (each output
    channel reads one input channel: that stays in TIR, where FuseOps can fuse its epilogue),
-   and operands or results whose shape is unknown. Those ops stay as they were.
+   and operands or results whose shape is unknown, and ops placed off the host (their tensors'
+   virtual device is not an LLVM one). Those ops stay as they were.
 4. Elementwise ops around the rewritten calls (bias add, activations, residual adds) are left
    alone, so FuseOps still fuses them with each other.
 
@@ -59,6 +60,13 @@ def _is_float32_tensor(ty: relax.Type, min_ndim: int) -> bool:
     )
 
 
+def _on_host(ty: relax.Type) -> bool:
+    """Whether a result lives on the host: no virtual device, or an LLVM one (placement puts
+    ops elsewhere by giving their tensors another device)."""
+    vdevice = getattr(ty, "vdevice", None)
+    return vdevice is None or vdevice.target is None or vdevice.target.kind.name == "llvm"
+
+
 def _static_ints(values) -> list[int] | None:
     """The values as Python ints, or None when one of them is symbolic."""
     if not all(isinstance(v, (int, tvm.tirx.IntImm)) for v in values):
@@ -70,7 +78,7 @@ def _static_ints(values) -> list[int] | None:
 class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
-        if not isinstance(call.op, tvm.ir.Op):
+        if not isinstance(call.op, tvm.ir.Op) or not _on_host(call.ty):
             return call
         rewritten = None
         if call.op.name == "relax.matmul":
