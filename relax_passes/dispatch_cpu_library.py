@@ -1,4 +1,5 @@
-"""Hand fp32 matmul and NCHW conv2d to gimlet's OpenBLAS-backed CPU library.
+"""Hand fp32 matmul, NCHW conv2d (with their elementwise epilogues) and attention to gimlet's
+OpenBLAS-backed CPU library.
 
 1. Put the pass before LegalizeOps: it rewrites high-level Relax ops, which legalization
    would otherwise turn into TIR.
@@ -8,14 +9,24 @@
      operands of rank >= 2 with any (also symbolic) batch axes that broadcast;
    - `R.nn.conv2d` with NCHW data, OIHW weights and NCHW output into
      `R.call_dps_packed("gimlet.cpu.conv2d_nchw", (data, weight, strides, pads, dilations,
-     groups))`, for float32 and any `groups` except depthwise.
+     groups))`, for float32 and any `groups` except depthwise;
+   - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
+     `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
+     scale))`, for float32;
+   - epilogues of those matmul and conv2d calls, into the same call: an `R.add` of a tensor of
+     the output's shape (residual) or of a tensor broadcast along one axis (bias, any scalar),
+     `R.nn.relu` and `R.nn.gelu`, in any order and number, when the call's result has no other
+     use. The library applies them to each output block right after computing it.
+   Epilogues are not fused within `graph_fusion.graph_fusion_disabled()`.
+   Only calls on the host are rewritten: tensors without a virtual device, or with one whose
+   target kind is "llvm".
 3. It does not handle: other dtypes or mixed-precision `out_dtype`, rank-1 matmul operands,
    transposes of other axes than the last two, other layouts, depthwise conv2d (each output
    channel reads one input channel: that stays in TIR, where FuseOps can fuse its epilogue),
-   and operands or results whose shape is unknown, and ops placed off the host (their tensors'
-   virtual device is not an LLVM one). Those ops stay as they were.
-4. Elementwise ops around the rewritten calls (bias add, activations, residual adds) are left
-   alone, so FuseOps still fuses them with each other.
+   and operands or results whose shape is unknown; epilogue adds that broadcast the output or
+   whose vector axis is followed by symbolic axes; other activations (clip, which the ONNX
+   importer already writes as TIR, sigmoid, ...). Those ops stay as they were, and FuseOps
+   fuses the elementwise ones with each other.
 
 The packed functions come from `runtime/ext/cpu_library.cc`. The pass loads that extension
 (building it on first use), so the functions exist when the module is built and run in this
@@ -24,17 +35,28 @@ process; another process running the compiled module must load it too (`gimlet_t
 
 from __future__ import annotations
 
+import collections
+import math
+
 import tvm
 from tvm import IRModule, relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .graph_fusion import graph_fusion_enabled
+
 MATMUL_FUNC = "gimlet.cpu.matmul"
 CONV2D_FUNC = "gimlet.cpu.conv2d_nchw"
+ATTENTION_FUNC = "gimlet.cpu.attention"
+
+# Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
+ADD_VECTOR, ADD_TENSOR, RELU, GELU = 0, 1, 2, 4
+ACTIVATIONS = {"relax.nn.relu": RELU, "relax.nn.gelu": GELU}
 
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchCPULibrary")
 class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
-    """Rewrite fp32 matmul and NCHW conv2d into calls of gimlet's CPU library."""
+    """Rewrite fp32 matmul, NCHW conv2d (with epilogues) and attention into calls of gimlet's
+    CPU library."""
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
         """IRModule-level transformation."""
@@ -43,12 +65,29 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
 
         load_extensions()
         rewriter = _LibraryCallRewriter(mod)
+        rewriter.fuse_epilogues = graph_fusion_enabled()
         for g_var, func in mod.functions_items():
             if isinstance(func, relax.Function):
+                rewriter.use_counts = _use_counts(func)
                 func = rewriter.visit_expr(func)
-                # Transposes folded into calls are now unused.
+                # Transposes and calls folded into calls are now unused.
                 rewriter.builder_.update_func(g_var, relax.analysis.remove_all_unused(func))
         return rewriter.builder_.get()
+
+
+def _use_counts(func: relax.Function) -> collections.Counter:
+    """How often each variable is used in `func`."""
+    counts: collections.Counter = collections.Counter()
+    relax.analysis.post_order_visit(
+        func.body, lambda e: counts.update([e]) if isinstance(e, relax.Var) else None
+    )
+    return counts
+
+
+def _on_host(ty: relax.Type) -> bool:
+    """The tensor has no virtual device, or one on an "llvm" target."""
+    vdevice = getattr(ty, "vdevice", None)
+    return vdevice is None or vdevice.target.kind.name == "llvm"
 
 
 def _is_float32_tensor(ty: relax.Type, min_ndim: int) -> bool:
@@ -57,14 +96,8 @@ def _is_float32_tensor(ty: relax.Type, min_ndim: int) -> bool:
         and ty.dtype == "float32"
         and ty.ndim >= min_ndim
         and ty.shape is not None
+        and _on_host(ty)
     )
-
-
-def _on_host(ty: relax.Type) -> bool:
-    """Whether a result lives on the host: no virtual device, or an LLVM one (placement puts
-    ops elsewhere by giving their tensors another device)."""
-    vdevice = getattr(ty, "vdevice", None)
-    return vdevice is None or vdevice.target is None or vdevice.target.kind.name == "llvm"
 
 
 def _static_ints(values) -> list[int] | None:
@@ -76,16 +109,85 @@ def _static_ints(values) -> list[int] | None:
 
 @mutator
 class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
+    use_counts: collections.Counter = collections.Counter()
+    fuse_epilogues = True
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
-        if not isinstance(call.op, tvm.ir.Op) or not _on_host(call.ty):
+        if not isinstance(call.op, tvm.ir.Op):
             return call
         rewritten = None
         if call.op.name == "relax.matmul":
             rewritten = self._rewrite_matmul(call)
         elif call.op.name == "relax.nn.conv2d":
             rewritten = self._rewrite_conv2d(call)
+        elif call.op.name in ("relax.nn.attention", "relax.nn.attention_bias"):
+            rewritten = self._rewrite_attention(call)
+        elif call.op.name in ACTIVATIONS:
+            rewritten = self._with_epilogue(call.args[0], [relax.prim_value(ACTIVATIONS[call.op.name])])
+        elif call.op.name == "relax.add":
+            rewritten = self._with_added(*call.args)
+            if rewritten is None:
+                rewritten = self._with_added(*call.args[::-1])
         return call if rewritten is None else rewritten
+
+    def _with_epilogue(self, result: relax.Expr, steps: list[relax.Expr]) -> relax.Expr | None:
+        """The matmul / conv2d library call `result` is bound to, with `steps` appended to its
+        epilogue, when `result` has no other use."""
+        if not self.fuse_epilogues or not isinstance(result, relax.Var) or self.use_counts[result] != 1:
+            return None
+        bound = self.lookup_binding(result)
+        if not (
+            isinstance(bound, relax.Call)
+            and bound.op == tvm.ir.Op.get("relax.call_dps_packed")
+            and bound.args[0].global_symbol in (MATMUL_FUNC, CONV2D_FUNC)
+        ):
+            return None
+        func = bound.args[0].global_symbol
+        return relax.call_dps_packed(func, [*bound.args[1].fields, *steps], bound.ty)
+
+    def _with_added(self, result: relax.Expr, addend: relax.Expr) -> relax.Expr | None:
+        """`result + addend` as an epilogue step of the library call `result` is bound to."""
+        out_ty, ty = result.ty, addend.ty
+        if not (_is_float32_tensor(out_ty, 1) and _is_float32_tensor(ty, 0)):
+            return None
+        analyzer = tvm.sym.Analyzer()
+        out_shape, shape = list(out_ty.shape), list(ty.shape)
+        if len(shape) > len(out_shape):
+            return None
+        if len(shape) == len(out_shape) and all(
+            analyzer.can_prove_equal(a, b) for a, b in zip(shape, out_shape)
+        ):
+            return self._with_epilogue(result, [relax.prim_value(ADD_TENSOR), addend])
+        # A vector along one axis (aligned from the right); all other extents 1.
+        offset = len(out_shape) - len(shape)
+        axes = [i for i, d in enumerate(shape) if not (isinstance(d, tvm.tirx.IntImm) and int(d) == 1)]
+        if len(axes) > 1:
+            return None
+        axis = offset + axes[0] if axes else len(out_shape) - 1
+        if axes and not analyzer.can_prove_equal(shape[axes[0]], out_shape[axis]):
+            return None
+        divisor = _static_ints(out_shape[axis + 1 :])
+        if divisor is None:
+            return None
+        step = [relax.prim_value(ADD_VECTOR), addend, relax.prim_value(math.prod(divisor))]
+        return self._with_epilogue(result, step)
+
+    def _rewrite_attention(self, call: relax.Call) -> relax.Expr | None:
+        query, key, value = call.args[:3]
+        attrs = call.attrs
+        if attrs.causal_mask is not None or attrs.window_size is not None:
+            return None
+        if not all(_is_float32_tensor(t.ty, 4) and t.ty.ndim == 4 for t in [*call.args, call]):
+            return None
+        scale = None if attrs.scale is None else attrs.scale.value
+        if scale is None:
+            depth = _static_ints([query.ty.shape[3]])
+            if depth is None:
+                return None
+            scale = 1.0 / math.sqrt(depth[0])
+        args = [query, key, value, *call.args[3:], relax.prim_value(float(scale))]
+        return relax.call_dps_packed(ATTENTION_FUNC, args, call.ty)
 
     def _transposed_operand(self, expr: relax.Expr) -> relax.Expr | None:
         """`w` when `expr` is bound to `permute_dims(w)` swapping exactly the last two axes."""

@@ -1,6 +1,7 @@
 /*!
  * \file cpu_library.cc
- * \brief fp32 matmul and NCHW conv2d on OpenBLAS (scipy-openblas32), as TVM packed functions.
+ * \brief fp32 matmul, NCHW conv2d (both with fused elementwise epilogues) and BSNH attention on
+ * OpenBLAS (scipy-openblas32), as TVM packed functions.
  *
  * All functions use destination-passing style: inputs first, the output tensor last.
  * Tensors must be compact row-major float32 on the CPU.
@@ -24,7 +25,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -56,6 +59,89 @@ int64_t Product(const int64_t* begin, const int64_t* end) {
   int64_t p = 1;
   for (const int64_t* it = begin; it != end; ++it) p *= *it;
   return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Epilogues: elementwise steps applied to a GEMM's output block while it is in cache
+
+/*! \brief One epilogue step (the codes are the packed arguments' step kinds). */
+struct EpilogueStep {
+  enum Kind : int64_t { kAddVector = 0, kAddTensor = 1, kRelu = 2, kClip = 3, kGelu = 4 };
+  Kind kind;
+  const float* data = nullptr;  // kAddVector: the vector; kAddTensor: an output-shaped tensor
+  int64_t divisor = 1, length = 1;  // kAddVector: element at output offset o is (o / divisor) % length
+  float lo = 0.0f, hi = 0.0f;       // kClip
+};
+
+using Epilogue = std::vector<EpilogueStep>;
+
+/*!
+ * \brief Apply `epilogue` to `rows` x `cols` output elements at `c` (row stride ldc), the first
+ * at element offset `offset` of the output tensor.
+ */
+void ApplyEpilogue(const Epilogue& epilogue, float* c, int64_t offset, int64_t rows, int64_t cols,
+                   int64_t ldc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = c + r * ldc;
+    const int64_t o = offset + r * ldc;
+    for (const EpilogueStep& step : epilogue) {
+      switch (step.kind) {
+        case EpilogueStep::kAddVector:
+          if (step.divisor == 1 && o % step.length + cols <= step.length) {
+            const float* v = step.data + o % step.length;
+            for (int64_t j = 0; j < cols; ++j) row[j] += v[j];
+          } else {
+            for (int64_t j = 0; j < cols; ++j) row[j] += step.data[(o + j) / step.divisor % step.length];
+          }
+          break;
+        case EpilogueStep::kAddTensor:
+          for (int64_t j = 0; j < cols; ++j) row[j] += step.data[o + j];
+          break;
+        case EpilogueStep::kRelu:
+          for (int64_t j = 0; j < cols; ++j) row[j] = std::max(row[j], 0.0f);
+          break;
+        case EpilogueStep::kClip:
+          for (int64_t j = 0; j < cols; ++j) row[j] = std::min(std::max(row[j], step.lo), step.hi);
+          break;
+        case EpilogueStep::kGelu:
+          for (int64_t j = 0; j < cols; ++j) {
+            row[j] = 0.5f * row[j] * (1.0f + std::erf(row[j] * 0.70710678118654752f));
+          }
+          break;
+      }
+    }
+  }
+}
+
+/*!
+ * \brief The epilogue in packed arguments [begin, end): each step is its kind, then for
+ * kAddVector the vector and its divisor, for kAddTensor the tensor, for kClip lo and hi.
+ */
+Epilogue ParseEpilogue(const PackedArgs& args, int begin, int end, const DLTensor* out) {
+  Epilogue epilogue;
+  const int64_t out_size = Product(out->shape, out->shape + out->ndim);
+  for (int i = begin; i < end;) {
+    EpilogueStep step{static_cast<EpilogueStep::Kind>(args[i++].cast<int64_t>())};
+    if (step.kind == EpilogueStep::kAddVector || step.kind == EpilogueStep::kAddTensor) {
+      DLTensor* t = args[i++].cast<DLTensor*>();
+      CheckCompactFloat32(t, "epilogue operand");
+      step.data = Data(t);
+      step.length = Product(t->shape, t->shape + t->ndim);
+      if (step.kind == EpilogueStep::kAddVector) {
+        step.divisor = args[i++].cast<int64_t>();
+      } else {
+        TVM_FFI_ICHECK_EQ(step.length, out_size) << "gimlet.cpu: residual size differs from output";
+      }
+    } else if (step.kind == EpilogueStep::kClip) {
+      step.lo = static_cast<float>(args[i++].cast<double>());
+      step.hi = static_cast<float>(args[i++].cast<double>());
+    } else {
+      TVM_FFI_ICHECK(step.kind == EpilogueStep::kRelu || step.kind == EpilogueStep::kGelu)
+          << "gimlet.cpu: unknown epilogue step " << step.kind;
+    }
+    epilogue.push_back(step);
+  }
+  return epilogue;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -107,6 +193,16 @@ struct Gemm {
   int64_t ldb;
   float* out;
   int64_t ldc;
+  const Epilogue* epilogue = nullptr;  // applied to each block of out once it is computed
+  const float* out_base = nullptr;     // the output tensor's first element (epilogue offsets)
+
+  /*! \brief c[m, n] (row stride ldc) = a @ b for a block of this GEMM, then the epilogue. */
+  void Run(int64_t m_, int64_t n_, const float* a_, const float* b_, float* c) const {
+    Sgemm(transpose_b, m_, n_, k, a_, k, b_, ldb, c, ldc);
+    if (epilogue != nullptr && !epilogue->empty()) {
+      ApplyEpilogue(*epilogue, c, c - out_base, m_, n_, ldc);
+    }
+  }
 
   bool SplitColumns(int num_tasks) const { return n >= kColumnGranule * num_tasks; }
   int64_t Work() const { return m * n * k; }
@@ -116,12 +212,10 @@ int RunGemmSlice(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const auto& g = *static_cast<const Gemm*>(cdata);
   if (g.SplitColumns(penv->num_task)) {
     const auto [n0, n1] = TaskRange(task_id, penv, g.n, kColumnGranule);
-    Sgemm(g.transpose_b, g.m, n1 - n0, g.k, g.a, g.k, g.b + (g.transpose_b ? n0 * g.ldb : n0),
-          g.ldb, g.out + n0, g.ldc);
+    g.Run(g.m, n1 - n0, g.a, g.b + (g.transpose_b ? n0 * g.ldb : n0), g.out + n0);
   } else {
     const auto [m0, m1] = TaskRange(task_id, penv, g.m);
-    Sgemm(g.transpose_b, m1 - m0, g.n, g.k, g.a + m0 * g.k, g.k, g.b, g.ldb, g.out + m0 * g.ldc,
-          g.ldc);
+    g.Run(m1 - m0, g.n, g.a + m0 * g.k, g.b, g.out + m0 * g.ldc);
   }
   return 0;
 }
@@ -147,17 +241,17 @@ int RunBatchedGemms(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const Gemm& g = batch.shape;
   const auto [begin, end] = TaskRange(task_id, penv, batch.Size());
   for (int64_t i = begin; i < end; ++i) {
-    Sgemm(g.transpose_b, g.m, g.n, g.k, g.a + batch.a_offsets[i], g.k, g.b + batch.b_offsets[i],
-          g.ldb, g.out + i * g.m * g.n, g.ldc);
+    g.Run(g.m, g.n, g.a + batch.a_offsets[i], g.b + batch.b_offsets[i], g.out + i * g.m * g.n);
   }
   return 0;
 }
 
 /*!
  * \brief out = a @ b (or a @ b^T over the last two axes), batch axes broadcast numpy-style.
- * a: [..., M, K], b: [..., K, N] or [..., N, K], out: [..., M, N].
+ * a: [..., M, K], b: [..., K, N] or [..., N, K], out: [..., M, N]; then the epilogue.
  */
-void Matmul(DLTensor* a, DLTensor* b, int64_t transpose_b, DLTensor* out) {
+void Matmul(DLTensor* a, DLTensor* b, int64_t transpose_b, const Epilogue& epilogue,
+            DLTensor* out) {
   CheckCompactFloat32(a, "a");
   CheckCompactFloat32(b, "b");
   CheckCompactFloat32(out, "out");
@@ -167,7 +261,8 @@ void Matmul(DLTensor* a, DLTensor* b, int64_t transpose_b, DLTensor* out) {
   TVM_FFI_ICHECK_EQ(k, transpose_b ? b->shape[b->ndim - 1] : b->shape[b->ndim - 2])
       << "gimlet.cpu.matmul: reduction lengths differ";
   TVM_FFI_ICHECK(out->shape[out->ndim - 2] == m && out->shape[out->ndim - 1] == n);
-  Gemm gemm{transpose_b != 0, m, n, k, Data(a), Data(b), transpose_b ? k : n, Data(out), n};
+  Gemm gemm{transpose_b != 0, m, n, k, Data(a), Data(b), transpose_b ? k : n, Data(out), n,
+            &epilogue, Data(out)};
 
   if (Product(b->shape, b->shape + b->ndim - 2) == 1) {
     // One weight matrix: fold every batch axis of a into M (a is compact).
@@ -230,6 +325,7 @@ struct Conv2DWork {
   const float* x;
   const float* w;
   float* y;
+  const Epilogue* epilogue;
   int64_t in_c, height, width;
   int64_t group_in_c, group_out_c, groups, kernel_h, kernel_w;
   int64_t out_h, out_w;
@@ -294,7 +390,8 @@ void RunConv2DUnit(const Conv2DWork& t, int64_t unit, bool parallel_gemm,
   const float* x = t.x + (img * t.in_c + g * t.group_in_c) * t.height * t.width;
   Gemm gemm{false, t.group_out_c, num_cols, reduction, t.w + g * t.group_out_c * reduction,
             x + oy0 * t.out_w, spatial,
-            t.y + (img * t.groups + g) * t.group_out_c * spatial + oy0 * t.out_w, spatial};
+            t.y + (img * t.groups + g) * t.group_out_c * spatial + oy0 * t.out_w, spatial,
+            t.epilogue, t.y};
   if (!t.pointwise) {
     col->resize(reduction * num_cols);
     Im2Col(t, x, oy0, oy1, col->data());
@@ -304,7 +401,7 @@ void RunConv2DUnit(const Conv2DWork& t, int64_t unit, bool parallel_gemm,
   if (parallel_gemm) {
     ParallelGemm(gemm);
   } else {
-    Sgemm(false, gemm.m, gemm.n, gemm.k, gemm.a, gemm.k, gemm.b, gemm.ldb, gemm.out, gemm.ldc);
+    gemm.Run(gemm.m, gemm.n, gemm.a, gemm.b, gemm.out);
   }
 }
 
@@ -329,7 +426,7 @@ constexpr int64_t kColumnBudget = 1 << 16;
  * cache-resident too. Otherwise whole planes are unfolded and each GEMM is split across the pool.
  */
 void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t groups,
-            DLTensor* out) {
+            const Epilogue& epilogue, DLTensor* out) {
   CheckCompactFloat32(data, "data");
   CheckCompactFloat32(weight, "weight");
   CheckCompactFloat32(out, "out");
@@ -338,7 +435,8 @@ void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t gro
   const int64_t out_c = weight->shape[0], group_in_c = weight->shape[1];
   TVM_FFI_ICHECK(groups >= 1 && in_c == group_in_c * groups && out_c % groups == 0);
   TVM_FFI_ICHECK(out->shape[0] == batch && out->shape[1] == out_c);
-  Conv2DWork work{Data(data), Data(weight), Data(out), in_c, data->shape[2], data->shape[3],
+  Conv2DWork work{Data(data), Data(weight), Data(out), &epilogue, in_c, data->shape[2],
+                  data->shape[3],
                   group_in_c, out_c / groups, groups, weight->shape[2], weight->shape[3],
                   out->shape[2], out->shape[3], p};
   if (batch == 0 || out_c == 0 || work.out_h == 0 || work.out_w == 0) return;
@@ -347,7 +445,9 @@ void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t gro
                    work.out_h == work.height && work.out_w == work.width;
   const int64_t reduction = group_in_c * work.kernel_h * work.kernel_w;
   if (reduction == 0) {
-    std::fill(work.y, work.y + batch * out_c * work.out_h * work.out_w, 0.0f);
+    const int64_t size = batch * out_c * work.out_h * work.out_w;
+    std::fill(work.y, work.y + size, 0.0f);
+    ApplyEpilogue(epilogue, work.y, 0, 1, size, size);
     return;
   }
   const int64_t planes = batch * groups;
@@ -370,6 +470,108 @@ void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t gro
   Launch(RunConv2DUnits, &work, true);
 }
 
+// ---------------------------------------------------------------------------------------------
+// attention
+
+/*! \brief One attention call, cut into units of a few query rows of one (batch, head). */
+struct AttentionWork {
+  const float* q;  // [B, S, N, D]
+  const float* k;  // [B, T, N, D]
+  const float* v;  // [B, T, N, E]
+  float* out;      // [B, S, N, E]
+  const float* bias = nullptr;  // broadcast to [B, N, S, T] through bias_stride (0: broadcast)
+  int64_t bias_stride[4] = {0, 0, 0, 0};
+  float scale;
+  int64_t batch, seq, heads, depth, seq_kv, depth_v;
+  int64_t rows_per_unit, units_per_head;
+};
+
+// Query rows per unit: their score rows stay in L2 next to the head's keys and values.
+constexpr int64_t kAttentionRows = 32;
+
+int RunAttentionUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const AttentionWork*>(cdata);
+  thread_local std::vector<float> scores;
+  const auto [begin, end] = TaskRange(task_id, penv, t.batch * t.heads * t.units_per_head);
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t head = unit / t.units_per_head % t.heads, b = unit / t.units_per_head / t.heads;
+    const int64_t i0 = unit % t.units_per_head * t.rows_per_unit;
+    const int64_t rows = std::min(t.seq, i0 + t.rows_per_unit) - i0;
+    scores.resize(rows * t.seq_kv);
+    // scores = q[b, i0:i0+rows, head] @ k[b, :, head]^T
+    Sgemm(true, rows, t.seq_kv, t.depth, t.q + ((b * t.seq + i0) * t.heads + head) * t.depth,
+          t.heads * t.depth, t.k + (b * t.seq_kv * t.heads + head) * t.depth, t.heads * t.depth,
+          scores.data(), t.seq_kv);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = scores.data() + r * t.seq_kv;
+      const float* bias = t.bias == nullptr ? nullptr
+                                            : t.bias + b * t.bias_stride[0] + head * t.bias_stride[1] +
+                                                  (i0 + r) * t.bias_stride[2];
+      float max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < t.seq_kv; ++j) {
+        s[j] = s[j] * t.scale + (bias == nullptr ? 0.0f : bias[j * t.bias_stride[3]]);
+        max = std::max(max, s[j]);
+      }
+      float sum = 0.0f;
+      for (int64_t j = 0; j < t.seq_kv; ++j) {
+        s[j] = std::exp(s[j] - max);
+        sum += s[j];
+      }
+      const float inverse = 1.0f / sum;
+      for (int64_t j = 0; j < t.seq_kv; ++j) s[j] *= inverse;
+    }
+    // out[b, i0:i0+rows, head] = softmax(scores) @ v[b, :, head]
+    Sgemm(false, rows, t.depth_v, t.seq_kv, scores.data(), t.seq_kv,
+          t.v + (b * t.seq_kv * t.heads + head) * t.depth_v, t.heads * t.depth_v,
+          t.out + ((b * t.seq + i0) * t.heads + head) * t.depth_v, t.heads * t.depth_v);
+  }
+  return 0;
+}
+
+/*!
+ * \brief out = softmax(scale * q @ k^T + bias) @ v per batch and head, in BSNH layout:
+ * q: [B, S, N, D], k: [B, T, N, D], v: [B, T, N, E], out: [B, S, N, E]; bias (or null):
+ * 4-D, broadcast to [B, N, S, T]. Units of query rows of one head run on TVM's pool.
+ */
+void Attention(DLTensor* q, DLTensor* k, DLTensor* v, DLTensor* bias, double scale,
+               DLTensor* out) {
+  for (auto [t, name] : {std::pair{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}}) {
+    CheckCompactFloat32(t, name);
+    TVM_FFI_ICHECK_EQ(t->ndim, 4) << "gimlet.cpu.attention: " << name << " must be 4-D";
+  }
+  AttentionWork work{Data(q), Data(k), Data(v), Data(out)};
+  work.scale = static_cast<float>(scale);
+  work.batch = q->shape[0];
+  work.seq = q->shape[1];
+  work.heads = q->shape[2];
+  work.depth = q->shape[3];
+  work.seq_kv = k->shape[1];
+  work.depth_v = v->shape[3];
+  TVM_FFI_ICHECK(k->shape[0] == work.batch && k->shape[2] == work.heads && k->shape[3] == work.depth &&
+                 v->shape[0] == work.batch && v->shape[1] == work.seq_kv && v->shape[2] == work.heads &&
+                 out->shape[0] == work.batch && out->shape[1] == work.seq &&
+                 out->shape[2] == work.heads && out->shape[3] == work.depth_v)
+      << "gimlet.cpu.attention: shapes differ";
+  if (bias != nullptr) {
+    CheckCompactFloat32(bias, "bias");
+    TVM_FFI_ICHECK_EQ(bias->ndim, 4) << "gimlet.cpu.attention: bias must be 4-D";
+    const int64_t full[4] = {work.batch, work.heads, work.seq, work.seq_kv};
+    int64_t stride = 1;
+    for (int d = 3; d >= 0; --d) {
+      TVM_FFI_ICHECK(bias->shape[d] == 1 || bias->shape[d] == full[d])
+          << "gimlet.cpu.attention: bias does not broadcast";
+      work.bias_stride[d] = bias->shape[d] == 1 ? 0 : stride;
+      stride *= bias->shape[d];
+    }
+    work.bias = Data(bias);
+  }
+  if (work.batch * work.heads * work.seq * work.depth_v == 0) return;
+  work.rows_per_unit = std::min(work.seq, kAttentionRows);
+  work.units_per_head = (work.seq + work.rows_per_unit - 1) / work.rows_per_unit;
+  const int64_t flops = work.batch * work.heads * work.seq * work.seq_kv * (work.depth + work.depth_v);
+  Launch(RunAttentionUnits, &work, flops >= kMinParallelGemm);
+}
+
 }  // namespace
 
 TVM_FFI_STATIC_INIT_BLOCK() {
@@ -378,17 +580,31 @@ TVM_FFI_STATIC_INIT_BLOCK() {
   refl::GlobalDef()
       .def_packed("gimlet.cpu.matmul",
                   [](PackedArgs args, tvm::ffi::Any*) {
-                    // (a, b, transpose_b, out)
+                    // (a, b, transpose_b, epilogue steps..., out)
+                    DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
                     Matmul(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
-                           args[2].cast<int64_t>(), args[3].cast<DLTensor*>());
+                           args[2].cast<int64_t>(), ParseEpilogue(args, 3, args.size() - 1, out),
+                           out);
                   })
-      .def_packed("gimlet.cpu.conv2d_nchw", [](PackedArgs args, tvm::ffi::Any*) {
-        // (data, weight, stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w,
-        //  groups, out); bottom/right padding is implied by the output shape.
-        Conv2DParams p{args[2].cast<int64_t>(), args[3].cast<int64_t>(), args[4].cast<int64_t>(),
-                       args[5].cast<int64_t>(), args[6].cast<int64_t>(), args[7].cast<int64_t>()};
-        Conv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(), p, args[8].cast<int64_t>(),
-               args[9].cast<DLTensor*>());
+      .def_packed("gimlet.cpu.conv2d_nchw",
+                  [](PackedArgs args, tvm::ffi::Any*) {
+                    // (data, weight, stride_h, stride_w, pad_top, pad_left, dilation_h,
+                    //  dilation_w, groups, epilogue steps..., out); bottom/right padding is
+                    //  implied by the output shape.
+                    Conv2DParams p{args[2].cast<int64_t>(), args[3].cast<int64_t>(),
+                                   args[4].cast<int64_t>(), args[5].cast<int64_t>(),
+                                   args[6].cast<int64_t>(), args[7].cast<int64_t>()};
+                    DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
+                    Conv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(), p,
+                           args[8].cast<int64_t>(), ParseEpilogue(args, 9, args.size() - 1, out),
+                           out);
+                  })
+      .def_packed("gimlet.cpu.attention", [](PackedArgs args, tvm::ffi::Any*) {
+        // (q, k, v, scale, out) or (q, k, v, bias, scale, out)
+        const bool has_bias = args.size() == 6;
+        Attention(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(), args[2].cast<DLTensor*>(),
+                  has_bias ? args[3].cast<DLTensor*>() : nullptr,
+                  args[args.size() - 2].cast<double>(), args[args.size() - 1].cast<DLTensor*>());
       });
 }
 
