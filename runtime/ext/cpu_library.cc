@@ -91,7 +91,13 @@ void ApplyEpilogue(const Epilogue& epilogue, float* c, int64_t offset, int64_t r
             const float* v = step.data + o % step.length;
             for (int64_t j = 0; j < cols; ++j) row[j] += v[j];
           } else {
-            for (int64_t j = 0; j < cols; ++j) row[j] += step.data[(o + j) / step.divisor % step.length];
+            // Runs of `divisor` elements share one vector element (a channel's bias).
+            for (int64_t j = 0; j < cols;) {
+              const int64_t index = (o + j) / step.divisor;
+              const int64_t run_end = std::min(cols, (index + 1) * step.divisor - o);
+              const float value = step.data[index % step.length];
+              for (; j < run_end; ++j) row[j] += value;
+            }
           }
           break;
         case EpilogueStep::kAddTensor:
