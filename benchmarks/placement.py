@@ -2,7 +2,7 @@
 build over both, each checked against onnxruntime and timed in the same run.
 
     .venv/bin/python benchmarks/placement.py [--device vulkan] [--models ...] [--batch 1]
-        [--repeat 10] [--pin MatMul=vulkan ...] [--graphs DIR]
+        [--repeat 10] [--pin MatMul=vulkan ...] [--costs roofline|measured] [--graphs DIR]
 
 `--device cuda` on a machine with an NVIDIA GPU gives the llvm+cuda partition against
 cuda-only and cpu-only. Each configuration is timed in its own block after one warm-up run
@@ -28,28 +28,30 @@ from gimlet_tvm.peers import max_abs_diff, onnxruntime_session
 TOLERANCE = 1e-4
 
 
-def measure(name: str, targets, batch: int, repeat: int, pins: dict, graphs: str | None) -> dict:
+def measure(name: str, targets, batch: int, repeat: int, pins: dict, costs: str,
+            graphs: str | None) -> dict:
     info = SUITE[name]
     proto = info.build()
     start = time.perf_counter()
-    model = gimlet_tvm.build(proto, targets, pins=pins or None) if isinstance(targets, list) \
-        else gimlet_tvm.build(proto, targets)
+    placed = isinstance(targets, list)
+    options = {"pins": pins or None, "placement_costs": costs} if placed else {}
+    model = gimlet_tvm.build(proto, targets, **options)
     compile_s = time.perf_counter() - start
     inputs = info.example_inputs(batch=batch)
     reference = onnxruntime_session(proto, threads=1).run(None, inputs)
     ours = model(*inputs.values())
     ok = all(np.allclose(o, r, rtol=TOLERANCE, atol=TOLERANCE) for o, r in zip(ours, reference))
     timing = model.benchmark(inputs, repeat=repeat, warmup=1)
-    placed = "-"
-    if isinstance(targets, list):
+    summary = "-"
+    if placed:
         report = model.placement()
         per_device = ", ".join(f"{d} {n}" for d, n in report.ops_per_device().items())
-        placed = (f"{per_device}; {len(report.copies)} copies ({report.copy_bytes} B); "
-                  f"modelled {report.modelled_ms:.3f} ms")
+        summary = (f"{per_device}; {len(report.copies)} copies ({report.copy_bytes} B); "
+                   f"modelled {report.modelled_ms:.3f} ms ({costs})")
         if graphs:
             report.write_graph(os.path.join(graphs, f"{name}-{'+'.join(targets)}.png"))
     return {"ok": ok, "diff": max_abs_diff(ours, reference), "compile_s": compile_s,
-            "timing": timing, "placed": placed}
+            "timing": timing, "placed": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--pin", nargs="*", default=[], help="OP_TYPE_OR_NODE=TARGET")
+    parser.add_argument("--costs", choices=("roofline", "measured"), default="roofline",
+                        help="op times for placement: estimated, or measured on the devices")
     parser.add_argument("--graphs", help="folder for placement pictures")
     args = parser.parse_args(argv)
     pins = dict(p.split("=", 1) for p in args.pin)
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for name in args.models:
         for targets, label in configurations:
-            r = measure(name, targets, args.batch, args.repeat, pins, args.graphs)
+            r = measure(name, targets, args.batch, args.repeat, pins, args.costs, args.graphs)
             failed |= not r["ok"]
             t = r["timing"]
             rows.append(f"| {name} | {label} | {'yes' if r['ok'] else 'NO'} | {r['diff']:.2e} | "

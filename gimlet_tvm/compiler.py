@@ -21,6 +21,7 @@ from tvm.s_tir import dlight
 
 from .errors import CompileError, GimletError, TargetUnavailableError, summary
 from .frontend import InputShapes, ModelLike, import_model, load_model
+from .op_timing import OpTimer
 from .relax_passes.graph_fusion import graph_fusion_passes
 from .relax_passes.kernel_targets import AssignKernelTargets, PerTarget
 from .relax_passes.place_on_devices import PlaceOnDevices
@@ -137,12 +138,31 @@ def resolve_devices(targets: Targets) -> list[BuildDevice]:
     return devices
 
 
+def compile_alone(mod: tvm.IRModule, device: BuildDevice) -> tvm.runtime.Executable:
+    """`mod` built for one device through its whole pipeline (no checks of the code)."""
+    spec, target = device
+    with target, spec.codegen_hooks(target):
+        return tvm.compile(mod, target, relax_pipeline=relax_pipeline(spec, target))
+
+
 def _placer(
     devices: Sequence[BuildDevice],
     asked: set[str],
     pins: Mapping[str, str] | None,
     device_facts: Mapping[str, Mapping[str, Any]] | None,
+    costs: str,
 ) -> PlaceOnDevices:
+    if costs not in ("roofline", "measured"):
+        raise GimletError(f"placement_costs must be 'roofline' or 'measured', not '{costs}'")
+    timer = None
+    if costs == "measured":
+        for spec, _ in devices:
+            reason = spec.can_run()
+            if reason is not None:
+                raise TargetUnavailableError(
+                    f"measured placement costs need every device; {spec.name} cannot run here: {reason}")
+        timer = OpTimer([spec.device() for spec, _ in devices],
+                        lambda mod, index: compile_alone(mod, devices[index]))
     facts = dict(device_facts or {})
     unknown = set(facts) - {spec.name for spec, _ in devices}
     if unknown:
@@ -152,7 +172,8 @@ def _placer(
                placeable=spec.name in asked)
         for spec, _ in devices
     ]
-    return PlaceOnDevices(placement_devices, [target for _, target in devices], Pins(dict(pins or {})))
+    return PlaceOnDevices(placement_devices, [target for _, target in devices],
+                          Pins(dict(pins or {})), timer)
 
 
 def build(
@@ -163,6 +184,7 @@ def build(
     records: str | os.PathLike | None = None,
     pins: Mapping[str, str] | None = None,
     device_facts: Mapping[str, Mapping[str, Any]] | None = None,
+    placement_costs: str = "roofline",
 ) -> CompiledModel:
     """Compile an ONNX model (path, `onnx.ModelProto` or bytes) for `targets`.
 
@@ -174,18 +196,19 @@ def build(
     without a record get the target's default schedules (`targets[0]["tuned_tasks"]`).
     `pins`: `{ONNX op type or node name: target name}` puts ops on a device by hand (an op the
     device cannot run falls back). `device_facts`: `{target name: {PerfFacts field: value}}`
-    overrides the placement cost model's roofline of a device.
+    overrides the placement cost model's roofline of a device. `placement_costs="measured"`
+    times every op alone on every device instead (slower builds; the devices must be here).
     """
     devices = resolve_devices(targets)
     for spec, _ in devices:
         reason = spec.can_compile()
         if reason is not None:
             raise TargetUnavailableError(f"cannot compile for {spec.name} on this machine: {reason}")
-    if len(devices) == 1 and (pins or device_facts):
-        raise GimletError("pins and device_facts need several targets to place ops on")
+    if len(devices) == 1 and (pins or device_facts or placement_costs != "roofline"):
+        raise GimletError("pins, device_facts and placement_costs need several targets to place ops on")
     given = targets if isinstance(targets, (list, tuple)) else [targets]
     asked = {lookup(entry)[0].name for entry in given}
-    placer = _placer(devices, asked, pins, device_facts) if len(devices) > 1 else None
+    placer = _placer(devices, asked, pins, device_facts, placement_costs) if len(devices) > 1 else None
     proto = load_model(model)
     mod, io = import_model(proto, input_shapes)
     spec, target = devices[0]

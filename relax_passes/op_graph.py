@@ -47,7 +47,7 @@ class OpNode:
     name: the bound variable's name (the ONNX node's name where the importer kept it);
     op: the Relax op (`"matmul"`); host_only: why it must stay on the host, or None;
     flops / nbytes: work and memory traffic for the roofline; dtypes: every tensor type it
-    touches; inputs: the tensors it reads (by their variable).
+    touches; inputs: the tensors it reads (by their variable); value: the bound expression.
     """
 
     name: str
@@ -58,6 +58,7 @@ class OpNode:
     nbytes: float
     dtypes: tuple[str, ...]
     inputs: list[relax.Var] = dataclasses.field(default_factory=list)
+    value: relax.Expr | None = None
 
 
 @dataclasses.dataclass
@@ -124,6 +125,7 @@ class _Extractor:
             nbytes=sum(self.nbytes(t) for t in [*in_types, *outputs]),
             dtypes=tuple(sorted({str(t.dtype) for t in [*in_types, *outputs]})),
             inputs=inputs,
+            value=value,
         ))
         for v in inputs:
             self.tensors[v].consumers.append(index)

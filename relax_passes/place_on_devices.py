@@ -5,7 +5,7 @@ targets' library dispatch and legalization, which then produce each op's kernel 
 device (LegalizeOps reads the device from the tensors' `vdevice`).
 
 What it does: chooses devices with `placement.place` (capabilities, pins, minimum-cut cost
-model), declares the devices as the module's `vdevice` list (the host first), gives every
+model; op times measured by `timer` where given), declares the devices as the module's `vdevice` list (the host first), gives every
 tensor its device and inserts one `R.to_vdevice` per tensor and destination device. Weights
 used off the host become parameters of `main` after its inputs, and a function
 `gimlet_weights()` copies them to their devices, so a runtime copies them once, at load
@@ -24,7 +24,7 @@ import tvm
 from tvm import relax
 
 from .op_graph import OpGraph, reads_metadata_only
-from .placement import HOST, Device, Pins, Placement, place
+from .placement import HOST, Device, OpTimer, Pins, Placement, place
 
 WEIGHTS_FUNCTION = "gimlet_weights"
 
@@ -34,15 +34,16 @@ class PlaceOnDevices:
     """Place `main`'s ops on `devices` (index 0 is the host); the result is in `.placement`."""
 
     def __init__(self, devices: Sequence[Device], targets: Sequence[tvm.target.Target],
-                 pins: Pins = Pins()):
+                 pins: Pins = Pins(), timer: OpTimer | None = None):
         self.devices = list(devices)
         self.vdevices = [relax.VDevice(target, 0, "global") for target in targets]
         self.pins = pins
+        self.timer = timer
         self.placement: Placement | None = None
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         func = mod["main"]
-        self.placement = place(OpGraph.of(func), self.devices, self.pins)
+        self.placement = place(OpGraph.of(func), self.devices, self.pins, self.timer)
         device_of = {op.node.var: op.device for op in self.placement.ops}
         rest = tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint != "main"},
                             attrs=mod.attrs)

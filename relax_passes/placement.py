@@ -12,14 +12,16 @@ and direction). Ops only one device may run (by capability, by pin, host-only op
 and enter the energy through their edges. More than two free devices is not handled (it
 would need alpha-expansion over such cuts).
 
-Op times come from a roofline over the device's `PerfFacts` (launch cost plus the larger of
-arithmetic and memory time); copy times from its link bandwidth.
+Op times are measured on the device when the caller gives a way to (`OpTimer`: each op
+compiled alone for the target and timed), else estimated by a roofline over the device's
+`PerfFacts` (launch cost plus the larger of arithmetic and memory time); copy times come from
+the devices' link bandwidth.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..errors import GimletError
 from ..onnx_ops.folding import binding_name
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
     from ..targets.spec import PerfFacts, TargetSpec
 
 HOST = 0  # index of the host device (LLVM CPU) in every placement
+
+OpTimer = Callable[[OpNode, int], "float | None"]
+"""Measured seconds of one op on the device at that index, or None where it can't be measured."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +87,32 @@ def copy_seconds(nbytes: int, src: PerfFacts, dst: PerfFacts) -> float:
 
 @dataclasses.dataclass
 class OpPlacement:
-    """Where one op runs and why: `costs` is its modelled time on every device it may use."""
+    """Where one op runs and why: `costs` is its time on every device it may use, `measured`
+    whether those times were measured (else roofline estimates)."""
 
     node: OpNode
     device: int
     costs: dict[int, float]
     reason: str
+    measured: bool = False
+
+
+Costs = list[dict[int, float]]  # per node: device index -> seconds
+
+
+def op_costs(graph: OpGraph, devices: Sequence[Device], timer: OpTimer | None) -> tuple[Costs, list[bool]]:
+    """Every node's time on every device: measured by `timer` where it can, else the roofline.
+    Host-only nodes are not measured (they run on the host whatever the costs)."""
+    costs, measured = [], []
+    for node in graph.nodes:
+        times, timed = {}, True
+        for index, device in enumerate(devices):
+            seconds = timer(node, index) if timer is not None and not node.host_only else None
+            timed &= seconds is not None
+            times[index] = seconds if seconds is not None else op_seconds(node, device.perf)
+        costs.append(times)
+        measured.append(timed)
+    return costs, measured
 
 
 @dataclasses.dataclass
@@ -103,7 +128,8 @@ class Placement:
             "ops": [
                 {"name": op.node.name, "op": op.node.op, "device": device_names[op.device],
                  "costs_us": {device_names[d]: round(s * 1e6, 3) for d, s in op.costs.items()},
-                 "reason": op.reason, "inputs": [v.name for v in op.node.inputs]}
+                 "measured": op.measured, "reason": op.reason,
+                 "inputs": [v.name for v in op.node.inputs]}
                 for op in self.ops
             ],
             "copies": [
@@ -114,7 +140,9 @@ class Placement:
         }
 
 
-def place(graph: OpGraph, devices: Sequence[Device], pins: Pins = Pins()) -> Placement:
+def place(
+    graph: OpGraph, devices: Sequence[Device], pins: Pins = Pins(), timer: OpTimer | None = None
+) -> Placement:
     """Assign every node of `graph` a device index (`devices[0]` is the host)."""
     names = {d.spec.name: i for i, d in enumerate(devices)}
     placeable = [i for i, d in enumerate(devices) if d.placeable]
@@ -128,8 +156,9 @@ def place(graph: OpGraph, devices: Sequence[Device], pins: Pins = Pins()) -> Pla
         options, reason = _options(node, devices, placeable, names, pins)
         allowed.append(options)
         reasons.append(reason)
-    labels = _cut(graph, devices, allowed, placeable)
-    return _report(graph, devices, labels, reasons)
+    costs, measured = op_costs(graph, devices, timer)
+    labels = _cut(graph, devices, allowed, placeable, costs)
+    return _report(graph, devices, labels, reasons, costs, measured)
 
 
 def _options(node: OpNode, devices, placeable, names, pins) -> tuple[list[int], str]:
@@ -157,7 +186,8 @@ def _options(node: OpNode, devices, placeable, names, pins) -> tuple[list[int], 
     return capable, "least modelled latency"
 
 
-def _cut(graph: OpGraph, devices, allowed: list[list[int]], placeable: list[int]) -> list[int]:
+def _cut(graph: OpGraph, devices, allowed: list[list[int]], placeable: list[int],
+         costs: Costs) -> list[int]:
     """Labels minimising op time plus copy time, by one minimum cut (see the module doc)."""
     labels = [options[0] for options in allowed]
     free = [i for i, options in enumerate(allowed) if len(options) > 1]
@@ -174,7 +204,7 @@ def _cut(graph: OpGraph, devices, allowed: list[list[int]], placeable: list[int]
         flow.add_edge(vertex[node], FlowGraph.SINK, cost_a)  # cut when node is on a
 
     for i in free:
-        unary(i, op_seconds(graph.nodes[i], perf[a]), op_seconds(graph.nodes[i], perf[b]))
+        unary(i, costs[i][a], costs[i][b])
     for tensor in graph.tensors.values():
         consumers = set(tensor.consumers)
         free_consumers = [c for c in consumers if c in vertex]
@@ -217,11 +247,12 @@ def _cut(graph: OpGraph, devices, allowed: list[list[int]], placeable: list[int]
     return labels
 
 
-def _report(graph: OpGraph, devices, labels: list[int], reasons: list[str]) -> Placement:
+def _report(graph: OpGraph, devices, labels: list[int], reasons: list[str], costs: Costs,
+            measured: list[bool]) -> Placement:
     perf = [d.perf for d in devices]
     ops = [
-        OpPlacement(node, labels[i], {j: op_seconds(node, perf[j]) for j, d in enumerate(devices)
-                                      if d.placeable or j == labels[i]}, reasons[i])
+        OpPlacement(node, labels[i], {j: costs[i][j] for j, d in enumerate(devices)
+                                      if d.placeable or j == labels[i]}, reasons[i], measured[i])
         for i, node in enumerate(graph.nodes)
     ]
     copies = []

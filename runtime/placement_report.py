@@ -14,8 +14,8 @@ _COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
 class PlacementReport:
     """A placement as recorded at build time (also in exported artifacts).
 
-    `ops`: per op its name, Relax op, device, modelled time on each device (microseconds)
-    and the reason; `copies`: every cross-device copy (tensor, bytes, from, to).
+    `ops`: per op its name, Relax op, device, time on each device (microseconds; measured or
+    a roofline estimate) and the reason; `copies`: every cross-device copy (tensor, bytes, from, to).
     """
 
     def __init__(self, data: dict[str, Any]):
@@ -41,10 +41,12 @@ class PlacementReport:
     def __str__(self) -> str:
         width = max([len(op["name"]) for op in self.ops] + [4])
         lines = [f"{'op':<{width}}  {'kind':<16} {'device':<8} "
-                 + " ".join(f"{d + ' us':>12}" for d in self.devices) + "  reason"]
+                 + " ".join(f"{d + ' us':>12}" for d in self.devices) + "  times     reason"]
         for op in self.ops:
             costs = " ".join(f"{op['costs_us'].get(d, float('nan')):>12.1f}" for d in self.devices)
-            lines.append(f"{op['name']:<{width}}  {op['op']:<16} {op['device']:<8} {costs}  {op['reason']}")
+            source = "measured" if op.get("measured") else "roofline"
+            lines.append(f"{op['name']:<{width}}  {op['op']:<16} {op['device']:<8} {costs}  "
+                         f"{source:<9} {op['reason']}")
         per_device = ", ".join(f"{d}: {n}" for d, n in self.ops_per_device().items())
         lines.append(f"ops per device: {per_device}; {len(self.copies)} copies, "
                      f"{self.copy_bytes} bytes; modelled latency {self.modelled_ms:.3f} ms")

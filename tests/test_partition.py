@@ -16,7 +16,7 @@ import gimlet_tvm
 from gimlet_tvm.compiler import canonicalize_passes, resolve_devices
 from gimlet_tvm.frontend import import_model
 from gimlet_tvm.relax_passes.op_graph import OpGraph
-from gimlet_tvm.relax_passes.placement import Device, Pins, _report, place
+from gimlet_tvm.relax_passes.placement import Device, Pins, _report, op_costs, place
 from gimlet_tvm.targets import lookup
 from gimlet_tvm.targets.spec import PerfFacts
 
@@ -129,6 +129,18 @@ def test_a_much_faster_device_takes_the_heavy_op():
     run_both(model, compiled)
 
 
+def test_measured_costs_time_every_op_on_both_devices():
+    model = mlp_block()
+    compiled = gimlet_tvm.build(model, TARGETS, placement_costs="measured")
+    ops = compiled.placement().ops
+    assert all(op["measured"] for op in ops)
+    assert all(op["costs_us"]["llvm"] > 0 and op["costs_us"]["vulkan"] > 0 for op in ops)
+    # Never worse, by its own measured costs, than keeping everything on the host (no copies).
+    all_on_host_ms = sum(op["costs_us"]["llvm"] for op in ops) / 1e3
+    assert compiled.placement().modelled_ms <= all_on_host_ms * (1 + 1e-9)
+    run_both(model, compiled)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_minimum_cut_matches_brute_force(seed):
     """On random device descriptions the cut's labelling has the least modelled latency of
@@ -147,13 +159,14 @@ def test_minimum_cut_matches_brute_force(seed):
         devices.append(Device(spec, facts))
     best = place(graph, devices, Pins())
     reasons = [op.reason for op in best.ops]
+    costs, measured = op_costs(graph, devices, None)
     free = [i for i, node in enumerate(graph.nodes) if not node.host_only]
     brute = float("inf")
     for labels in itertools.product([0, 1], repeat=len(free)):
         full = [0] * len(graph.nodes)
         for i, label in zip(free, labels):
             full[i] = label
-        brute = min(brute, _report(graph, devices, full, reasons).modelled_seconds)
+        brute = min(brute, _report(graph, devices, full, reasons, costs, measured).modelled_seconds)
     assert best.modelled_seconds == pytest.approx(brute, rel=1e-9, abs=1e-12)
 
 
