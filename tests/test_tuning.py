@@ -66,10 +66,14 @@ def records_copy(tuned_records, tmp_path) -> str:
 def test_tasks_come_from_our_pipeline_after_library_dispatch():
     _, tasks, skipped = extract_tasks(gimlet_tvm.models.SUITE["mlp"].build(),
                                       input_shapes={"x": [32, 1024]})
-    assert not skipped
-    # The three matmuls go to OpenBLAS: only the bias/activation kernels are left to tune.
-    assert tasks and all("matmul" not in t.name for t in tasks)
-    _, tasks, skipped = extract_tasks(gimlet_tvm.models.SUITE["mlp"].build())
+    # The three matmuls and their bias/relu epilogues are OpenBLAS calls: nothing to tune.
+    assert not tasks and not skipped
+    _, tasks, skipped = extract_tasks(gimlet_tvm.models.SUITE["transformer_encoder"].build(),
+                                      input_shapes={"x": [1, 64, 256], "attention_mask": [1, 64]})
+    # Matmuls and attention go to the library; the fused LayerNorm is ours to tune.
+    names = [t.name for t in tasks]
+    assert not skipped and "layer_norm" in names and all("matmul" not in n for n in names)
+    _, tasks, skipped = extract_tasks(gimlet_tvm.models.SUITE["transformer_encoder"].build())
     assert not tasks and skipped  # symbolic batch: nothing measurable
 
 
