@@ -19,11 +19,10 @@ import os
 import sys
 import time
 
-import numpy as np
 
 import gimlet_tvm
 from gimlet_tvm.models import SUITE
-from gimlet_tvm.peers import max_abs_diff, onnxruntime_session
+from gimlet_tvm.peers import check_against_onnxruntime
 
 TOLERANCE = 1e-4
 
@@ -38,9 +37,7 @@ def measure(name: str, targets, batch: int, repeat: int, pins: dict, costs: str,
     model = gimlet_tvm.build(proto, targets, **options)
     compile_s = time.perf_counter() - start
     inputs = info.example_inputs(batch=batch)
-    reference = onnxruntime_session(proto, threads=1).run(None, inputs)
-    ours = model(*inputs.values())
-    ok = all(np.allclose(o, r, rtol=TOLERANCE, atol=TOLERANCE) for o, r in zip(ours, reference))
+    ok, diff = check_against_onnxruntime(proto, model, inputs, TOLERANCE)
     timing = model.benchmark(inputs, repeat=repeat, warmup=1)
     summary = "-"
     if placed:
@@ -50,7 +47,7 @@ def measure(name: str, targets, batch: int, repeat: int, pins: dict, costs: str,
                    f"modelled {report.modelled_ms:.3f} ms ({costs})")
         if graphs:
             report.write_graph(os.path.join(graphs, f"{name}-{'+'.join(targets)}.png"))
-    return {"ok": ok, "diff": max_abs_diff(ours, reference), "compile_s": compile_s,
+    return {"ok": ok, "diff": diff, "compile_s": compile_s,
             "timing": timing, "placed": summary}
 
 

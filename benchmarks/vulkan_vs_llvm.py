@@ -16,11 +16,10 @@ import argparse
 import sys
 import time
 
-import numpy as np
 
 import gimlet_tvm
 from gimlet_tvm.models import SUITE
-from gimlet_tvm.peers import max_abs_diff, onnxruntime_session
+from gimlet_tvm.peers import check_against_onnxruntime
 
 TOLERANCE = 1e-4
 TARGETS = ("vulkan", "llvm")
@@ -34,11 +33,9 @@ def measure(name: str, target: str, batch: int, repeat: int) -> dict:
     model = gimlet_tvm.build(proto, target)
     compile_s = time.perf_counter() - start
     inputs = info.example_inputs(batch=batch)
-    reference = onnxruntime_session(proto, threads=1).run(None, inputs)
-    ours = model(*inputs.values())
-    ok = all(np.allclose(o, r, rtol=TOLERANCE, atol=TOLERANCE) for o, r in zip(ours, reference))
+    ok, diff = check_against_onnxruntime(proto, model, inputs, TOLERANCE)
     timing = model.benchmark(inputs, repeat=repeat, warmup=1)
-    return {"ok": ok, "diff": max_abs_diff(ours, reference), "compile_s": compile_s,
+    return {"ok": ok, "diff": diff, "compile_s": compile_s,
             "median_ms": timing.median_ms,
             "kernels": len(model.targets[0]["device_code"]["kernels"])}
 

@@ -56,3 +56,17 @@ def max_abs_diff(ours: Sequence[np.ndarray], reference: Sequence[np.ndarray]) ->
         if a.size:
             worst = max(worst, float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))))
     return worst
+
+
+def check_against_onnxruntime(
+    proto: onnx.ModelProto, run: Callable[..., Sequence[np.ndarray]], inputs: Mapping[str, np.ndarray],
+    tolerance: float = 1e-4,
+) -> tuple[bool, float]:
+    """Whether `run(*inputs)` matches onnxruntime within rtol = atol = `tolerance`, and the
+    largest absolute difference."""
+    reference = onnxruntime_session(proto, threads=1).run(None, dict(inputs))
+    ours = run(*inputs.values())
+    ok = len(ours) == len(reference) and all(
+        o.shape == r.shape and np.allclose(o, r, rtol=tolerance, atol=tolerance)
+        for o, r in zip(ours, reference))
+    return ok, max_abs_diff(ours, reference)
