@@ -19,7 +19,6 @@ import os
 import sys
 import time
 
-
 import gimlet_tvm
 from gimlet_tvm.models import SUITE
 from gimlet_tvm.peers import check_against_onnxruntime

@@ -16,7 +16,6 @@ import argparse
 import sys
 import time
 
-
 import gimlet_tvm
 from gimlet_tvm.models import SUITE
 from gimlet_tvm.peers import check_against_onnxruntime
