@@ -27,7 +27,7 @@ import tvm_ffi.libinfo
 EXT_DIR = Path(__file__).resolve().parent / "ext"
 CPU_LIBRARY_SOURCES = [EXT_DIR / "cpu_library.cc"]
 COMPILER = os.environ.get("CXX", "g++")
-CXXFLAGS = ("-std=c++17", "-O3", "-march=native", "-fPIC", "-shared", "-Wall")
+CXXFLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-Wall")
 
 _loaded: ctypes.CDLL | None = None
 

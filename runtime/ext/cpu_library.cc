@@ -492,6 +492,47 @@ struct AttentionWork {
   int64_t rows_per_unit, units_per_head;
 };
 
+/*!
+ * \brief exp(x) for x <= 0 (softmax after the row's maximum is subtracted), written so loops
+ * over it vectorize: x = n ln2 + f with |f| <= ln2 / 2, exp(f) by Cephes' degree-7 polynomial,
+ * 2^n put into the float's exponent bits. Relative error below 3e-7; underflows to 0 below -87.
+ */
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float f = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+/*! \brief s = softmax(s * scale + bias) over one row; bias (or null) read at bias_stride. */
+void SoftmaxRow(float* s, int64_t n, float scale, const float* bias, int64_t bias_stride) {
+  float max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max)
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = s[j] * scale + (bias == nullptr ? 0.0f : bias[j * bias_stride]);
+    max = std::max(max, s[j]);
+  }
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = ExpNonPositive(s[j] - max);
+    sum += s[j];
+  }
+  const float inverse = 1.0f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) s[j] *= inverse;
+}
+
 // Query rows per unit: their score rows stay in L2 next to the head's keys and values.
 constexpr int64_t kAttentionRows = 32;
 
@@ -509,22 +550,10 @@ int RunAttentionUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
           t.heads * t.depth, t.k + (b * t.seq_kv * t.heads + head) * t.depth, t.heads * t.depth,
           scores.data(), t.seq_kv);
     for (int64_t r = 0; r < rows; ++r) {
-      float* s = scores.data() + r * t.seq_kv;
       const float* bias = t.bias == nullptr ? nullptr
                                             : t.bias + b * t.bias_stride[0] + head * t.bias_stride[1] +
                                                   (i0 + r) * t.bias_stride[2];
-      float max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < t.seq_kv; ++j) {
-        s[j] = s[j] * t.scale + (bias == nullptr ? 0.0f : bias[j * t.bias_stride[3]]);
-        max = std::max(max, s[j]);
-      }
-      float sum = 0.0f;
-      for (int64_t j = 0; j < t.seq_kv; ++j) {
-        s[j] = std::exp(s[j] - max);
-        sum += s[j];
-      }
-      const float inverse = 1.0f / sum;
-      for (int64_t j = 0; j < t.seq_kv; ++j) s[j] *= inverse;
+      SoftmaxRow(scores.data() + r * t.seq_kv, t.seq_kv, t.scale, bias, t.bias_stride[3]);
     }
     // out[b, i0:i0+rows, head] = softmax(scores) @ v[b, :, head]
     Sgemm(false, rows, t.depth_v, t.seq_kv, scores.data(), t.seq_kv,
