@@ -129,7 +129,7 @@ class _Extractor:
         ))
         for v in inputs:
             self.tensors[v].consumers.append(index)
-        if isinstance(var.ty, relax.TensorType) or isinstance(var.ty, relax.TupleType):
+        if isinstance(var.ty, (relax.TensorType, relax.TupleType)):
             self.tensors[var] = Tensor(var, sum(self.nbytes(t) for t in outputs), index)
 
     @staticmethod

@@ -112,6 +112,8 @@ class _Rewriter:
             if device is not None and isinstance(value, relax.Call) and not reads_metadata_only(value):
                 new_value = relax.Call(value.op, [self._arg(a, device) for a in value.args],
                                        value.attrs, value.ty_args)
+            elif device is not None and isinstance(value, relax.Tuple):
+                new_value = self._arg(value, device)  # a tuple of tensors lives where they do
             else:
                 new_value = self._plain(value)
             is_output = is_dataflow and not isinstance(var, relax.DataflowVar)

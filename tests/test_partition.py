@@ -98,6 +98,26 @@ def test_pinned_ops_run_on_vulkan_and_the_rest_on_llvm_in_one_vm(tmp_path):
     run_both(model, loaded, batch=2)
 
 
+def test_split_outputs_and_concat_inputs_cross_devices():
+    nodes = [
+        helper.make_node("Split", ["x"], ["a", "b"], name="halves", axis=1, num_outputs=2),
+        helper.make_node("Relu", ["a"], ["ra"], name="relu_a"),
+        helper.make_node("Sigmoid", ["b"], ["sb"], name="sigmoid_b"),
+        helper.make_node("Concat", ["ra", "sb", "a"], ["out"], name="join", axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "split_concat",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [4, 12])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    compiled = gimlet_tvm.build(model, TARGETS, pins={"halves": "vulkan", "relu_a": "vulkan",
+                                                      "sigmoid_b": "llvm", "Concat": "llvm"})
+    placement = compiled.placement()
+    assert placement.device_of("relu_a") == "vulkan" and placement.device_of("sigmoid_b") == "llvm"
+    run_both(model, compiled)
+
+
 def test_an_op_vulkan_cannot_run_falls_back_to_llvm():
     model = float64_section()
     compiled = gimlet_tvm.build(model, TARGETS, pins={"square": "vulkan", "Relu": "vulkan"})
