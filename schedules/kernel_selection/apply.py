@@ -1,0 +1,58 @@
+"""Rewriting a module's ops into chosen candidates: `rewrite_ops` and the build's pass,
+`ApplyKernelSelection` (before the target's library passes, so a non-library choice is out
+of the library pass's reach and a library choice is left to it)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .candidates import Candidate, OpSignature
+
+Choose = Callable[[OpSignature], Candidate | None]
+
+
+@mutator
+class _Rewriter(PyExprMutator):  # pylint: disable=abstract-method
+    choose: Choose = staticmethod(lambda sig: None)
+    target_kind = "llvm"
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        sig = OpSignature.of_call(call)
+        if sig is None or not all(_on(arg.ty, self.target_kind) for arg in call.args):
+            return call
+        candidate = self.choose(sig)
+        return call if candidate is None else candidate.rewrite(self.builder_, call)
+
+
+def _on(ty: relax.TensorType, kind: str) -> bool:
+    """The tensor has no virtual device, or one of this target kind."""
+    vdevice = getattr(ty, "vdevice", None)
+    return vdevice is None or vdevice.target.kind.name == kind
+
+
+def rewrite_ops(mod: tvm.IRModule, choose: Choose, target_kind: str) -> tvm.IRModule:
+    """`mod` with every op `choose` gives a candidate for rewritten into that candidate."""
+    rewriter = _Rewriter(mod)
+    rewriter.choose = choose
+    rewriter.target_kind = target_kind
+    for g_var, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            rewriter.builder_.update_func(g_var, rewriter.visit_expr(func))
+    return rewriter.builder_.get()
+
+
+@tvm.transform.module_pass(opt_level=0, name="ApplyKernelSelection")
+class ApplyKernelSelection:  # pylint: disable=too-few-public-methods
+    """Rewrite each op the selection has a winner for (on `target`) into that winner."""
+
+    def __init__(self, choose: Choose, target: tvm.target.Target) -> None:
+        self.choose = choose
+        self.target = target
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        return rewrite_ops(mod, self.choose, self.target.kind.name)

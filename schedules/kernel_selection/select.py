@@ -1,0 +1,199 @@
+"""Choosing each op's kernel by verified measurement, and the choices' file.
+
+`select_kernels` finds the model's op signatures (after graph fusion, before library
+dispatch: what the build's `ApplyKernelSelection` sees), lists every source's candidates,
+verifies and times each in a subprocess (`verify.run_candidate`) and picks the fastest
+verified one. The results, every candidate's included, are stored with provenance in the
+records directory as `gimlet_kernel_selection.json` (beside MetaSchedule's files, under the
+same lock, written atomically), per target key; `build(records=DIR)` applies the winners.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+from typing import Any, Iterable
+
+import tvm
+from tvm import relax
+
+from ...errors import GimletError
+from ...files import atomic_path
+from ..records import RecordsDB, target_key
+from .apply import ApplyKernelSelection
+from .candidates import Candidate, OpSignature
+from .external import digest
+from .sources import candidates, find
+from .verify import Outcome, run_candidate
+
+SELECTION_FILE = "gimlet_kernel_selection.json"
+FORMAT = "gimlet-tvm-kernel-selection/1"
+
+
+@dataclasses.dataclass
+class Tried:
+    """One candidate of one op and what its verification and timing gave."""
+
+    id: str
+    provenance: str
+    verified: bool
+    reason: str = ""
+    seconds: float | None = None
+    digest: str = ""
+
+
+@dataclasses.dataclass
+class OpChoice:
+    """An op signature, its candidates as tried, and the winner's id (None: none verified)."""
+
+    signature: OpSignature
+    tried: list[Tried]
+    winner: str | None
+    count: int = 1  # how often the op occurs in the model
+
+    def best_of(self, source: str) -> str | None:
+        """The fastest verified candidate of one source."""
+        verified = [t for t in self.tried if t.verified and t.id.startswith(source + ":")]
+        return min(verified, key=lambda t: t.seconds).id if verified else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"signature": self.signature.to_json(), "winner": self.winner, "count": self.count,
+                "tried": [dataclasses.asdict(t) for t in self.tried]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OpChoice:
+        return cls(OpSignature.from_json(data["signature"]), [Tried(**t) for t in data["tried"]],
+                   data["winner"], data.get("count", 1))
+
+
+@dataclasses.dataclass
+class KernelSelection:
+    """The choices for one target: op key -> OpChoice, and where external kernels live."""
+
+    target: str
+    choices: dict[str, OpChoice]
+    external_dir: str | None = None
+    measured: str = ""
+
+    def restricted_to(self, source: str) -> KernelSelection:
+        """The same ops, each with its fastest verified candidate of `source` (none: default)."""
+        choices = {key: dataclasses.replace(c, winner=c.best_of(source)) for key, c in self.choices.items()}
+        return dataclasses.replace(self, choices=choices)
+
+    def pass_for(self, target: tvm.target.Target) -> ApplyKernelSelection:
+        """The build pass applying the winners on `target`."""
+        if target_key(target) != self.target:
+            raise GimletError(f"kernel selection was made for {self.target}, not {target_key(target)}")
+        return ApplyKernelSelection(lambda sig: self.winner(sig, target), target)
+
+    def winner(self, sig: OpSignature, target: tvm.target.Target) -> Candidate | None:
+        choice = self.choices.get(sig.key)
+        if choice is None or choice.winner is None:
+            return None
+        candidate = find(choice.winner, sig, target, self.external_dir)
+        tried = next(t for t in choice.tried if t.id == choice.winner)
+        if candidate.digest != tried.digest:
+            raise GimletError(f"kernel {candidate.provenance} changed since it was verified for "
+                              f"{sig.key}; run `gimlet-tvm select` again")
+        return candidate
+
+    def to_json(self) -> dict[str, Any]:
+        return {"external_dir": self.external_dir, "measured": self.measured,
+                "ops": {key: c.to_json() for key, c in self.choices.items()}}
+
+    @classmethod
+    def from_json(cls, target: str, data: dict[str, Any]) -> KernelSelection:
+        choices = {key: OpChoice.from_json(c) for key, c in data["ops"].items()}
+        return cls(target, choices, data.get("external_dir"), data.get("measured", ""))
+
+    @classmethod
+    def load(cls, records: str | os.PathLike, target: tvm.target.Target) -> KernelSelection | None:
+        """The selection stored in a records directory for `target`, or None."""
+        path = os.path.join(os.fspath(records), SELECTION_FILE)
+        if not os.path.isfile(path):
+            return None
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            entry = data["targets"].get(target_key(target))
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            raise GimletError(f"cannot read kernel selection {path}: {err}") from None
+        return None if entry is None else cls.from_json(target_key(target), entry)
+
+    def save(self, records: str | os.PathLike) -> str:
+        """Store this target's entry in the records directory (other targets' entries kept)."""
+        db = RecordsDB(records, create=True)
+        path = os.path.join(db.path, SELECTION_FILE)
+        with db.locked():
+            data = {"format": FORMAT, "targets": {}}
+            if os.path.isfile(path):
+                with open(path) as f:
+                    data = json.load(f)
+            data["targets"][self.target] = self.to_json()
+            with atomic_path(path) as tmp, open(tmp, "w") as f:
+                json.dump(data, f, indent=1)
+        return path
+
+
+def op_signatures(mod: tvm.IRModule, target: tvm.target.Target) -> dict[OpSignature, int]:
+    """The signatures selection handles in `mod` (imported), with how often each occurs,
+    as the build's kernel passes see them before library dispatch."""
+    from ...compiler import canonicalize_passes  # the compiler imports this package
+    from ...relax_passes.graph_fusion import graph_fusion_passes
+
+    with target:
+        mod = tvm.transform.Sequential([*canonicalize_passes(), *graph_fusion_passes()])(mod)
+    counts: dict[OpSignature, int] = {}
+
+    def visit(expr: relax.Expr) -> None:
+        sig = OpSignature.of_call(expr)
+        if sig is not None:
+            counts[sig] = counts.get(sig, 0) + 1
+
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func.body, visit)
+    return counts
+
+
+def select_kernels(
+    mod: tvm.IRModule,
+    target: tvm.target.Target,
+    *,
+    external_dir: str | None = None,
+    records: str | None = None,
+    timeout: float = 120.0,
+    min_repeat_ms: int = 20,
+    progress=None,
+) -> KernelSelection:
+    """Verify and time every candidate of every op signature in `mod` on `target`; pick each
+    op's fastest verified one."""
+    if external_dir is not None:
+        external_dir = os.path.abspath(external_dir)
+    target_json = json.loads(json.dumps(dict(target.export()), default=list))
+    choices = {}
+    for sig, count in op_signatures(mod, target).items():
+        tried = []
+        for candidate in candidates(sig, target, external_dir):
+            if candidate.unavailable is not None:
+                outcome = Outcome(False, f"unavailable: {candidate.unavailable}")
+            else:
+                request = {"signature": sig.to_json(), "candidate": candidate.id, "target": target_json,
+                           "external_dir": external_dir, "records": records, "min_repeat_ms": min_repeat_ms}
+                outcome = run_candidate(request, timeout)
+            tried.append(Tried(candidate.id, candidate.provenance, outcome.verified, outcome.reason,
+                               outcome.seconds, candidate.digest))
+            if progress is not None:
+                progress(sig, tried[-1])
+        verified = [t for t in tried if t.verified]
+        winner = min(verified, key=lambda t: t.seconds).id if verified else None
+        choices[sig.key] = OpChoice(sig, tried, winner, count)
+    measured = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return KernelSelection(target_key(target), choices, external_dir, measured)
+
+
+def selected_sources(selection: KernelSelection) -> Iterable[str]:
+    """The source of each op's winner."""
+    return [c.winner.split(":")[0] for c in selection.choices.values() if c.winner]

@@ -1,0 +1,83 @@
+"""Where candidates come from: one function per source in `SOURCES`, each listing the
+candidates it has for an op signature on a target (unavailable ones too, with the reason).
+
+- generated: the op legalized to TIR; the build schedules it with MetaSchedule records when
+  the records directory has one for it, else with the target's default rules;
+- library: the target's library call (CPU: gimlet's OpenBLAS `gimlet.cpu.matmul` through
+  `DispatchCPULibrary`; CUDA: cuBLAS, when this TVM build has it);
+- handwritten: `handwritten.KERNELS` for the op and target kind;
+- external: kernels in a directory described by `kernels.json` (see `external.py`).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ...relax_passes.dispatch_cpu_library import DispatchCPULibrary
+from .candidates import Candidate, OpSignature, call_prim_func
+from .external import external_candidates
+from .handwritten import KERNELS
+
+
+def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
+    legalize = tvm.ir.Op.get(f"relax.{sig.op}").get_attr("FLegalize")
+    return [Candidate("generated", "tir", "LegalizeOps TIR; MetaSchedule record or default schedule",
+                      lambda bb, call: legalize(bb, call))]
+
+
+def _keep(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    return call
+
+
+def _cpu_library_takes(sig: OpSignature) -> bool:
+    """Whether `DispatchCPULibrary` turns the op into a library call."""
+    mod = DispatchCPULibrary()(sig.module())
+    return "call_dps_packed" in mod.script()
+
+
+def library(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
+    kind = target.kind.name
+    if kind == "llvm":
+        reason = None if _cpu_library_takes(sig) else "DispatchCPULibrary does not take this op"
+        return [Candidate("library", "openblas", "gimlet.cpu.matmul (runtime/ext/cpu_library.cc)",
+                          _keep, unavailable=reason)]
+    if kind == "cuda":
+        reason = (None if tvm.get_global_func("tvm.contrib.cublas.matmul", allow_missing=True)
+                  else "this TVM build has no cuBLAS (tvm.contrib.cublas.matmul)")
+        return [Candidate("library", "cublas", "cuBLAS via tvm.contrib.cublas", _keep, unavailable=reason)]
+    return []
+
+
+def handwritten(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
+    def rewrite(kernel):
+        return lambda bb, call: call_prim_func(bb, call, kernel.make(*OpSignature.of_call(call).gemm), kernel.name)
+
+    return [
+        Candidate("handwritten", kernel.name, kernel.file, rewrite(kernel),
+                  unavailable=None if sig.dtype == "float32" else "float32 only")
+        for kernel in KERNELS
+        if kernel.op == sig.op and kernel.target_kind == target.kind.name
+    ]
+
+
+def external(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
+    return external_candidates(external_dir, sig, target) if external_dir else []
+
+
+SOURCES = {"generated": generated, "library": library, "handwritten": handwritten, "external": external}
+
+
+def candidates(sig: OpSignature, target: tvm.target.Target, external_dir: str | None = None) -> list[Candidate]:
+    """Every candidate for `sig` on `target`, from every source."""
+    return [c for source in SOURCES.values() for c in source(sig, target, external_dir)]
+
+
+def find(candidate_id: str, sig: OpSignature, target: tvm.target.Target,
+         external_dir: str | None = None) -> Candidate:
+    """The candidate with this id (`source:name`)."""
+    source = candidate_id.split(":", 1)[0]
+    for candidate in SOURCES[source](sig, target, external_dir):
+        if candidate.id == candidate_id:
+            return candidate
+    raise KeyError(candidate_id)

@@ -1,0 +1,136 @@
+"""Verifying and timing one candidate, in a subprocess with a timeout.
+
+The child builds the candidate alone (the op rewritten into it, then the target's whole
+pipeline), runs it on random and edge-value inputs at the op's shapes and, for
+shape-generic candidates, at the edge-case shape (no dimension a multiple of any tile),
+checks every output against the reference op, and only then times it on the device
+(`OpTimer`). A compile error, a wrong result, a crash (signal), a hang (timeout) or a
+device this machine lacks becomes the `reason` it is not verified.
+
+    python -m gimlet_tvm.schedules.kernel_selection.verify < request.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+
+RESULT_PREFIX = "GIMLET_RESULT "
+# |ours - reference| must stay within this fraction of max(|a| @ |b|) (float32 sums).
+TOLERANCE = 1e-4
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What happened to one candidate: verified (then seconds is its time) or why not."""
+
+    verified: bool
+    reason: str = ""
+    seconds: float | None = None
+    checks: list[str] = dataclasses.field(default_factory=list)
+
+
+def run_candidate(request: dict[str, Any], timeout: float) -> Outcome:
+    """Verify and time the candidate `request` names, in a child process."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Outcome(False, f"timed out after {timeout:g} s (compile, run or check)")
+    for line in proc.stdout.splitlines()[::-1]:
+        if line.startswith(RESULT_PREFIX):
+            return Outcome(**json.loads(line[len(RESULT_PREFIX):]))
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        return Outcome(False, f"crashed ({name}) while compiling, running or checking")
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+    return Outcome(False, f"child exited with code {proc.returncode}: {tail}")
+
+
+def _input_sets(sig, rng: np.random.Generator) -> dict[str, list[np.ndarray]]:
+    """Operands to check with: random normal, small integers (exact sums), large values,
+    zeros in the first operand."""
+    shapes = sig.shapes
+    normal = [rng.standard_normal(s) for s in shapes]
+    return {
+        "random": normal,
+        "integers": [rng.integers(-4, 5, s).astype(np.float64) for s in shapes],
+        "large": [x * 1e3 for x in normal],
+        "zeros": [np.zeros(shapes[0]), *normal[1:]],
+    }
+
+
+def _check(sig, candidate, spec, target, tuned) -> tuple[Any, str | None]:
+    """Build `candidate` for `sig` and compare it with the reference; (executable, failure)."""
+    import tvm
+    from tvm import relax
+
+    from ...compiler import relax_pipeline
+    from ...errors import summary
+    from .apply import rewrite_ops
+
+    try:
+        mod = rewrite_ops(sig.module(), lambda _: candidate, target.kind.name)
+        with target, spec.codegen_hooks(target):
+            executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(spec, target, tuned))
+    except Exception as err:  # any error of the candidate's code or of TVM building it
+        return None, f"compile failed at {sig.key}: {summary(err)}"
+    cannot_run = spec.can_run()
+    if cannot_run is not None:
+        return executable, f"compiled; cannot run on this machine: {cannot_run}"
+    dev = spec.device()
+    vm = relax.VirtualMachine(executable, dev)
+    for label, operands in _input_sets(sig, np.random.default_rng(0)).items():
+        args = [tvm.runtime.tensor(x.astype(sig.dtype), dev) for x in operands]
+        got = vm["main"](*args).numpy().astype(np.float64)
+        want = sig.reference(*[x.astype(sig.dtype) for x in operands])
+        if got.shape != want.shape:
+            return executable, f"wrong shape at {sig.key}: {got.shape}, expected {want.shape}"
+        scale = max(1.0, float((np.abs(operands[0]) @ np.abs(operands[1])).max()))
+        error = float(np.max(np.abs(got - want))) if got.size else 0.0
+        if not np.isfinite(error) or error > TOLERANCE * scale:
+            return executable, (f"wrong result at {sig.key} on {label} inputs: max abs error "
+                                f"{error:.3g} > {TOLERANCE * scale:.3g}")
+    return executable, None
+
+
+def _child(request: dict[str, Any]) -> Outcome:
+    from tvm import relax
+
+    from ...op_timing import OpTimer
+    from ...relax_passes.op_graph import OpNode
+    from ...schedules.records import ApplyRecords, RecordsDB
+    from ...targets import lookup
+    from .candidates import OpSignature
+    from .sources import find
+
+    spec, overrides = lookup(request["target"])
+    target = spec.make_target(overrides)
+    sig = OpSignature.from_json(request["signature"])
+    candidate = find(request["candidate"], sig, target, request.get("external_dir"))
+    tuned = ApplyRecords(RecordsDB(request["records"]), target) if request.get("records") else None
+    checks = [sig] + ([sig.edge_case()] if candidate.shape_generic else [])
+    executable = None
+    for checked in checks:
+        built, failure = _check(checked, candidate, spec, target, tuned)
+        if failure is not None:
+            return Outcome(False, failure)
+        executable = built if checked is sig else executable
+    call = sig.call()
+    node = OpNode(sig.key, sig.op, relax.Var("out", call.ty), None, sig.flops, 0, (sig.dtype,), value=call)
+    timer = OpTimer([spec.device()], lambda mod, index: executable, min_repeat_ms=request["min_repeat_ms"])
+    seconds = timer(node, 0)
+    if seconds is None:
+        return Outcome(False, f"verified but timing failed: {timer.failures.get((sig.key, 0), '?')}")
+    return Outcome(True, "", seconds, [c.key for c in checks])
+
+
+if __name__ == "__main__":
+    outcome = _child(json.loads(sys.stdin.read()))
+    print(RESULT_PREFIX + json.dumps(dataclasses.asdict(outcome)), flush=True)
