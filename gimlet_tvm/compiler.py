@@ -28,6 +28,7 @@ from .relax_passes.place_on_devices import PlaceOnDevices
 from .relax_passes.placement import Device, Pins
 from .relax_passes.planned_memory import RecordPlannedMemory
 from .runtime import CompiledModel
+from .schedules.kernel_selection.select import KernelSelection
 from .schedules.records import ApplyRecords, RecordsDB
 from .targets import DeviceCode, TargetLike, TargetSpec, lookup
 
@@ -49,13 +50,16 @@ def canonicalize_passes() -> list[tvm.transform.Pass]:
 
 
 def kernel_passes(
-    devices: Sequence[BuildDevice], placer: PlaceOnDevices | None = None
+    devices: Sequence[BuildDevice], placer: PlaceOnDevices | None = None,
+    selection: tvm.transform.Pass | None = None,
 ) -> list[tvm.transform.Pass]:
-    """Imported graph to fused TIR kernels, each tagged with the target that compiles it."""
+    """Imported graph to fused TIR kernels, each tagged with the target that compiles it;
+    `selection` (kernel selection's chosen kernels) runs before the library passes."""
     return [
         *canonicalize_passes(),
         *graph_fusion_passes(),
         *([placer] if placer is not None else []),
+        *([selection] if selection is not None else []),
         *[p for spec, target in devices for p in spec.library_passes(target)],
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
@@ -76,6 +80,7 @@ def device_pipeline(
     tuned: ApplyRecords | None = None,
     placer: PlaceOnDevices | None = None,
     memory: RecordPlannedMemory | None = None,
+    selection: tvm.transform.Pass | None = None,
 ) -> tvm.transform.Pass:
     """The whole Relax pipeline; `devices[0]` compiles the kernels no device claimed.
 
@@ -91,7 +96,7 @@ def device_pipeline(
         return [dlight.ApplyDefaultSchedule(*rules)] if rules else []
 
     passes = [
-        *kernel_passes(devices, placer),
+        *kernel_passes(devices, placer, selection),
         *([PerTarget([default], default, lambda target: [tuned])] if tuned is not None else []),
         PerTarget([target for _, target in devices], default, schedule),
         *generic_pipeline.dataflow_lower_passes(default),
@@ -185,6 +190,7 @@ def build(
     pins: Mapping[str, str] | None = None,
     device_facts: Mapping[str, Mapping[str, Any]] | None = None,
     placement_costs: str = "roofline",
+    selection: KernelSelection | None = None,
 ) -> CompiledModel:
     """Compile an ONNX model (path, `onnx.ModelProto` or bytes) for `targets`.
 
@@ -198,6 +204,8 @@ def build(
     device cannot run falls back). `device_facts`: `{target name: {PerfFacts field: value}}`
     overrides the placement cost model's roofline of a device. `placement_costs="measured"`
     times every op alone on every device instead (slower builds; the devices must be here).
+    `selection`: the kernels `gimlet-tvm select` chose for the first target; by default the
+    one stored in `records`, if any.
     """
     devices = resolve_devices(targets)
     for spec, _ in devices:
@@ -213,12 +221,15 @@ def build(
     mod, io = import_model(proto, input_shapes)
     spec, target = devices[0]
     tuned = ApplyRecords(RecordsDB(records), target) if records is not None else None
+    if selection is None and records is not None:
+        selection = KernelSelection.load(records, target)
+    chosen = selection.pass_for(target) if selection is not None else None
     names = "+".join(spec.name for spec, _ in devices)
     memory = RecordPlannedMemory()
     with target, contextlib.ExitStack() as stack:
         codegen = [stack.enter_context(spec.codegen_hooks(t)) for spec, t in devices]
         try:
-            pipeline = device_pipeline(devices, tuned, placer, memory)
+            pipeline = device_pipeline(devices, tuned, placer, memory, chosen)
             executable = tvm.compile(mod, target, relax_pipeline=pipeline)
         except GimletError:
             raise

@@ -11,9 +11,9 @@ import sys
 from typing import Sequence
 
 from ..errors import GimletError
-from . import bench, compile, demo, records, rpc, run, targets, tune
+from . import bench, compile, demo, records, rpc, run, select, targets, tune
 
-SUBCOMMANDS = (compile, run, bench, targets, demo, rpc, tune, records)
+SUBCOMMANDS = (compile, run, bench, targets, demo, rpc, tune, records, select)
 
 
 def _version() -> str:

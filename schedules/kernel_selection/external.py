@@ -4,7 +4,8 @@
                   "shapes": [[64, 256], [256, 256]], "target": "llvm",
                   "format": "tvmscript", "source": "gemm_64x256x256.py"}]}
 
-`source` (relative to the directory) holds one TVMScript PrimFunc `(a[M, K], b[K, N],
+`source` (relative to the directory) holds TVMScript as `PrimFunc.script()` prints it (no
+Python imports: `T` is TVMScript's `tirx`), one PrimFunc `(a[M, K], b[K, N],
 c[M, N])` for exactly those shapes (batch axes of the first operand fold into M). An entry
 is a candidate only for its op, shapes, dtype and target kind. The source is parsed only
 when the candidate is built (in the verification subprocess, or by a build after it was

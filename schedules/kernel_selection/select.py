@@ -172,7 +172,9 @@ def select_kernels(
     op's fastest verified one."""
     if external_dir is not None:
         external_dir = os.path.abspath(external_dir)
-    target_json = json.loads(json.dumps(dict(target.export()), default=list))
+    if records is not None:
+        records = RecordsDB(records, create=True).path  # the children read it
+    target_json = json.loads(str(target))
     choices = {}
     for sig, count in op_signatures(mod, target).items():
         tried = []

@@ -101,6 +101,7 @@ def _check(sig, candidate, spec, target, tuned) -> tuple[Any, str | None]:
 
 
 def _child(request: dict[str, Any]) -> Outcome:
+    import tvm
     from tvm import relax
 
     from ...op_timing import OpTimer
@@ -110,8 +111,8 @@ def _child(request: dict[str, Any]) -> Outcome:
     from .candidates import OpSignature
     from .sources import find
 
-    spec, overrides = lookup(request["target"])
-    target = spec.make_target(overrides)
+    target = tvm.target.Target(request["target"])
+    spec, _ = lookup(target.kind.name)
     sig = OpSignature.from_json(request["signature"])
     candidate = find(request["candidate"], sig, target, request.get("external_dir"))
     tuned = ApplyRecords(RecordsDB(request["records"]), target) if request.get("records") else None

@@ -22,7 +22,7 @@ def cpu_gemm(m: int, n: int, k: int) -> tvm.tirx.PrimFunc:
     @T.prim_func
     def gemm(a: T.Buffer((m, k), "float32"), b: T.Buffer((k, n), "float32"),
              c: T.Buffer((m, n), "float32")):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True})
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
         for panel in T.parallel(n // NR):
             acc = T.decl_buffer((MR, NR), "float32", scope="local")
             row = T.decl_buffer((NR,), "float32", scope="local")

@@ -20,7 +20,7 @@ def cuda_gemm(m: int, n: int, k: int) -> tvm.tirx.PrimFunc:
     @T.prim_func
     def gemm(a: T.Buffer((m, k), "float32"), b: T.Buffer((k, n), "float32"),
              c: T.Buffer((m, n), "float32")):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True})
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
         by = T.launch_thread("blockIdx.y", grid_m)
         bx = T.launch_thread("blockIdx.x", grid_n)
         ty = T.launch_thread("threadIdx.y", TILE)

@@ -1,0 +1,55 @@
+"""`gimlet-tvm select MODEL -t TARGET --records DIR`: choose each op's kernel by verified
+measurement (generated, library, hand-written, external) and store the choice in DIR, where
+`compile --records DIR` applies it."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from ..compiler import resolve_target
+from ..frontend import import_model, load_model
+from ..schedules.kernel_selection.select import KernelSelection, select_kernels, selected_sources
+from .common import add_target_args, build_from_args, format_table, parse_input_shapes
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("select", help="choose each op's kernel by verified measurement")
+    parser.add_argument("model", help="ONNX model file")
+    add_target_args(parser)
+    parser.add_argument("--records", metavar="DIR", required=True,
+                        help="records directory to store the selection in (created if missing)")
+    parser.add_argument("--kernels", metavar="DIR",
+                        help="external kernel directory (with kernels.json) to take candidates from")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds one candidate's compile, check and timing may take (default 120)")
+    parser.set_defaults(handler=run)
+
+
+def format_selection(selection: KernelSelection) -> str:
+    """A table per op: candidates, verified or why not, latency, winner."""
+    blocks = []
+    for key, choice in selection.choices.items():
+        rows = [[t.id, "yes" if t.verified else f"no: {t.reason}",
+                 f"{t.seconds * 1e3:.3f}" if t.seconds is not None else "-",
+                 "<- winner" if t.id == choice.winner else ""] for t in choice.tried]
+        header = f"{key}  (x{choice.count})  winner: {choice.winner or 'none verified: default'}"
+        blocks.append(header + "\n" + format_table(["candidate", "verified", "ms", ""], rows))
+    return "\n\n".join(blocks)
+
+
+def run(args) -> int:
+    start = time.perf_counter()
+    _, target = resolve_target(args.target)
+    mod, _ = import_model(load_model(args.model), parse_input_shapes(args.input_shape))
+    selection = select_kernels(mod, target, external_dir=args.kernels, records=args.records,
+                               timeout=args.timeout)
+    path = selection.save(args.records)
+    print(format_selection(selection) or "no op in this model has kernel candidates (static-shape matmul)")
+    counts = collections.Counter(selected_sources(selection))
+    print(f"\nselected in {time.perf_counter() - start:.0f} s: "
+          + (", ".join(f"{n} {source}" for source, n in sorted(counts.items())) or "nothing")
+          + f"; stored in {path}")
+    build_from_args(args.model, args, records=args.records, selection=selection)
+    print("model builds with the selection")
+    return 0
