@@ -1,0 +1,66 @@
+"""Kernel selection (issue #8) on the CPU: end-to-end latency of the selected kernels vs
+"generated only" and "library only" (each op's best verified candidate of that source), each
+as a ratio against onnxruntime timed in the same run, interleaved.
+
+    python benchmarks/kernel_selection.py [--models mlp bert_base_like] [--batch 1] [--repeat 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import tempfile
+
+import gimlet_tvm
+from gimlet_tvm.compiler import resolve_target
+from gimlet_tvm.frontend import import_model
+from gimlet_tvm.models import SUITE
+from gimlet_tvm.peers import check_against_onnxruntime, onnxruntime_session, time_interleaved
+from gimlet_tvm.schedules.kernel_selection.select import select_kernels, selected_sources
+
+MODELS = ["mlp", "bert_base_like"]
+
+
+def measure(name: str, batch: int, repeat: int, threads: int) -> str:
+    info = SUITE[name]
+    proto = info.build()
+    inputs = info.example_inputs(batch=batch)
+    shapes = {key: list(value.shape) for key, value in inputs.items()}
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(proto, shapes)
+    with tempfile.TemporaryDirectory() as records:
+        selection = select_kernels(mod, target, records=records, timeout=300, min_repeat_ms=10)
+    sources = collections.Counter(selected_sources(selection))
+    builds = {"selected": selection, "generated only": selection.restricted_to("generated"),
+              "library only": selection.restricted_to("library")}
+    models = {label: gimlet_tvm.build(proto, "llvm", input_shapes=shapes, selection=chosen)
+              for label, chosen in builds.items()}
+    for label, model in models.items():
+        ok, diff = check_against_onnxruntime(proto, model, inputs, tolerance=1e-3)
+        assert ok, f"{name} {label}: differs from onnxruntime by {diff}"
+    session = onnxruntime_session(proto, threads)
+    engines = {label: (lambda m=model: m(*inputs.values())) for label, model in models.items()}
+    engines["onnxruntime"] = lambda: session.run(None, inputs)
+    times = time_interleaved(engines, repeat=repeat, warmup=2)
+    ort = times["onnxruntime"].median_ms
+    cells = [f"{times[label].median_ms:.2f} ({times[label].median_ms / ort:.2f})" for label in builds]
+    mix = ", ".join(f"{n} {s}" for s, n in sorted(sources.items()))
+    return f"| {name} (batch {batch}) | {mix} | " + " | ".join(cells) + f" | {ort:.2f} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2, help="onnxruntime threads")
+    args = parser.parse_args()
+    print("| model | selected sources (op signatures) | selected ms (/ORT) | generated only ms (/ORT) | "
+          "library only ms (/ORT) | onnxruntime ms |")
+    print("|---|---|---|---|---|---|")
+    for name in args.models:
+        print(measure(name, args.batch, args.repeat, args.threads), flush=True)
+
+
+if __name__ == "__main__":
+    main()
