@@ -24,7 +24,6 @@ from ...files import atomic_path
 from ..records import RecordsDB, target_key
 from .apply import ApplyKernelSelection
 from .candidates import Candidate, OpSignature
-from .external import digest
 from .sources import candidates, find
 from .verify import Outcome, run_candidate
 
