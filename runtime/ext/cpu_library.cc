@@ -62,6 +62,70 @@ int64_t Product(const int64_t* begin, const int64_t* end) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Vector math: exp and erf on 8 lanes with GCC's vector types (libm's expf and erff are scalar,
+// and GCC does not vectorize a clamp followed by a float-to-int conversion on its own)
+
+using Floats = float __attribute__((vector_size(32)));
+using Ints = int32_t __attribute__((vector_size(32)));
+constexpr int64_t kLanes = sizeof(Floats) / sizeof(float);
+
+/*!
+ * \brief exp(x) for x <= 0 (softmax after the row's maximum is subtracted): x = n ln2 + f with
+ * |f| <= ln2 / 2, exp(f) by Cephes' degree-7 polynomial, 2^n put into the exponent bits.
+ * Relative error below 3e-7; 0 below -87.
+ */
+inline Floats ExpNonPositive(Floats x) {
+  const Floats floor_value = Floats{} - 87.0f;
+  const auto underflow = x < floor_value;
+  x = underflow ? floor_value : x;
+  // n = round(x log2 e); for x <= 0 that is trunc(x log2 e - 0.5), a plain conversion.
+  const Ints whole = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, Ints);
+  const Floats n = __builtin_convertvector(whole, Floats);
+  const Floats f = x - n * 0.693359375f + n * 2.12194440e-4f;
+  Floats p = Floats{} + 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.0f;
+  const Floats two_n = reinterpret_cast<Floats>((whole + 127) << 23);
+  return underflow ? Floats{} : p * two_n;
+}
+
+/*! \brief erf(x): Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7) on |x|. */
+inline Floats Erf(Floats x) {
+  const auto negative = x < Floats{};
+  const Floats a = negative ? -x : x;
+  const Floats t = 1.0f / (1.0f + 0.3275911f * a);
+  Floats p = Floats{} + 1.061405429f;
+  p = p * t - 1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t - 0.284496736f;
+  p = p * t + 0.254829592f;
+  const Floats y = 1.0f - p * t * ExpNonPositive(-a * a);
+  return negative ? -y : y;
+}
+
+/*! \brief data[j] = f(data[j]) for j < n, `kLanes` at a time (the tail through a padded block). */
+template <typename F>
+void MapInPlace(float* data, int64_t n, F f) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    Floats v;
+    std::memcpy(&v, data + j, sizeof(v));
+    v = f(v);
+    std::memcpy(data + j, &v, sizeof(v));
+  }
+  if (j < n) {
+    Floats v{};
+    std::memcpy(&v, data + j, (n - j) * sizeof(float));
+    v = f(v);
+    std::memcpy(data + j, &v, (n - j) * sizeof(float));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Epilogues: elementwise steps applied to a GEMM's output block while it is in cache
 
 /*! \brief One epilogue step (the codes are the packed arguments' step kinds). */
@@ -110,9 +174,9 @@ void ApplyEpilogue(const Epilogue& epilogue, float* c, int64_t offset, int64_t r
           for (int64_t j = 0; j < cols; ++j) row[j] = std::min(std::max(row[j], step.lo), step.hi);
           break;
         case EpilogueStep::kGelu:
-          for (int64_t j = 0; j < cols; ++j) {
-            row[j] = 0.5f * row[j] * (1.0f + std::erf(row[j] * 0.70710678118654752f));
-          }
+          MapInPlace(row, cols, [](Floats v) {
+            return 0.5f * v * (1.0f + Erf(v * 0.70710678118654752f));
+          });
           break;
       }
     }
@@ -492,28 +556,6 @@ struct AttentionWork {
   int64_t rows_per_unit, units_per_head;
 };
 
-/*!
- * \brief exp(x) for x <= 0 (softmax after the row's maximum is subtracted), written so loops
- * over it vectorize: x = n ln2 + f with |f| <= ln2 / 2, exp(f) by Cephes' degree-7 polynomial,
- * 2^n put into the float's exponent bits. Relative error below 3e-7; underflows to 0 below -87.
- */
-inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float f = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  p = p * f * f + f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
-
 /*! \brief s = softmax(s * scale + bias) over one row; bias (or null) read at bias_stride. */
 void SoftmaxRow(float* s, int64_t n, float scale, const float* bias, int64_t bias_stride) {
   float max = -std::numeric_limits<float>::infinity();
@@ -522,12 +564,10 @@ void SoftmaxRow(float* s, int64_t n, float scale, const float* bias, int64_t bia
     s[j] = s[j] * scale + (bias == nullptr ? 0.0f : bias[j * bias_stride]);
     max = std::max(max, s[j]);
   }
+  MapInPlace(s, n, [max](Floats v) { return ExpNonPositive(v - max); });
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    s[j] = ExpNonPositive(s[j] - max);
-    sum += s[j];
-  }
+  for (int64_t j = 0; j < n; ++j) sum += s[j];
   const float inverse = 1.0f / sum;
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) s[j] *= inverse;
