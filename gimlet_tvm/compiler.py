@@ -49,16 +49,19 @@ def canonicalize_passes() -> list[tvm.transform.Pass]:
     ]
 
 
+def graph_passes() -> list[tvm.transform.Pass]:
+    """The imported graph cleaned up and its patterns fused: what placement decides over."""
+    return [*canonicalize_passes(), *graph_fusion_passes()]
+
+
 def kernel_passes(
-    devices: Sequence[BuildDevice], placer: PlaceOnDevices | None = None,
-    selection: tvm.transform.Pass | None = None,
+    devices: Sequence[BuildDevice], selection: tvm.transform.Pass | None = None,
 ) -> list[tvm.transform.Pass]:
-    """Imported graph to fused TIR kernels, each tagged with the target that compiles it;
-    `selection` (kernel selection's chosen kernels) runs before the library passes."""
+    """Graph (placed already, with several devices) to fused TIR kernels, each tagged with the
+    target that compiles it; `selection` (kernel selection's chosen kernels) runs before the
+    library passes."""
     return [
-        *canonicalize_passes(),
-        *graph_fusion_passes(),
-        *([placer] if placer is not None else []),
+        *graph_passes(),
         *([selection] if selection is not None else []),
         *[p for spec, target in devices for p in spec.library_passes(target)],
         relax.transform.LegalizeOps(),
@@ -66,7 +69,7 @@ def kernel_passes(
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-        *([AssignKernelTargets()] if placer is not None else []),
+        *([AssignKernelTargets()] if len(devices) > 1 else []),
     ]
 
 
@@ -78,7 +81,6 @@ def fusion_passes(spec: TargetSpec, target: tvm.target.Target) -> list[tvm.trans
 def device_pipeline(
     devices: Sequence[BuildDevice],
     tuned: ApplyRecords | None = None,
-    placer: PlaceOnDevices | None = None,
     memory: RecordPlannedMemory | None = None,
     selection: tvm.transform.Pass | None = None,
 ) -> tvm.transform.Pass:
@@ -96,7 +98,7 @@ def device_pipeline(
         return [dlight.ApplyDefaultSchedule(*rules)] if rules else []
 
     passes = [
-        *kernel_passes(devices, placer, selection),
+        *kernel_passes(devices, selection),
         *([PerTarget([default], default, lambda target: [tuned])] if tuned is not None else []),
         PerTarget([target for _, target in devices], default, schedule),
         *generic_pipeline.dataflow_lower_passes(default),
@@ -181,6 +183,33 @@ def _placer(
                           Pins(dict(pins or {})), timer)
 
 
+@contextlib.contextmanager
+def _compile_errors(devices: Sequence[BuildDevice]):
+    """TVM's passes and code generators raise many error types: one CompileError for them."""
+    try:
+        yield
+    except GimletError:
+        raise
+    except Exception as err:
+        names = "+".join(spec.name for spec, _ in devices)
+        raise CompileError(f"compiling for {names} failed: {summary(err)}") from err
+
+
+def _place(
+    mod: tvm.IRModule, devices: list[BuildDevice], placer: PlaceOnDevices
+) -> tuple[tvm.IRModule, list[BuildDevice]]:
+    """The module placed across `devices`, and the devices it uses. When every op lands on one
+    device the model is built for that device alone, exactly as a one-target build."""
+    host = devices[0][1]
+    with host, _compile_errors(devices):
+        prepared = tvm.transform.Sequential(graph_passes())(mod)
+        placed = placer(prepared)
+    used = sorted({op.device for op in placer.placement.ops})
+    if len(used) == 1 and not placer.placement.copies:
+        return prepared, [devices[used[0]]]
+    return placed, devices
+
+
 def build(
     model: ModelLike,
     targets: Targets = "llvm",
@@ -214,30 +243,30 @@ def build(
             raise TargetUnavailableError(f"cannot compile for {spec.name} on this machine: {reason}")
     if len(devices) == 1 and (pins or device_facts or placement_costs != "roofline"):
         raise GimletError("pins, device_facts and placement_costs need several targets to place ops on")
-    given = targets if isinstance(targets, (list, tuple)) else [targets]
-    asked = {lookup(entry)[0].name for entry in given}
-    placer = _placer(devices, asked, pins, device_facts, placement_costs) if len(devices) > 1 else None
     proto = load_model(model)
     mod, io = import_model(proto, input_shapes)
+    placement = None
+    if len(devices) > 1:
+        given = targets if isinstance(targets, (list, tuple)) else [targets]
+        placer = _placer(devices, {lookup(entry)[0].name for entry in given}, pins, device_facts,
+                         placement_costs)
+        names = [spec.name for spec, _ in devices]
+        mod, devices = _place(mod, devices, placer)
+        placement = placer.placement.to_json(names)
     spec, target = devices[0]
     tuned = ApplyRecords(RecordsDB(records), target) if records is not None else None
     if selection is None and records is not None:
         selection = KernelSelection.load(records, target)
     chosen = selection.pass_for(target) if selection is not None else None
-    names = "+".join(spec.name for spec, _ in devices)
     memory = RecordPlannedMemory()
     with target, contextlib.ExitStack() as stack:
         codegen = [stack.enter_context(spec.codegen_hooks(t)) for spec, t in devices]
-        try:
-            pipeline = device_pipeline(devices, tuned, placer, memory, chosen)
+        with _compile_errors(devices):
+            pipeline = device_pipeline(devices, tuned, memory, chosen)
             executable = tvm.compile(mod, target, relax_pipeline=pipeline)
-        except GimletError:
-            raise
-        except Exception as err:  # TVM's passes and code generators raise many error types
-            raise CompileError(f"compiling for {names} failed: {summary(err)}") from err
     built_for = []
     for index, ((spec, target), record) in enumerate(zip(devices, codegen)):
-        if placer is not None and not record.kernels:
+        if len(devices) > 1 and not record.kernels:
             device_code = DeviceCode("no kernels placed on this device", (), "-")
         else:
             device_code = spec.check_code(executable.mod, record, target)
@@ -248,5 +277,4 @@ def build(
             "tuned_tasks": tuned.applied if tuned is not None and index == 0 else 0,
             "planned_memory": memory.bytes_per_device.get(index, 0),
         })
-    placement = placer.placement.to_json([s.name for s, _ in devices]) if placer is not None else None
     return CompiledModel(executable.mod, io, built_for, placement=placement)

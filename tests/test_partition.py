@@ -136,6 +136,7 @@ def test_transfer_cost_keeps_the_model_on_one_device():
     placement = compiled.placement()
     assert placement.ops_per_device() == {"llvm": len(placement.ops)}
     assert placement.copies == []
+    assert [t["name"] for t in compiled.targets] == ["llvm"]  # built as a one-device model
     run_both(model, compiled)
 
 
