@@ -1,6 +1,8 @@
 """Kernel selection (issue #8) on the CPU: end-to-end latency of the selected kernels vs
-"generated only" and "library only" (each op's best verified candidate of that source), each
-as a ratio against onnxruntime timed in the same run, interleaved.
+"generated only" and "library only" (each op group's best verified candidate of that source),
+each as a ratio against onnxruntime timed in the same run, interleaved. Input shapes are fixed
+(the suite's example inputs at `--batch`). Prints each op group's winner, then one table row:
+median ms [p10-p90] (median / onnxruntime median).
 
     python benchmarks/kernel_selection.py [--models mlp bert_base_like] [--batch 1] [--repeat 10]
 """
@@ -30,6 +32,10 @@ def measure(name: str, batch: int, repeat: int, threads: int) -> str:
     mod, _ = import_model(proto, shapes)
     with tempfile.TemporaryDirectory() as records:
         selection = select_kernels(mod, target, records=records, timeout=300, min_repeat_ms=10)
+    for key, choice in selection.choices.items():
+        times = ", ".join(f"{t.id} {t.seconds * 1e3:.3f} ms" if t.verified else f"{t.id} no"
+                          for t in choice.tried)
+        print(f"  {name}: {key} (x{choice.count}) -> {choice.winner}: {times}", flush=True)
     sources = collections.Counter(selected_sources(selection))
     builds = {"selected": selection, "generated only": selection.restricted_to("generated"),
               "library only": selection.restricted_to("library")}
@@ -43,9 +49,11 @@ def measure(name: str, batch: int, repeat: int, threads: int) -> str:
     engines["onnxruntime"] = lambda: session.run(None, inputs)
     times = time_interleaved(engines, repeat=repeat, warmup=2)
     ort = times["onnxruntime"].median_ms
-    cells = [f"{times[label].median_ms:.2f} ({times[label].median_ms / ort:.2f})" for label in builds]
+    cells = [f"{times[label].median_ms:.2f} [{times[label].p10_ms:.2f}-{times[label].p90_ms:.2f}] "
+             f"({times[label].median_ms / ort:.2f})" for label in builds]
     mix = ", ".join(f"{n} {s}" for s, n in sorted(sources.items()))
-    return f"| {name} (batch {batch}) | {mix} | " + " | ".join(cells) + f" | {ort:.2f} |"
+    ort_cell = f"{ort:.2f} [{times['onnxruntime'].p10_ms:.2f}-{times['onnxruntime'].p90_ms:.2f}]"
+    return f"| {name} (batch {batch}), repeat {repeat} | {mix} | " + " | ".join(cells) + f" | {ort_cell} |"
 
 
 def main() -> None:
@@ -55,11 +63,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2, help="onnxruntime threads")
     args = parser.parse_args()
-    print("| model | selected sources (op signatures) | selected ms (/ORT) | generated only ms (/ORT) | "
+    rows = [measure(name, args.batch, args.repeat, args.threads) for name in args.models]
+    print("| model | selected sources (op groups) | selected ms (/ORT) | generated only ms (/ORT) | "
           "library only ms (/ORT) | onnxruntime ms |")
     print("|---|---|---|---|---|---|")
-    for name in args.models:
-        print(measure(name, args.batch, args.repeat, args.threads), flush=True)
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

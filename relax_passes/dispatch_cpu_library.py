@@ -75,6 +75,31 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
         return rewriter.builder_.get()
 
 
+def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list] | None:
+    """`(a, b, transpose_b, epilogue)` of a `gimlet.cpu.matmul` call this pass wrote, None for
+    any other expression. `epilogue`: its steps in order, `("add", addend, divisor)` (an
+    addend broadcast along the output, one element per `divisor` consecutive outputs for a
+    vector, divisor 1 for an output-shaped tensor), `("relu",)` or `("gelu",)`."""
+    if not (isinstance(call, relax.Call) and call.op == tvm.ir.Op.get("relax.call_dps_packed")
+            and call.args[0].global_symbol == MATMUL_FUNC):
+        return None
+    a, b, transpose, *args = call.args[1].fields
+    names = {code: name for name, code in ACTIVATIONS.items()}
+    steps, index = [], 0
+    while index < len(args):
+        kind = int(args[index].value)
+        if kind == ADD_VECTOR:
+            steps.append(("add", args[index + 1], int(args[index + 2].value)))
+            index += 3
+        elif kind == ADD_TENSOR:
+            steps.append(("add", args[index + 1], 1))
+            index += 2
+        else:
+            steps.append((names[kind].rsplit(".", 1)[1],))
+            index += 1
+    return a, b, bool(int(transpose.value)), steps
+
+
 def _use_counts(func: relax.Function) -> collections.Counter:
     """How often each variable is used in `func`."""
     counts: collections.Counter = collections.Counter()

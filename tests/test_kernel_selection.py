@@ -1,5 +1,6 @@
 """Kernel selection: real candidates compiled, checked and timed in subprocesses; a wrong and
-a crashing external kernel are rejected with their reason and the build uses the next best."""
+a crashing external kernel are rejected with their reason and the build uses the next best;
+op groups carry the epilogue the CPU library absorbs, and every candidate is checked with it."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from onnx import TensorProto, helper
 import gimlet_tvm
 from gimlet_tvm.compiler import resolve_target
 from gimlet_tvm.errors import GimletError
+from gimlet_tvm.frontend import import_model
 from gimlet_tvm.schedules.kernel_selection.apply import rewrite_ops
 from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
-from gimlet_tvm.schedules.kernel_selection.select import SELECTION_FILE, KernelSelection
+from gimlet_tvm.schedules.kernel_selection.select import SELECTION_FILE, KernelSelection, op_signatures
 from gimlet_tvm.schedules.kernel_selection.sources import candidates, find
 from gimlet_tvm.schedules.kernel_selection.verify import run_candidate
 
@@ -73,7 +75,7 @@ def _request(candidate_id: str, target, external_dir=None) -> dict:
 def test_candidates_from_every_source(kernels):
     _, target = resolve_target("llvm")
     ids = [c.id for c in candidates(SIG, target, str(kernels))]
-    assert ids == ["generated:tir", "library:openblas", "handwritten:cpu_gemm_4x32",
+    assert ids == ["generated:tir", "library:openblas", "handwritten:cpu_gemm_4x32", "handwritten:cpu_gemv_1x256",
                    "external:good", "external:wrong", "external:crash"]
     other_shape = OpSignature("matmul", ((M + 1, K), (K, N)), "float32")
     assert not [c for c in candidates(other_shape, target, str(kernels)) if c.source == "external"]
@@ -143,4 +145,78 @@ def test_selection_rewrites_only_into_the_chosen_kernel():
     text = rewrite_ops(SIG.module(), lambda sig: handwritten, "llvm").script()
     assert "cpu_gemm_4x32" in text and "R.matmul" not in text
     untouched = rewrite_ops(SIG.module(), lambda sig: None, "llvm").script()
-    assert "R.matmul" in untouched
+    assert "gimlet.cpu.matmul" in untouched  # the op group as the library pass formed it
+
+
+# A linear layer + ReLU, and one with GELU and a residual add (a transformer's FFN shape).
+BIAS_RELU = OpSignature("matmul", ((M, K), (K, N)), "float32", (("add", (N,)), ("relu", ())))
+GELU_RESIDUAL = OpSignature("matmul", ((1, M, K), (K, N)), "float32",
+                            (("add", (N,)), ("gelu", ()), ("add", (1, M, N))))
+
+# An external kernel of the bias + ReLU group; `{bias}` is the bias term (left out: wrong).
+EPILOGUE_KERNEL = """
+# from tvm.script import tirx as T
+
+@T.prim_func
+def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
+         bias: T.Buffer((1, {n}), "float32"), c: T.Buffer(({m}, {n}), "float32")):
+    T.func_attr({{"tir.noalias": True, "tirx.is_scheduled": True}})
+    for i, j in T.grid({m}, {n}):
+        c[i, j] = T.float32(0)
+        for kk in range({k}):
+            c[i, j] = c[i, j] + a[i, kk] * b[kk, j]
+        c[i, j] = T.max(c[i, j]{bias}, T.float32(0))
+"""
+
+
+def test_op_group_is_what_the_library_absorbs():
+    """MatMul + Add + Relu is one signature with its epilogue, read from DispatchCPULibrary."""
+    weight = np.ones((K, N), np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["hb"]),
+         helper.make_node("Relu", ["hb"], ["y"])], "linear_relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, N])],
+        [onnx.numpy_helper.from_array(weight, "w"), onnx.numpy_helper.from_array(weight[0], "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(model, {"x": [M, K]})
+    assert op_signatures(mod, target) == {BIAS_RELU: 1}
+    assert BIAS_RELU.key == f"matmul float32 {M}x{K} @ {K}x{N} +{N} relu"
+    assert OpSignature.from_json(json.loads(json.dumps(BIAS_RELU.to_json()))) == BIAS_RELU
+
+
+@pytest.mark.parametrize("candidate_id", ["generated:tir", "library:openblas", "handwritten:cpu_gemm_4x32",
+                                          "handwritten:cpu_gemv_1x256"])
+def test_every_source_fuses_the_epilogue(candidate_id):
+    """Each source computes matmul + bias + GELU + residual, checked against the reference
+    group at its shapes and the edge-case ones."""
+    _, target = resolve_target("llvm")
+    request = dict(_request(candidate_id, target), signature=GELU_RESIDUAL.to_json())
+    outcome = run_candidate(request, timeout=180)
+    assert outcome.verified, outcome.reason
+    assert outcome.checks == [GELU_RESIDUAL.key, GELU_RESIDUAL.edge_case().key]
+    assert GELU_RESIDUAL.edge_case().epilogue == (("add", (69,)), ("gelu", ()), ("add", (1, 11, 69)))
+    if candidate_id.startswith("handwritten"):
+        text = rewrite_ops(GELU_RESIDUAL.module(), lambda sig: find(candidate_id, sig, target), "llvm").script()
+        assert "gimlet.cpu.matmul" not in text and "R.nn.gelu" not in text and "R.add" not in text
+
+
+def test_wrong_epilogue_rejected(tmp_path):
+    """A kernel of the bias + ReLU group that leaves out the bias is not verified."""
+    entries = []
+    for name, bias in (("fused", " + bias[0, j]"), ("no_bias", "")):
+        (tmp_path / f"{name}.py").write_text(EPILOGUE_KERNEL.format(m=M, k=K, n=N, bias=bias))
+        entries.append({"name": name, "op": "matmul", "dtype": "float32", "shapes": [[M, K], [K, N]],
+                        "epilogue": [["add", [N]], ["relu", []]], "target": "llvm",
+                        "format": "tvmscript", "source": f"{name}.py"})
+    (tmp_path / "kernels.json").write_text(json.dumps({"kernels": entries}))
+    _, target = resolve_target("llvm")
+    assert [c.id for c in candidates(SIG, target, str(tmp_path)) if c.source == "external"] == []
+    outcomes = {}
+    for name in ("fused", "no_bias"):
+        request = dict(_request(f"external:{name}", target, str(tmp_path)), signature=BIAS_RELU.to_json())
+        outcomes[name] = run_candidate(request, timeout=120)
+    assert outcomes["fused"].verified, outcomes["fused"].reason
+    assert not outcomes["no_bias"].verified
+    assert outcomes["no_bias"].reason.startswith(f"wrong result at {BIAS_RELU.key} on random"), outcomes["no_bias"].reason

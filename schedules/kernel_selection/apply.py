@@ -1,6 +1,8 @@
-"""Rewriting a module's ops into chosen candidates: `rewrite_ops` and the build's pass,
-`ApplyKernelSelection` (before the target's library passes, so a non-library choice is out
-of the library pass's reach and a library choice is left to it)."""
+"""Rewriting a module's op groups into chosen candidates: `rewrite_ops` and the build's pass,
+`ApplyKernelSelection` (before the target's library passes). Op groups are formed first by
+`grouping_passes`: on the CPU the library pass itself (`DispatchCPULibrary`), whose matmul
+calls carry the epilogue they absorb; a library choice is left as that call, any other is
+rewritten out of it (and so out of the library pass's reach when it runs again)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ...relax_passes.dispatch_cpu_library import DispatchCPULibrary
 from .candidates import Candidate, OpSignature
 
 Choose = Callable[[OpSignature], Candidate | None]
@@ -35,8 +38,15 @@ def _on(ty: relax.TensorType, kind: str) -> bool:
     return vdevice is None or vdevice.target.kind.name == kind
 
 
+def grouping_passes(target_kind: str) -> list[tvm.transform.Pass]:
+    """The passes that form a target's op groups (an op with the epilogue its library call
+    would absorb), as `OpSignature.of_call` reads them."""
+    return [DispatchCPULibrary()] if target_kind == "llvm" else []
+
+
 def rewrite_ops(mod: tvm.IRModule, choose: Choose, target_kind: str) -> tvm.IRModule:
-    """`mod` with every op `choose` gives a candidate for rewritten into that candidate."""
+    """`mod` with every op group `choose` gives a candidate for rewritten into that candidate."""
+    mod = tvm.transform.Sequential(grouping_passes(target_kind))(mod)
     rewriter = _Rewriter(mod)
     rewriter.choose = choose
     rewriter.target_kind = target_kind
@@ -48,7 +58,7 @@ def rewrite_ops(mod: tvm.IRModule, choose: Choose, target_kind: str) -> tvm.IRMo
 
 @tvm.transform.module_pass(opt_level=0, name="ApplyKernelSelection")
 class ApplyKernelSelection:  # pylint: disable=too-few-public-methods
-    """Rewrite each op the selection has a winner for (on `target`) into that winner."""
+    """Rewrite each op group the selection has a winner for (on `target`) into that winner."""
 
     def __init__(self, choose: Choose, target: tvm.target.Target) -> None:
         self.choose = choose

@@ -1,11 +1,14 @@
 """What kernel selection chooses between: `Candidate` implementations of one `OpSignature`.
 
 An op signature is a Relax op at static shapes and one dtype (for now `matmul` of an
-operand of rank >= 2 by a rank-2 operand: every linear layer of the suite). A candidate
-rewrites that op's call into its implementation before library dispatch and legalization:
-generated TIR (`call_tir` of the legalized op, scheduled later by MetaSchedule records or the
-target's default rules), a library call (left to the target's library pass), a hand-written
-or an external PrimFunc (`call_tir`, batch axes folded into rows).
+operand of rank >= 2 by a rank-2 operand: every linear layer of the suite) together with the
+elementwise epilogue the target's library call absorbs (bias and residual adds, ReLU, GELU:
+on the CPU exactly what `DispatchCPULibrary` fuses into `gimlet.cpu.matmul`, read back from
+its calls). A candidate rewrites that whole group into its implementation before
+legalization: generated TIR (`call_tir` of the legalized op, the epilogue left as Relax ops
+for FuseOps to fuse, scheduled later by MetaSchedule records or the target's default rules),
+a library call (left as the library pass wrote it), a hand-written or an external PrimFunc
+(`call_tir`, batch axes folded into rows, the epilogue's addends passed after the operands).
 """
 
 from __future__ import annotations
@@ -18,47 +21,92 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ...relax_passes.dispatch_cpu_library import library_matmul
+
 SOURCES = ("generated", "library", "handwritten", "external")
 
 Rewrite = Callable[[relax.BlockBuilder, relax.Call], relax.Expr]
-"""Emits the candidate's implementation of `call` (an op of the candidate's signature)."""
+"""Emits the candidate's implementation of `call` (an op group of the candidate's signature)."""
 
 # Dims of the edge-case shape (rows, reduction, columns): no multiple of any tile size.
 EDGE_DIMS = (11, 37, 69)
+ACTIVATIONS = {"relu": relax.op.nn.relu, "gelu": relax.op.nn.gelu}
+
+Step = tuple[str, tuple[int, ...]]
+"""An epilogue step: `("add", addend shape)`, `("relu", ())` or `("gelu", ())`."""
+
+
+def _static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None or not hasattr(ty.shape, "values"):
+        return None
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values):
+        return None
+    return tuple(int(d) for d in ty.shape.values)
+
+
+def group_operands(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, list[relax.Expr], list[Step]] | None:
+    """`(a, b, addends, epilogue)` of a plain `R.matmul(a, b)` (no epilogue) or of a CPU
+    library matmul call with its absorbed epilogue; None for anything else (also a library
+    call with a transposed `b` or a vector added along another than the last axis)."""
+    if isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.matmul":
+        return call.args[0], call.args[1], [], []
+    parts = library_matmul(call)
+    if parts is None or parts[2]:
+        return None
+    a, b, _, steps = parts
+    addends, epilogue = [], []
+    for step in steps:
+        if step[0] == "add":
+            shape = _static_shape(step[1])
+            if shape is None or step[2] != 1:
+                return None
+            addends.append(step[1])
+            epilogue.append(("add", shape))
+        else:
+            epilogue.append((step[0], ()))
+    return a, b, addends, epilogue
 
 
 @dataclasses.dataclass(frozen=True)
 class OpSignature:
-    """A Relax op at static shapes: `shapes` of its tensor operands, all of `dtype`."""
+    """An op group at static shapes: `shapes` of the op's tensor operands, all of `dtype`,
+    then its `epilogue` steps in order."""
 
     op: str
     shapes: tuple[tuple[int, ...], ...]
     dtype: str
+    epilogue: tuple[Step, ...] = ()
 
     @classmethod
     def of_call(cls, call: relax.Expr) -> OpSignature | None:
         """The signature of `call`, or None when selection does not handle it."""
-        if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)
-                and call.op.name == "relax.matmul"):
+        parts = group_operands(call)
+        if parts is None:
             return None
+        a_var, b_var, addends, epilogue = parts
         shapes, dtypes = [], set()
-        for arg in call.args:
-            ty = arg.ty
-            if not isinstance(ty, relax.TensorType) or ty.shape is None or not hasattr(ty.shape, "values"):
+        for arg in (a_var, b_var, *addends):
+            shape = _static_shape(arg)
+            if shape is None:
                 return None
-            if not all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values):
-                return None
-            shapes.append(tuple(int(d) for d in ty.shape.values))
-            dtypes.add(str(ty.dtype))
-        a, b = shapes
+            shapes.append(shape)
+            dtypes.add(str(arg.ty.dtype))
+        a, b = shapes[:2]
         if len(a) < 2 or len(b) != 2 or len(dtypes) != 1 or a[-1] != b[0]:
             return None
-        return cls("matmul", (a, b), dtypes.pop())
+        return cls("matmul", (a, b), dtypes.pop(), tuple(epilogue))
 
     @property
     def key(self) -> str:
-        """`matmul float32 1x1024 @ 1024x4096`: stable, readable, the records' key."""
-        return f"{self.op} {self.dtype} " + " @ ".join("x".join(map(str, s)) for s in self.shapes)
+        """`matmul float32 1x1024 @ 1024x4096 +4096 relu`: stable, readable, the records' key."""
+        steps = [f"+{'x'.join(map(str, shape))}" if kind == "add" else kind for kind, shape in self.epilogue]
+        return " ".join([f"{self.op} {self.dtype}", " @ ".join("x".join(map(str, s)) for s in self.shapes), *steps])
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        a, b = self.shapes
+        return (*a[:-1], b[1])
 
     @property
     def gemm(self) -> tuple[int, int, int]:
@@ -71,38 +119,93 @@ class OpSignature:
         m, n, k = self.gemm
         return 2 * m * n * k
 
+    @property
+    def addend_shapes(self) -> list[tuple[int, ...]]:
+        return [shape for kind, shape in self.epilogue if kind == "add"]
+
+    def addends_2d(self) -> list[tuple[int, int]] | None:
+        """Each addend as the (rows, columns) it broadcasts over in the (M, N) output: rows 1
+        or M, columns 1 or N; None when one broadcasts otherwise."""
+        m, n, _ = self.gemm
+        out = self.out_shape
+        found = []
+        for shape in self.addend_shapes:
+            aligned = (1,) * (len(out) - len(shape)) + shape
+            rows, cols = aligned[:-1], aligned[-1]
+            if all(d == 1 for d in rows):
+                found.append((1, cols))
+            elif rows == out[:-1]:
+                found.append((m, cols))
+            else:
+                return None
+        return found
+
     def edge_case(self) -> OpSignature:
-        """The same op at small shapes that are no multiple of any tile (tails everywhere)."""
+        """The same op group at small shapes that are no multiple of any tile (tails everywhere)."""
         m, k, n = EDGE_DIMS
         a = (*[1] * (len(self.shapes[0]) - 2), m, k)
-        return OpSignature(self.op, (a, (k, n)), self.dtype)
+        out, edge_out = self.out_shape, (*a[:-1], n)
+
+        def edge(shape: tuple[int, ...]) -> tuple[int, ...]:
+            offset = len(out) - len(shape)
+            return tuple(1 if d == 1 else edge_out[offset + i] for i, d in enumerate(shape))
+
+        epilogue = tuple((kind, edge(shape)) for kind, shape in self.epilogue)
+        return OpSignature(self.op, (a, (k, n)), self.dtype, epilogue)
 
     def call(self) -> relax.Call:
-        """The op applied to fresh variables of its operand types."""
+        """The op applied to fresh variables of its operand types (no epilogue)."""
         args = [relax.Var(f"arg{i}", relax.TensorType(shape, self.dtype)) for i, shape in enumerate(self.shapes)]
         return relax.op.matmul(*args)
 
     def module(self) -> tvm.IRModule:
-        """`main(operands...)` computing the op alone."""
+        """`main(operands..., addends...)` computing the op group as plain Relax ops."""
         call = self.call()
+        addends = [relax.Var(f"addend{i}", relax.TensorType(shape, self.dtype))
+                   for i, shape in enumerate(self.addend_shapes)]
         bb = relax.BlockBuilder()
-        with bb.function("main", list(call.args)):
+        with bb.function("main", [*call.args, *addends]):
             with bb.dataflow():
-                out = bb.emit_output(call)
+                out = bb.emit(call)
+                out = emit_epilogue(bb, out, addends, self.epilogue)
+                out = bb.emit_output(out)
             bb.emit_func_output(out)
         return bb.finalize()
 
     def reference(self, *operands: np.ndarray) -> np.ndarray:
-        """What the op computes, in float64 numpy."""
-        a, b = (x.astype(np.float64) for x in operands)
-        return a @ b
+        """What the op group computes, in float64 numpy."""
+        a, b, *addends = (x.astype(np.float64) for x in operands)
+        out, addends = a @ b, iter(addends)
+        for kind, _ in self.epilogue:
+            if kind == "add":
+                out = out + next(addends)
+            elif kind == "relu":
+                out = np.maximum(out, 0)
+            else:
+                out = 0.5 * out * (1 + _erf(out / math.sqrt(2)))
+        return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"op": self.op, "shapes": [list(s) for s in self.shapes], "dtype": self.dtype}
+        return {"op": self.op, "shapes": [list(s) for s in self.shapes], "dtype": self.dtype,
+                "epilogue": [[kind, list(shape)] for kind, shape in self.epilogue]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> OpSignature:
-        return cls(data["op"], tuple(tuple(s) for s in data["shapes"]), data["dtype"])
+        epilogue = tuple((kind, tuple(shape)) for kind, shape in data.get("epilogue", []))
+        return cls(data["op"], tuple(tuple(s) for s in data["shapes"]), data["dtype"], epilogue)
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def emit_epilogue(bb: relax.BlockBuilder, out: relax.Expr, addends: list[relax.Expr],
+                  epilogue: tuple[Step, ...] | list[Step]) -> relax.Expr:
+    """`out` with the epilogue's steps applied as Relax ops (the last one not emitted)."""
+    addends = iter(addends)
+    for index, (kind, _) in enumerate(epilogue):
+        out = bb.emit(out) if index else out
+        out = relax.op.add(out, next(addends)) if kind == "add" else ACTIVATIONS[kind](out)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +234,15 @@ class Candidate:
 
 def call_prim_func(bb: relax.BlockBuilder, call: relax.Call, func: tvm.tirx.PrimFunc,
                    name: str) -> relax.Expr:
-    """`call` (a matmul) as `call_tir` of a 2-D GEMM PrimFunc `(a[M, K], b[K, N], c[M, N])`,
-    batch axes of the first operand folded into M and unfolded after."""
-    a, b = call.args
+    """`call` (a matmul group) as `call_tir` of a 2-D GEMM PrimFunc `(a[M, K], b[K, N],
+    addends..., c[M, N])`, batch axes of the first operand folded into M and unfolded after;
+    each addend reshaped to the (rows, columns) of `OpSignature.addends_2d`."""
+    a, b, addends, _ = group_operands(call)
     sig = OpSignature.of_call(call)
     m, n, k = sig.gemm
     func = func.with_attr("op_pattern", 8)  # opaque: FuseOps must not fuse into a scheduled kernel
     gvar = bb.add_func(func, name)
     a2 = a if len(sig.shapes[0]) == 2 else bb.emit(relax.op.reshape(a, (m, k)))
-    out = bb.emit(relax.call_tir(gvar, [a2, b], relax.TensorType((m, n), sig.dtype)))
+    flat = [bb.emit(relax.op.reshape(x, shape)) for x, shape in zip(addends, sig.addends_2d())]
+    out = bb.emit(relax.call_tir(gvar, [a2, b, *flat], relax.TensorType((m, n), sig.dtype)))
     return out if len(sig.shapes[0]) == 2 else relax.op.reshape(out, call.ty.shape)

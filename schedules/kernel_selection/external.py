@@ -6,8 +6,11 @@
 
 `source` (relative to the directory) holds TVMScript as `PrimFunc.script()` prints it (no
 Python imports: `T` is TVMScript's `tirx`), one PrimFunc `(a[M, K], b[K, N],
-c[M, N])` for exactly those shapes (batch axes of the first operand fold into M). An entry
-is a candidate only for its op, shapes, dtype and target kind. The source is parsed only
+c[M, N])` for exactly those shapes (batch axes of the first operand fold into M). An optional
+`"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kernel of that op group
+(`OpSignature.epilogue`): its PrimFunc takes each addend after b, as the (rows, columns)
+`OpSignature.addends_2d` gives, and applies the steps in order. An entry is a candidate only
+for its op, shapes, epilogue, dtype and target kind. The source is parsed only
 when the candidate is built (in the verification subprocess, or by a build after it was
 verified, when its digest must still match).
 """
@@ -65,7 +68,9 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
     found = []
     for entry in read_manifest(directory):
         shapes = tuple(tuple(int(d) for d in s) for s in entry["shapes"])
-        if (entry["op"], entry["dtype"], shapes, entry["target"]) != (sig.op, sig.dtype, sig.shapes, target.kind.name):
+        epilogue = tuple((kind, tuple(int(d) for d in shape)) for kind, shape in entry.get("epilogue", []))
+        if ((entry["op"], entry["dtype"], shapes, epilogue, entry["target"])
+                != (sig.op, sig.dtype, sig.shapes, sig.epilogue, target.kind.name)):
             continue
         path = os.path.join(directory, entry["source"])
         unavailable = None

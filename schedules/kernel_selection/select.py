@@ -1,7 +1,7 @@
 """Choosing each op's kernel by verified measurement, and the choices' file.
 
-`select_kernels` finds the model's op signatures (after graph fusion, before library
-dispatch: what the build's `ApplyKernelSelection` sees), lists every source's candidates,
+`select_kernels` finds the model's op signatures (after graph fusion, op groups formed with
+the epilogues the library would absorb: what the build's `ApplyKernelSelection` sees), lists every source's candidates,
 verifies and times each in a subprocess (`verify.run_candidate`) and picks the fastest
 verified one. The results, every candidate's included, are stored with provenance in the
 records directory as `gimlet_kernel_selection.json` (beside MetaSchedule's files, under the
@@ -22,7 +22,7 @@ from tvm import relax
 from ...errors import GimletError
 from ...files import atomic_path
 from ..records import RecordsDB, target_key
-from .apply import ApplyKernelSelection
+from .apply import ApplyKernelSelection, grouping_passes
 from .candidates import Candidate, OpSignature
 from .sources import candidates, find
 from .verify import Outcome, run_candidate
@@ -138,12 +138,13 @@ class KernelSelection:
 
 def op_signatures(mod: tvm.IRModule, target: tvm.target.Target) -> dict[OpSignature, int]:
     """The signatures selection handles in `mod` (imported), with how often each occurs,
-    as the build's kernel passes see them before library dispatch."""
+    as the build's `ApplyKernelSelection` sees them (op groups formed)."""
     from ...compiler import canonicalize_passes  # the compiler imports this package
     from ...relax_passes.graph_fusion import graph_fusion_passes
 
+    passes = [*canonicalize_passes(), *graph_fusion_passes(), *grouping_passes(target.kind.name)]
     with target:
-        mod = tvm.transform.Sequential([*canonicalize_passes(), *graph_fusion_passes()])(mod)
+        mod = tvm.transform.Sequential(passes)(mod)
     counts: dict[OpSignature, int] = {}
 
     def visit(expr: relax.Expr) -> None:

@@ -1,10 +1,10 @@
 """Where candidates come from: one function per source in `SOURCES`, each listing the
 candidates it has for an op signature on a target (unavailable ones too, with the reason).
 
-- generated: the op legalized to TIR; the build schedules it with MetaSchedule records when
+- generated: the op legalized to TIR, its epilogue fused by FuseOps; the build schedules it with MetaSchedule records when
   the records directory has one for it, else with the target's default rules;
 - library: the target's library call (CPU: gimlet's OpenBLAS `gimlet.cpu.matmul` through
-  `DispatchCPULibrary`; CUDA: cuBLAS, when this TVM build has it);
+  `DispatchCPULibrary`, epilogue included; CUDA: cuBLAS, when this TVM build has it);
 - handwritten: `handwritten.KERNELS` for the op and target kind;
 - external: kernels in a directory described by `kernels.json` (see `external.py`).
 """
@@ -15,15 +15,21 @@ import tvm
 from tvm import relax
 
 from ...relax_passes.dispatch_cpu_library import DispatchCPULibrary
-from .candidates import Candidate, OpSignature, call_prim_func
+from .candidates import Candidate, OpSignature, call_prim_func, emit_epilogue, group_operands
 from .external import external_candidates
-from .handwritten import KERNELS
+from .handwritten import KERNELS, MAX_ADDENDS
 
 
 def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
     legalize = tvm.ir.Op.get(f"relax.{sig.op}").get_attr("FLegalize")
-    return [Candidate("generated", "tir", "LegalizeOps TIR; MetaSchedule record or default schedule",
-                      lambda bb, call: legalize(bb, call))]
+
+    def rewrite(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        a, b, addends, epilogue = group_operands(call)
+        out = legalize(bb, bb.normalize(relax.op.matmul(a, b)))
+        return emit_epilogue(bb, bb.emit(out) if epilogue else out, addends, epilogue)
+
+    return [Candidate("generated", "tir", "LegalizeOps TIR, epilogue fused by FuseOps; MetaSchedule "
+                      "record or default schedule", rewrite)]
 
 
 def _keep(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -51,11 +57,23 @@ def library(sig: OpSignature, target: tvm.target.Target, external_dir: str | Non
 
 def handwritten(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
     def rewrite(kernel):
-        return lambda bb, call: call_prim_func(bb, call, kernel.make(*OpSignature.of_call(call).gemm), kernel.name)
+        def emit(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+            call_sig = OpSignature.of_call(call)
+            func = kernel.make(*call_sig.gemm, call_sig.epilogue, call_sig.addends_2d())
+            return call_prim_func(bb, call, func, kernel.name)
+        return emit
+
+    def unavailable(kernel) -> str | None:
+        if sig.dtype != "float32":
+            return "float32 only"
+        if sig.epilogue and not kernel.fuses_epilogue:
+            return "fuses no epilogue"
+        if sig.addends_2d() is None or len(sig.addend_shapes) > MAX_ADDENDS:
+            return f"epilogue adds it cannot fuse (at most {MAX_ADDENDS}, each a row, column or tensor)"
+        return None
 
     return [
-        Candidate("handwritten", kernel.name, kernel.file, rewrite(kernel),
-                  unavailable=None if sig.dtype == "float32" else "float32 only")
+        Candidate("handwritten", kernel.name, kernel.file, rewrite(kernel), unavailable=unavailable(kernel))
         for kernel in KERNELS
         if kernel.op == sig.op and kernel.target_kind == target.kind.name
     ]
