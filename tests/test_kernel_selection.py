@@ -75,7 +75,7 @@ def _request(candidate_id: str, target, external_dir=None) -> dict:
 def test_candidates_from_every_source(kernels):
     _, target = resolve_target("llvm")
     ids = [c.id for c in candidates(SIG, target, str(kernels))]
-    assert ids == ["generated:tir", "library:openblas", "handwritten:cpu_gemm_4x32", "handwritten:cpu_gemv_1x256",
+    assert ids == ["generated:tir", "library:openblas", "handwritten:cpu_gemm_4x32", "handwritten:cpu_gemv_k4",
                    "external:good", "external:wrong", "external:crash"]
     other_shape = OpSignature("matmul", ((M + 1, K), (K, N)), "float32")
     assert not [c for c in candidates(other_shape, target, str(kernels)) if c.source == "external"]
@@ -187,7 +187,7 @@ def test_op_group_is_what_the_library_absorbs():
 
 
 @pytest.mark.parametrize("candidate_id", ["generated:tir", "library:openblas", "handwritten:cpu_gemm_4x32",
-                                          "handwritten:cpu_gemv_1x256"])
+                                          "handwritten:cpu_gemv_k4"])
 def test_every_source_fuses_the_epilogue(candidate_id):
     """Each source computes matmul + bias + GELU + residual, checked against the reference
     group at its shapes and the edge-case ones."""

@@ -59,7 +59,7 @@ def handwritten(sig: OpSignature, target: tvm.target.Target, external_dir: str |
     def rewrite(kernel):
         def emit(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
             call_sig = OpSignature.of_call(call)
-            func = kernel.make(*call_sig.gemm, call_sig.epilogue, call_sig.addends_2d())
+            func = kernel.make(target, *call_sig.gemm, call_sig.epilogue, call_sig.addends_2d())
             return call_prim_func(bb, call, func, kernel.name)
         return emit
 

@@ -1,18 +1,17 @@
-"""CPU GEMM micro-kernel with a fused epilogue: C[M, N] = epilogue(A[M, K] @ B[K, N]), float32,
+"""CPU GEMM and GEMV kernels with a fused epilogue: C[M, N] = epilogue(A[M, K] @ B[K, N]), float32,
 row-major.
 
-Each parallel task owns a panel of `nr` columns (vectors of 8 AVX2 lanes) and walks down it
-in blocks of `mr` rows, accumulating an mr x nr tile over all of K (`ku` rows of B per
-accumulator update), then writes
+`cpu_gemm`: each parallel task owns a panel of `nr` columns (vectors of 8 AVX2 lanes) and
+walks down it in blocks of `mr` rows, accumulating an mr x nr tile over all of K, then writes
 the tile through the epilogue (bias / residual adds, ReLU, GELU, in the group's order) while it
 is still in registers; the rows left over (M % mr) take the same walk one row at a time, and
 the columns left over (N % nr) are one more panel computed with scalar loops. So any M, N, K
 is handled without padding or masks.
 
-Two shapes of it are kernels (`KERNELS`): a 4 x 32 register tile for GEMMs, and a GEMV one
-for skinny M (batch 1, a few rows; memory-bound): one row at a time, each task streaming
-long contiguous runs (256 columns) of B rows, 4 rows of B per update of its accumulator row
-(which stays in L1), so B is read once per output row at close to memory bandwidth.
+`cpu_gemv` is the kernel for skinny M (batch 1, a few rows; memory-bound): one output row at
+a time, the columns split in one run per core, each task streaming long contiguous runs of
+B's rows, 4 rows of B per update of its accumulator row (which stays in L1), so B is read
+once per output row, with no packing.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from tvm.script import tirx as T
 from ..candidates import Step
 
 MAX_ADDENDS = 2  # epilogue adds a kernel takes (bias and residual of a transformer layer)
+VECTOR = 32  # lanes of the GEMV's vector loops (4 AVX2 registers)
 
 
 def _epilogue(value: tvm.tirx.PrimExpr, i, j, epilogue: tuple[Step, ...], addends) -> tvm.tirx.PrimExpr:
@@ -48,42 +48,14 @@ def _dot(a, b, row, col, k0, ku: int) -> tvm.tirx.PrimExpr:
     return sum((a[row, k0 + u] * b[k0 + u, col] for u in range(1, ku)), a[row, k0] * b[k0, col])
 
 
-def cpu_gemm(mr: int, nr: int, ku: int, m: int, n: int, k: int, epilogue: tuple[Step, ...],
-             addends: list[tuple[int, int]]) -> tvm.tirx.PrimFunc:
-    """The kernel with an mr x nr tile, K unrolled by ku, for fixed M, N, K (tails included)
-    and epilogue; `addends`: each epilogue addend's (rows, columns), the PrimFunc's parameters
-    after b."""
-    full_m, full_n, full_k = m // mr * mr, n // nr * nr, k // ku * ku
+def _prim_func(body, m: int, n: int, k: int, full_n: int, epilogue: tuple[Step, ...],
+               addends: list[tuple[int, int]]) -> tvm.tirx.PrimFunc:
+    """The PrimFunc `(a, b, addends..., c)` running `body(a, b, c, addends)` (columns
+    [0, full_n)), then the columns left over with scalar loops."""
 
     @T.macro
-    def body(a, b, c, extra):
-        for panel in T.parallel(n // nr):
-            acc = T.decl_buffer((mr, nr), "float32", scope="local")
-            row = T.decl_buffer((nr,), "float32", scope="local")
-            for block in range(m // mr):
-                for i in T.unroll(mr):
-                    for j in T.vectorized(nr):
-                        acc[i, j] = T.float32(0)
-                for kk in range(k // ku):
-                    for i in T.unroll(mr):
-                        for j in T.vectorized(nr):
-                            acc[i, j] = acc[i, j] + _dot(a, b, block * mr + i, panel * nr + j, kk * ku, ku)
-                for kk in range(k - full_k):
-                    for i in T.unroll(mr):
-                        for j in T.vectorized(nr):
-                            acc[i, j] = acc[i, j] + a[block * mr + i, full_k + kk] * b[full_k + kk, panel * nr + j]
-                for i in T.unroll(mr):
-                    for j in T.vectorized(nr):
-                        c[block * mr + i, panel * nr + j] = _epilogue(
-                            acc[i, j], block * mr + i, panel * nr + j, epilogue, extra)
-            for r in range(m - full_m):
-                for j in T.vectorized(nr):
-                    row[j] = T.float32(0)
-                for kk in range(k):
-                    for j in T.vectorized(nr):
-                        row[j] = row[j] + a[full_m + r, kk] * b[kk, panel * nr + j]
-                for j in T.vectorized(nr):
-                    c[full_m + r, panel * nr + j] = _epilogue(row[j], full_m + r, panel * nr + j, epilogue, extra)
+    def kernel(a, b, c, extra):
+        body(a, b, c, extra)
         for r, j in T.grid(m, n - full_n):
             c[r, full_n + j] = T.float32(0)
             for kk in range(k):
@@ -96,19 +68,89 @@ def cpu_gemm(mr: int, nr: int, ku: int, m: int, n: int, k: int, epilogue: tuple[
         def gemm(a: T.Buffer((m, k), "float32"), b: T.Buffer((k, n), "float32"),
                  c: T.Buffer((m, n), "float32")):
             T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-            body(a, b, c, ())
+            kernel(a, b, c, ())
     elif len(addends) == 1:
         @T.prim_func
         def gemm(a: T.Buffer((m, k), "float32"), b: T.Buffer((k, n), "float32"),
                  e0: T.Buffer(addends[0], "float32"), c: T.Buffer((m, n), "float32")):
             T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-            body(a, b, c, (e0,))
+            kernel(a, b, c, (e0,))
     else:
         @T.prim_func
         def gemm(a: T.Buffer((m, k), "float32"), b: T.Buffer((k, n), "float32"),
                  e0: T.Buffer(addends[0], "float32"), e1: T.Buffer(addends[1], "float32"),
                  c: T.Buffer((m, n), "float32")):
             T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-            body(a, b, c, (e0, e1))
+            kernel(a, b, c, (e0, e1))
 
     return gemm
+
+
+def cpu_gemm(mr: int, nr: int, m: int, n: int, k: int, epilogue: tuple[Step, ...],
+             addends: list[tuple[int, int]]) -> tvm.tirx.PrimFunc:
+    """The GEMM kernel with an mr x nr register tile for fixed M, N, K (tails included) and
+    epilogue; `addends`: each epilogue addend's (rows, columns), the PrimFunc's parameters
+    after b."""
+    full_m, full_n = m // mr * mr, n // nr * nr
+
+    @T.macro
+    def body(a, b, c, extra):
+        for panel in T.parallel(n // nr):
+            acc = T.decl_buffer((mr, nr), "float32", scope="local")
+            row = T.decl_buffer((nr,), "float32", scope="local")
+            for block in range(m // mr):
+                for i in T.unroll(mr):
+                    for j in T.vectorized(nr):
+                        acc[i, j] = T.float32(0)
+                for kk in range(k):
+                    for i in T.unroll(mr):
+                        for j in T.vectorized(nr):
+                            acc[i, j] = acc[i, j] + a[block * mr + i, kk] * b[kk, panel * nr + j]
+                for i in T.unroll(mr):
+                    for j in T.vectorized(nr):
+                        c[block * mr + i, panel * nr + j] = _epilogue(
+                            acc[i, j], block * mr + i, panel * nr + j, epilogue, extra)
+            for r in range(m - full_m):
+                for j in T.vectorized(nr):
+                    row[j] = T.float32(0)
+                for kk in range(k):
+                    for j in T.vectorized(nr):
+                        row[j] = row[j] + a[full_m + r, kk] * b[kk, panel * nr + j]
+                for j in T.vectorized(nr):
+                    c[full_m + r, panel * nr + j] = _epilogue(row[j], full_m + r, panel * nr + j, epilogue, extra)
+
+    return _prim_func(body, m, n, k, full_n, epilogue, addends)
+
+
+def cpu_gemv(ku: int, cores: int, m: int, n: int, k: int, epilogue: tuple[Step, ...],
+             addends: list[tuple[int, int]]) -> tvm.tirx.PrimFunc:
+    """The GEMV kernel (one output row at a time): each of `cores` parallel tasks owns an equal
+    run of columns (`width`, a multiple of `VECTOR`) and adds `ku` rows of B at a time into its
+    accumulator row (in L1), so each task streams long contiguous runs of B's rows."""
+    width = max(VECTOR, n // cores // VECTOR * VECTOR)
+    full_n, full_k = n // width * width, k // ku * ku
+
+    @T.macro
+    def body(a, b, c, extra):
+        for panel in T.parallel(n // width):
+            acc = T.decl_buffer((width,), "float32", scope="local")
+            for r in range(m):
+                for jo in range(width // VECTOR):
+                    for ji in T.vectorized(VECTOR):
+                        acc[jo * VECTOR + ji] = T.float32(0)
+                for kk in range(k // ku):
+                    for jo in range(width // VECTOR):
+                        for ji in T.vectorized(VECTOR):
+                            acc[jo * VECTOR + ji] = acc[jo * VECTOR + ji] + _dot(
+                                a, b, r, panel * width + jo * VECTOR + ji, kk * ku, ku)
+                for kk in range(k - full_k):
+                    for jo in range(width // VECTOR):
+                        for ji in T.vectorized(VECTOR):
+                            acc[jo * VECTOR + ji] = (acc[jo * VECTOR + ji] + a[r, full_k + kk]
+                                                     * b[full_k + kk, panel * width + jo * VECTOR + ji])
+                for jo in range(width // VECTOR):
+                    for ji in T.vectorized(VECTOR):
+                        c[r, panel * width + jo * VECTOR + ji] = _epilogue(
+                            acc[jo * VECTOR + ji], r, panel * width + jo * VECTOR + ji, epilogue, extra)
+
+    return _prim_func(body, m, n, k, full_n, epilogue, addends)
