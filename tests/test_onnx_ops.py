@@ -38,12 +38,27 @@ def test_reduce_extremes_of_infinite_rows(op, fill):
     _check_against_onnxruntime(model, {"x": x})
 
 
-def test_reduce_runtime_axes_are_refused():
-    model = _model([helper.make_node("ReduceSum", ["x", "axes"], ["y"])],
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMax", "ReduceLogSumExp"])
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reduce_runtime_axes(op, keepdims):
+    """Axes fed at run time (negative, unsorted), including an empty dimension."""
+    x = np.random.default_rng(2).standard_normal((2, 0, 3, 4)).astype(np.float32)
+    model = _model([helper.make_node(op, ["x", "axes"], ["y"], keepdims=keepdims)],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape),
+                    helper.make_tensor_value_info("axes", TensorProto.INT64, [2])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                  ["a", "b", "c", "d"][:4 - 2 * (1 - keepdims)])],
+                   opset=18)
+    for axes in ([-1, 1], [2, 0]):
+        _check_against_onnxruntime(model, {"x": x, "axes": np.array(axes, np.int64)})
+
+
+def test_reduce_runtime_axes_of_unknown_length_without_keepdims_are_refused():
+    model = _model([helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)],
                    [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
-                    helper.make_tensor_value_info("axes", TensorProto.INT64, [1])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])], opset=13)
-    with pytest.raises(ModelImportError, match="unsupported: ReduceSum with axes given at run"):
+                    helper.make_tensor_value_info("axes", TensorProto.INT64, ["n"])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a"])], opset=13)
+    with pytest.raises(ModelImportError, match="unsupported: ReduceSum with keepdims=0 and run"):
         gimlet_tvm.build(model, "llvm")
 
 
@@ -96,3 +111,72 @@ def test_attention_fully_masked_row_is_zero():
     y = gimlet_tvm.build(model, "llvm").run({"q": q, "m": mask})["y"]
     np.testing.assert_array_equal(y[0, 0, 0], np.zeros(4, np.float32))
     np.testing.assert_allclose(y[0, 0, 1], np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize("ignore_index", [-1, 7])
+def test_softmax_cross_entropy_ignore_index_out_of_class_range(ignore_index):
+    """An ignore_index outside [0, C) with a weight input: ignored rows add nothing."""
+    rng = np.random.default_rng(1)
+    labels = np.array([[0, ignore_index, 2], [ignore_index, 1, 3]], np.int64)
+    feeds = {"x": rng.standard_normal((2, 4, 3), np.float32), "t": labels,
+             "w": rng.random(4).astype(np.float32)}
+    node = helper.make_node("SoftmaxCrossEntropyLoss", ["x", "t", "w"], ["loss", "log_prob"],
+                            ignore_index=ignore_index, reduction="mean")
+    model = _model([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 3]),
+                            helper.make_tensor_value_info("t", TensorProto.INT64, [2, 3]),
+                            helper.make_tensor_value_info("w", TensorProto.FLOAT, [4])],
+                   [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+                    helper.make_tensor_value_info("log_prob", TensorProto.FLOAT, [2, 4, 3])])
+    _check_against_onnxruntime(model, feeds)
+
+
+@pytest.mark.parametrize("shape,allowzero", [([0, -1, 2], 0), ([4, 0, 0], 1), ([-1], 0)])
+def test_reshape_runtime_shape(shape, allowzero):
+    """Reshape to a shape fed at run time, with 0 (copy or literal) and -1 entries."""
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4) if allowzero == 0 else \
+        np.zeros((0, 3, 4), np.float32)
+    model = _model([helper.make_node("Reshape", ["x", "s"], ["y"], allowzero=allowzero)],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape),
+                    helper.make_tensor_value_info("s", TensorProto.INT64, [len(shape)])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                  ["a", "b", "c"][:len(shape)])])
+    _check_against_onnxruntime(model, {"x": x, "s": np.array(shape, np.int64)})
+
+
+def test_unsqueeze_runtime_axes():
+    x = np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32)
+    model = _model([helper.make_node("Unsqueeze", ["x", "axes"], ["y"])],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape),
+                    helper.make_tensor_value_info("axes", TensorProto.INT64, [2])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, list("abcd"))])
+    for axes in ([-1, 0], [1, 3]):
+        _check_against_onnxruntime(model, {"x": x, "axes": np.array(axes, np.int64)})
+
+
+@pytest.mark.parametrize("starts,ends,axes,steps", [
+    ([-1, 1], [-100, 1000], [1, -1], [-2, 3]),   # negative step, out-of-range bounds
+    ([5], [2], [0], [1]),                        # empty result
+    ([0, 2], [3, -1], [0, 1], [1, 1]),
+])
+def test_slice_runtime_bounds(starts, ends, axes, steps):
+    x = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+    names = ["starts", "ends", "axes", "steps"]
+    feeds = {"x": x, **{n: np.array(v, np.int64)
+                        for n, v in zip(names, (starts, ends, axes, steps))}}
+    model = _model([helper.make_node("Slice", ["x"] + names, ["y"])],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)]
+                   + [helper.make_tensor_value_info(n, TensorProto.INT64, [len(starts)])
+                      for n in names],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, list("abc"))])
+    _check_against_onnxruntime(model, feeds)
+
+
+def test_split_runtime_sizes():
+    x = np.arange(24, dtype=np.float32).reshape(2, 12)
+    model = _model([helper.make_node("Split", ["x", "split"], ["a", "b", "c"], axis=-1)],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape),
+                    helper.make_tensor_value_info("split", TensorProto.INT64, [3])],
+                   [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, n + "1"])
+                    for n in "abc"])
+    for split in ([5, 0, 7], [1, 2, 9]):
+        _check_against_onnxruntime(model, {"x": x, "split": np.array(split, np.int64)})

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter  # noqa: F401  (re-exported)
 
 from ..errors import ModelImportError
@@ -67,3 +67,26 @@ def const(value: np.ndarray) -> relax.Constant:
     """A constant with `value`'s own dtype (`relax.const` turns int64 arrays into int32)."""
     value = np.asarray(value)
     return relax.const(value, value.dtype.name)
+
+
+def with_fresh_shape(bb: relax.BlockBuilder, x: relax.Expr, prefix: str) -> relax.Expr:
+    """`x` (known rank, shape unknown at import) cast to a shape of fresh symbolic dims."""
+    dims = [tirx.Var(f"{prefix}_{i}", "int64") for i in range(rank_of(x))]
+    return bb.match_cast(x, relax.TensorType(dims, dtype_of(x)))
+
+
+def shape_from_tensor(bb: relax.BlockBuilder, shape: relax.Expr, ndim: int,
+                      prefix: str) -> relax.ShapeExpr:
+    """The run-time int64 tensor `shape` (length `ndim`) as a shape of symbolic dims."""
+    shape = bb.match_cast(shape, relax.TensorType([ndim], "int64"))
+    value = bb.emit(relax.op.tensor_to_shape(shape))
+    dims = [tirx.Var(f"{prefix}_{i}", "int64") for i in range(ndim)]
+    bb.match_cast(value, relax.ShapeType(dims))
+    return relax.ShapeExpr(dims)
+
+
+def inclusive_cumsum(bb: relax.BlockBuilder, values: relax.Expr, length: int) -> relax.Expr:
+    """Running sum of a short 1-D int64 tensor of static `length` (Relax's cumsum has no
+    kernel here): a product with a lower-triangular matrix of ones."""
+    lower = const(np.tril(np.ones((length, length), "int64")))
+    return bb.emit(relax.op.sum(relax.op.multiply(lower, values), axis=[1]))
