@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+import tvm
 from tvm import relax
 
 from ._common import (OnnxOpConverter, const, const_value, dtype_of, inclusive_cumsum,
@@ -33,6 +34,14 @@ def _fill(value: float, dtype: str) -> relax.Expr:
     return scalar(value, dtype)
 
 
+def _reduced_sizes(x: relax.Expr, axes: list) -> list[int] | None:
+    """The sizes of `x`'s reduced axes when all are static (other axes may be symbolic)."""
+    values = getattr(getattr(x.ty, "shape", None), "values", None)
+    if values is None or not all(isinstance(values[a], tvm.tirx.IntImm) for a in axes):
+        return None
+    return [int(values[a]) for a in axes]
+
+
 def _empty_safe(reducer: Reducer, empty_value: float) -> Reducer:
     """`reducer` giving `empty_value` where it reduces no elements (TVM's reduction kernels
     leave those outputs unwritten)."""
@@ -40,9 +49,9 @@ def _empty_safe(reducer: Reducer, empty_value: float) -> Reducer:
     def safe(bb: relax.BlockBuilder, x: relax.Expr, axes: list, keepdims: bool) -> relax.Expr:
         out = reducer(bb, x, axes, keepdims)
         fill = _fill(empty_value, dtype_of(out))
-        shape = static_shape(x)
-        if shape is not None:
-            return out if all(shape[a] for a in axes) else bb.emit(_op.full_like(out, fill))
+        sizes = _reduced_sizes(x, axes)
+        if sizes is not None:  # known at import time: no run-time test
+            return out if all(sizes) else bb.emit(_op.full_like(out, fill))
         sizes = _op.take(_op.shape_to_tensor(_op.shape_of(x)), const(np.array(axes, "int64")))
         empty = _op.equal(_op.prod(sizes), scalar(0, "int64"))
         return bb.emit(_op.where(empty, fill, out))
