@@ -220,3 +220,23 @@ def test_wrong_epilogue_rejected(tmp_path):
     assert outcomes["fused"].verified, outcomes["fused"].reason
     assert not outcomes["no_bias"].verified
     assert outcomes["no_bias"].reason.startswith(f"wrong result at {BIAS_RELU.key} on random"), outcomes["no_bias"].reason
+
+
+def test_near_equal_candidates_timed_again(monkeypatch):
+    """Candidates within the margin of the fastest are re-timed (median decides); others not."""
+    from gimlet_tvm.schedules.kernel_selection import select
+    from gimlet_tvm.schedules.kernel_selection.verify import Outcome
+
+    later = {"a": [3.0, 3.0], "b": [1.1, 1.1]}  # the first measurement of "a" was lucky
+    calls = []
+
+    def fake_run(request, timeout):
+        calls.append(request["candidate"])
+        return Outcome(True, "", later[request["candidate"]].pop())
+
+    monkeypatch.setattr(select, "run_candidate", fake_run)
+    tried = [select.Tried("a", "", True, seconds=1.0), select.Tried("b", "", True, seconds=1.05),
+             select.Tried("c", "", True, seconds=5.0), select.Tried("d", "", False, "wrong")]
+    select._retime_close(tried, {t.id: {"candidate": t.id} for t in tried}, timeout=1)
+    assert calls == ["a", "b"] * select.RETIME_ROUNDS
+    assert [t.seconds for t in tried[:3]] == [3.0, 1.1, 5.0]

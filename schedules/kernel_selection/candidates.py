@@ -115,11 +115,6 @@ class OpSignature:
         return math.prod(a[:-1]), b[1], b[0]
 
     @property
-    def flops(self) -> int:
-        m, n, k = self.gemm
-        return 2 * m * n * k
-
-    @property
     def addend_shapes(self) -> list[tuple[int, ...]]:
         return [shape for kind, shape in self.epilogue if kind == "add"]
 

@@ -1,8 +1,9 @@
 """Choosing each op's kernel by verified measurement, and the choices' file.
 
 `select_kernels` finds the model's op signatures (after graph fusion, op groups formed with
-the epilogues the library would absorb: what the build's `ApplyKernelSelection` sees), lists every source's candidates,
-verifies and times each in a subprocess (`verify.run_candidate`) and picks the fastest
+the epilogues the library would absorb: what the build's `ApplyKernelSelection` sees), lists
+every source's candidates, verifies and times each in a subprocess (`verify.run_candidate`),
+times the ones close to the fastest again (interleaved, median) and picks the fastest
 verified one. The results, every candidate's included, are stored with provenance in the
 records directory as `gimlet_kernel_selection.json` (beside MetaSchedule's files, under the
 same lock, written atomically), per target key; `build(records=DIR)` applies the winners.
@@ -14,6 +15,7 @@ import dataclasses
 import datetime
 import json
 import os
+import statistics
 from typing import Any, Iterable
 
 import tvm
@@ -28,6 +30,8 @@ from .sources import candidates, find
 from .verify import Outcome, run_candidate
 
 SELECTION_FILE = "gimlet_kernel_selection.json"
+RETIME_MARGIN = 0.15  # candidates this close to the fastest are timed again ...
+RETIME_ROUNDS = 2     # ... this many more times each, interleaved
 FORMAT = "gimlet-tvm-kernel-selection/1"
 
 
@@ -158,6 +162,27 @@ def op_signatures(mod: tvm.IRModule, target: tvm.target.Target) -> dict[OpSignat
     return counts
 
 
+def _retime_close(tried: list[Tried], requests: dict[str, dict[str, Any]], timeout: float) -> None:
+    """Time the verified candidates within `RETIME_MARGIN` of the fastest again, in
+    `RETIME_ROUNDS` interleaved rounds; each keeps the median of its times (one noisy first
+    measurement must not decide between near equals)."""
+    verified = [t for t in tried if t.verified]
+    if not verified:
+        return
+    best = min(t.seconds for t in verified)
+    close = [t for t in verified if t.seconds <= best * (1 + RETIME_MARGIN)]
+    if len(close) < 2:
+        return
+    samples = {t.id: [t.seconds] for t in close}
+    for _ in range(RETIME_ROUNDS):
+        for t in close:
+            outcome = run_candidate(requests[t.id], timeout)
+            if outcome.verified:
+                samples[t.id].append(outcome.seconds)
+    for t in close:
+        t.seconds = statistics.median(samples[t.id])
+
+
 def select_kernels(
     mod: tvm.IRModule,
     target: tvm.target.Target,
@@ -177,18 +202,20 @@ def select_kernels(
     target_json = json.loads(str(target))
     choices = {}
     for sig, count in op_signatures(mod, target).items():
-        tried = []
+        tried, requests = [], {}
         for candidate in candidates(sig, target, external_dir):
             if candidate.unavailable is not None:
                 outcome = Outcome(False, f"unavailable: {candidate.unavailable}")
             else:
-                request = {"signature": sig.to_json(), "candidate": candidate.id, "target": target_json,
-                           "external_dir": external_dir, "records": records, "min_repeat_ms": min_repeat_ms}
-                outcome = run_candidate(request, timeout)
+                requests[candidate.id] = {
+                    "signature": sig.to_json(), "candidate": candidate.id, "target": target_json,
+                    "external_dir": external_dir, "records": records, "min_repeat_ms": min_repeat_ms}
+                outcome = run_candidate(requests[candidate.id], timeout)
             tried.append(Tried(candidate.id, candidate.provenance, outcome.verified, outcome.reason,
                                outcome.seconds, candidate.digest))
             if progress is not None:
                 progress(sig, tried[-1])
+        _retime_close(tried, requests, timeout)
         verified = [t for t in tried if t.verified]
         winner = min(verified, key=lambda t: t.seconds).id if verified else None
         choices[sig.key] = OpChoice(sig, tried, winner, count)
