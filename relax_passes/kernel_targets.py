@@ -19,7 +19,8 @@ from tvm import relax
 from .op_graph import tensor_types
 
 
-def kernel_target(func: tvm.tirx.PrimFunc, default: tvm.target.Target) -> tvm.target.Target:
+def kernel_target(func: tvm.tirx.PrimFunc, default: tvm.target.Target | None) -> tvm.target.Target | None:
+    """The target a kernel is tagged with, else `default`."""
     target = func.attrs.get("target") if func.attrs is not None else None
     return target if target is not None else default
 
@@ -42,8 +43,8 @@ class AssignKernelTargets:
                 return call
             target, kernel_gv = vdevice.target, call.args[0]
             kernel, name, kind = mod[kernel_gv], kernel_gv.name_hint, vdevice.target.kind.name
-            current = tagged.get(name) or (kernel.attrs.get("target").kind.name
-                                           if kernel.attrs and "target" in kernel.attrs else None)
+            tagged_before = kernel_target(kernel, None)
+            current = tagged.get(name) or (tagged_before.kind.name if tagged_before else None)
             if current is None:
                 mod[kernel_gv] = kernel.with_attr("target", target)
                 tagged[name] = kind

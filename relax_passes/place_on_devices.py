@@ -5,14 +5,14 @@ targets' library dispatch and legalization, which then produce each op's kernel 
 device (LegalizeOps reads the device from the tensors' `vdevice`).
 
 What it does: chooses devices with `placement.place` (capabilities, pins, minimum-cut cost
-model; op times measured by `timer` where given), declares the devices as the module's `vdevice` list (the host first), gives every
-tensor its device and inserts one `R.to_vdevice` per tensor and destination device. Weights
+model; op times measured by `timer` where given), declares the devices as the module's
+`vdevice` list (the host first), gives every tensor its device and inserts one
+`R.to_vdevice` per tensor and destination device (a tuple's fields are copied one by one). Weights
 used off the host become parameters of `main` after its inputs, and a function
 `gimlet_weights()` copies them to their devices, so a runtime copies them once, at load
 (the VM would otherwise keep every constant on its first device).
 
-Not handled: functions other than `main`, control flow inside `main`, and tuples handed
-whole from one device to another (their ops stay on the host).
+Not handled: functions other than `main`, and control flow inside `main`.
 """
 
 from __future__ import annotations
