@@ -157,8 +157,9 @@ def test_measured_costs_time_every_op_on_both_devices():
     assert all(op["measured"] for op in ops)
     assert all(op["costs_us"]["llvm"] > 0 and op["costs_us"]["vulkan"] > 0 for op in ops)
     # Never worse, by its own measured costs, than keeping everything on the host (no copies).
+    # The report rounds each op's time to 1 ns and the total to 1 ns: allow that rounding.
     all_on_host_ms = sum(op["costs_us"]["llvm"] for op in ops) / 1e3
-    assert compiled.placement().modelled_ms <= all_on_host_ms * (1 + 1e-9)
+    assert compiled.placement().modelled_ms <= all_on_host_ms + (len(ops) + 1) * 1e-6
     run_both(model, compiled)
 
 
