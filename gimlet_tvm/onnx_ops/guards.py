@@ -94,15 +94,6 @@ class IsInf(_Guarded):
             raise reject(cls.__name__, "detect_negative=0 or detect_positive=0")
 
 
-class LayerNormalization(_Guarded):
-    """The Mean and InvStdDev outputs are refused (TVM returns them with the wrong shape)."""
-
-    @classmethod
-    def check(cls, inputs, attr):
-        if attr["tvm_custom"]["num_outputs"] > 1:
-            raise reject(cls.__name__, "Mean/InvStdDev outputs")
-
-
 class Mod(_Guarded):
     """Floating-point inputs are refused: with fmod=1 TVM's NaN/inf edge cases differ from C
     fmod, with fmod=0 its NaN positions differ from onnxruntime's."""
