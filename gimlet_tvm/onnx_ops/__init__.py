@@ -1,5 +1,5 @@
 """gimlet-tvm's own ONNX converters, one module per op family, installed by `frontend.py`."""
 
-from . import attention, bitwise, constants, guards, losses, normalization, recurrent, reduce, registry, shapes
+from . import attention, bitwise, constants, guards, llm, losses, normalization, recurrent, reduce, registry, shapes
 
-MODULES = (attention, bitwise, constants, guards, losses, normalization, recurrent, reduce, shapes)
+MODULES = (attention, bitwise, constants, guards, llm, losses, normalization, recurrent, reduce, shapes)
