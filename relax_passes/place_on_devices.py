@@ -4,8 +4,8 @@ Where it goes: after graph-level rewrites (canonicalization, graph fusion) and b
 targets' library dispatch and legalization, which then produce each op's kernel for its
 device (LegalizeOps reads the device from the tensors' `vdevice`).
 
-What it does: chooses devices with `placement.place` (capabilities, pins, minimum-cut cost
-model; op times measured by `timer` where given), declares the devices as the module's
+What it does: chooses devices with `placement.place` (capabilities, pins, graph-cut cost
+model; op times from `timers` where they know them), declares the devices as the module's
 `vdevice` list (the host first), gives every tensor its device and inserts one
 `R.to_vdevice` per tensor and destination device (a tuple's fields are copied one by one). Weights
 used off the host become parameters of `main` after its inputs, and a function
@@ -24,7 +24,7 @@ import tvm
 from tvm import relax
 
 from .op_graph import OpGraph, reads_metadata_only
-from .placement import HOST, Device, OpTimer, Pins, Placement, place
+from .placement import HOST, Device, OpTimes, Pins, Placement, place
 
 WEIGHTS_FUNCTION = "gimlet_weights"
 
@@ -34,16 +34,16 @@ class PlaceOnDevices:
     """Place `main`'s ops on `devices` (index 0 is the host); the result is in `.placement`."""
 
     def __init__(self, devices: Sequence[Device], targets: Sequence[tvm.target.Target],
-                 pins: Pins = Pins(), timer: OpTimer | None = None):
+                 pins: Pins = Pins(), timers: Sequence[OpTimes] = ()):
         self.devices = list(devices)
         self.vdevices = [relax.VDevice(target, 0, "global") for target in targets]
         self.pins = pins
-        self.timer = timer
+        self.timers = timers
         self.placement: Placement | None = None
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         func = mod["main"]
-        self.placement = place(OpGraph.of(func), self.devices, self.pins, self.timer)
+        self.placement = place(OpGraph.of(func), self.devices, self.pins, self.timers)
         device_of = {op.node.var: op.device for op in self.placement.ops}
         rest = tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint != "main"},
                             attrs=mod.attrs)
