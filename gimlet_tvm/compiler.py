@@ -18,10 +18,11 @@ import tvm
 from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as generic_pipeline
 from tvm.s_tir import dlight
+from tvm.s_tir import meta_schedule as ms
 
 from .errors import CompileError, GimletError, TargetUnavailableError, summary
 from .frontend import InputShapes, ModelLike, import_model, load_model
-from .op_timing import OpTimer
+from .op_timing import OpTimer, RecordedTimes
 from .relax_passes.graph_fusion import graph_fusion_passes
 from .relax_passes.kernel_targets import AssignKernelTargets, PerTarget
 from .relax_passes.place_on_devices import PlaceOnDevices
@@ -76,6 +77,14 @@ def kernel_passes(
 def fusion_passes(spec: TargetSpec, target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """The kernels one target builds: the ones tuning sees."""
     return kernel_passes([(spec, target)])
+
+
+def kernel_tasks(mod: tvm.IRModule, device: BuildDevice) -> list[ms.ExtractedTask]:
+    """`mod`'s kernels for one device as MetaSchedule tuning tasks (with their call counts)."""
+    spec, target = device
+    with target:
+        fused = tvm.transform.Sequential(fusion_passes(spec, target))(mod)
+    return list(ms.relax_integration.extract_tasks(fused, target))
 
 
 def device_pipeline(
@@ -158,18 +167,23 @@ def _placer(
     pins: Mapping[str, str] | None,
     device_facts: Mapping[str, Mapping[str, Any]] | None,
     costs: str,
+    records: RecordsDB | None,
 ) -> PlaceOnDevices:
     if costs not in ("roofline", "measured"):
         raise GimletError(f"placement_costs must be 'roofline' or 'measured', not '{costs}'")
-    timer = None
+    timers = []
+    if records is not None:
+        timers.append(RecordedTimes([records.database(target) for _, target in devices],
+                                    [target for _, target in devices],
+                                    lambda mod, index: kernel_tasks(mod, devices[index])))
     if costs == "measured":
         for spec, _ in devices:
             reason = spec.can_run()
             if reason is not None:
                 raise TargetUnavailableError(
                     f"measured placement costs need every device; {spec.name} cannot run here: {reason}")
-        timer = OpTimer([spec.device() for spec, _ in devices],
-                        lambda mod, index: compile_alone(mod, devices[index]))
+        timers.append(OpTimer([spec.device() for spec, _ in devices],
+                              lambda mod, index: compile_alone(mod, devices[index])))
     facts = dict(device_facts or {})
     unknown = set(facts) - {spec.name for spec, _ in devices}
     if unknown:
@@ -180,7 +194,7 @@ def _placer(
         for spec, _ in devices
     ]
     return PlaceOnDevices(placement_devices, [target for _, target in devices],
-                          Pins(dict(pins or {})), timer)
+                          Pins(dict(pins or {})), timers)
 
 
 @contextlib.contextmanager
@@ -228,11 +242,13 @@ def build(
     (`CompiledModel.placement()` says where and why).
     `input_shapes`: `{input name: shape}` fixing symbolic dims; others stay symbolic.
     `records`: a tuning-records directory (`gimlet_tvm.tune`) for the first target; kernels
-    without a record get the target's default schedules (`targets[0]["tuned_tasks"]`).
+    without a record get the target's default schedules (`targets[0]["tuned_tasks"]`). With
+    several targets, placement takes op times from the records where they have them.
     `pins`: `{ONNX op type or node name: target name}` puts ops on a device by hand (an op the
     device cannot run falls back). `device_facts`: `{target name: {PerfFacts field: value}}`
     overrides the placement cost model's roofline of a device. `placement_costs="measured"`
-    times every op alone on every device instead (slower builds; the devices must be here).
+    times every op alone on every device (slower builds; the devices must be here) where the
+    records have no time for it.
     `selection`: the kernels `gimlet-tvm select` chose for the first target; by default the
     one stored in `records`, if any.
     """
@@ -245,16 +261,17 @@ def build(
         raise GimletError("pins, device_facts and placement_costs need several targets to place ops on")
     proto = load_model(model)
     mod, io = import_model(proto, input_shapes)
+    database = RecordsDB(records) if records is not None else None
     placement = None
     if len(devices) > 1:
         given = targets if isinstance(targets, (list, tuple)) else [targets]
         placer = _placer(devices, {lookup(entry)[0].name for entry in given}, pins, device_facts,
-                         placement_costs)
+                         placement_costs, database)
         names = [spec.name for spec, _ in devices]
         mod, devices = _place(mod, devices, placer)
         placement = placer.placement.to_json(names)
     spec, target = devices[0]
-    tuned = ApplyRecords(RecordsDB(records), target) if records is not None else None
+    tuned = ApplyRecords(database, target) if database is not None else None
     if selection is None and records is not None:
         selection = KernelSelection.load(records, target)
     chosen = selection.pass_for(target) if selection is not None else None

@@ -1,10 +1,16 @@
-"""`OpTimer`: an op's time on a real device, for placement's cost model.
+"""Op times for placement's cost model: measured on the device (`OpTimer`) or read from
+tuning records (`RecordedTimes`).
 
-Each op is built alone (its tensor arguments become parameters with the same, possibly
+`OpTimer` builds each op alone (its tensor arguments become parameters with the same, possibly
 symbolic, shapes; weights stay constants) through the target's whole pipeline, so the time
 is that of the kernel the real build would use (a library call included), and run on the
 device with symbolic dimensions at 1. One op signature is timed once per device.
 Ops that can't be built or run alone get None (placement falls back to the roofline).
+
+`RecordedTimes` turns the op alone into the kernels a tuning run would extract for the device's
+target; when every one has a tuning record there, the op's time is the sum of their best
+times. Records are made for whole fused kernels, so this knows the ops that form a kernel of
+their own (a matmul, a softmax), not an add fused into a matmul's epilogue.
 """
 
 from __future__ import annotations
@@ -15,15 +21,21 @@ import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
+from tvm.s_tir import meta_schedule as ms
 
 from .relax_passes.op_graph import OpNode
 
 CompileOne = Callable[[tvm.IRModule, int], tvm.runtime.Executable]
 """Compiles a one-op module for the device at that index."""
 
+ExtractKernels = Callable[[tvm.IRModule, int], Sequence[ms.ExtractedTask]]
+"""The tuning tasks (kernels, with call counts) of a module built for the device at that index."""
+
 
 class OpTimer:
     """Times ops on `devices` (runtime devices, by build index) with `compile_one`."""
+
+    source = "measured"
 
     def __init__(self, devices: Sequence[tvm.runtime.Device], compile_one: CompileOne,
                  min_repeat_ms: int = 5, symbolic_dim: int = 1):
@@ -62,6 +74,41 @@ class OpTimer:
         vm["main"](*args)  # warm-up: pipelines, caches
         timer = vm.time_evaluator("main", dev, number=1, repeat=3, min_repeat_ms=self.min_repeat_ms)
         return float(timer(*args).median)
+
+
+class RecordedTimes:
+    """Op times from tuning records: `databases[i]` holds the records for the target of device
+    `i` (None: no records for it); `extract` gives a one-op module's kernels for a device."""
+
+    source = "tuning records"
+
+    def __init__(self, databases: Sequence[ms.database.Database | None], targets: Sequence[tvm.target.Target],
+                 extract: ExtractKernels):
+        self.databases = list(databases)
+        self.targets = list(targets)
+        self.extract = extract
+        self._cache: dict[tuple[int, int], float | None] = {}
+
+    def __call__(self, node: OpNode, device: int) -> float | None:
+        database = self.databases[device]
+        built = _single_op_module(node.value) if database is not None else None
+        if built is None:
+            return None
+        mod, _ = built
+        key = (tvm_ffi.structural_hash(mod), device)
+        if key not in self._cache:
+            self._cache[key] = self._recorded(mod, device, database)
+        return self._cache[key]
+
+    def _recorded(self, mod: tvm.IRModule, device: int, database: ms.database.Database) -> float | None:
+        total = 0.0
+        tasks = self.extract(mod, device)
+        for task in tasks:
+            record = database.query_tuning_record(task.dispatched[0], self.targets[device], task.task_name)
+            if record is None or not record.run_secs:
+                return None
+            total += task.weight * sum(float(s) for s in record.run_secs) / len(record.run_secs)
+        return total if tasks else None
 
 
 def _single_op_module(call: relax.Expr | None) -> tuple[tvm.IRModule, list] | None:

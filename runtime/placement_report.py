@@ -14,8 +14,8 @@ _COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
 class PlacementReport:
     """A placement as recorded at build time (also in exported artifacts).
 
-    `ops`: per op its name, Relax op, device, time on each device (microseconds; measured or
-    a roofline estimate) and the reason; `copies`: every cross-device copy (tensor, bytes, from, to).
+    `ops`: per op its name, Relax op, device, time on each device (microseconds) and its
+    source (tuning records, measured, roofline), and the reason; `copies`: every cross-device copy (tensor, bytes, from, to).
     """
 
     def __init__(self, data: dict[str, Any]):
@@ -44,7 +44,7 @@ class PlacementReport:
                  + " ".join(f"{d + ' us':>12}" for d in self.devices) + "  times     reason"]
         for op in self.ops:
             costs = " ".join(f"{op['costs_us'].get(d, float('nan')):>12.1f}" for d in self.devices)
-            source = "measured" if op.get("measured") else "roofline"
+            source = "+".join(dict.fromkeys(op.get("sources", {}).values()))
             lines.append(f"{op['name']:<{width}}  {op['op']:<16} {op['device']:<8} {costs}  "
                          f"{source:<9} {op['reason']}")
         per_device = ", ".join(f"{d}: {n}" for d, n in self.ops_per_device().items())

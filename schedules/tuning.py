@@ -28,7 +28,7 @@ import tvm
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from ..compiler import Targets, fusion_passes, resolve_target
+from ..compiler import Targets, kernel_tasks, resolve_target
 from ..errors import GimletError
 from ..frontend import InputShapes, ModelLike, import_model, load_model
 from ..runtime.remote import RemoteDevice, parse_address
@@ -94,12 +94,11 @@ def extract_tasks(
     model: ModelLike, target: Targets = "llvm", *, input_shapes: InputShapes | None = None
 ) -> tuple[tvm.target.Target, list[TuningTask], list[str]]:
     """The model's kernels as our pipeline builds them: (target, tunable tasks, skipped names)."""
-    spec, tvm_target = resolve_target(target)
+    device = resolve_target(target)
+    tvm_target = device[1]
     mod, _ = import_model(load_model(model), input_shapes)
-    with tvm_target:
-        mod = tvm.transform.Sequential(fusion_passes(spec, tvm_target))(mod)
     tasks, skipped = [], []
-    for task in ms.relax_integration.extract_tasks(mod, tvm_target):
+    for task in kernel_tasks(mod, device):
         kernel = task.dispatched[0]
         try:
             ms.arg_info.ArgInfo.from_prim_func(kernel["main"])
