@@ -1,4 +1,4 @@
-"""Ops of recent LLM architectures: Swish, SwiGLU, RotaryEmbedding."""
+"""Ops of recent LLM architectures: Swish, SwiGLU, RotaryEmbedding, CausalConvWithState."""
 
 from __future__ import annotations
 
@@ -96,3 +96,46 @@ class RotaryEmbedding(OnnxOpConverter):
         if len(shape) == 4:
             return bb.emit(_op.permute_dims(rotated, [0, 2, 1, 3]))
         return bb.emit(_op.reshape(rotated, shape))
+
+
+class CausalConvWithState(OnnxOpConverter):
+    """Causal depthwise 1-D convolution over (batch, channels, length) with a carried state of
+    the last k - 1 positions, optional bias and fused SiLU/Swish.
+
+    Written as a sum over the k taps of shifted slices times per-channel weights. As in the ONNX
+    reference, float16/bfloat16 sums accumulate in float32 and are rounded once, the bias is
+    added in the input dtype and the activation computed in float32. Refuses inputs of
+    run-time shape and other activations."""
+
+    @classmethod
+    def _impl_v27(cls, bb, inputs, attr, params):
+        x, weight = inputs[0], inputs[1]
+        bias, past = optional_input(inputs, 2), optional_input(inputs, 3)
+        activation = attr.get("activation", b"none")
+        activation = activation.decode() if isinstance(activation, bytes) else activation
+        if activation not in ("none", "silu", "swish"):
+            raise reject("CausalConvWithState", f"activation '{activation}'")
+        if static_shape(x) is None or static_shape(weight) is None:
+            raise reject("CausalConvWithState", "inputs of run-time shape")
+        batch, channels, length = static_shape(x)
+        taps = static_shape(weight)[2]
+        dtype = dtype_of(x)
+        if past is None:
+            past = _op.zeros((batch, channels, taps - 1), dtype)
+        padded = bb.emit(_op.concat([past, x], axis=2))
+        present = bb.emit(_op.strided_slice(padded, [2], [length], [length + taps - 1]))
+        weight = _widened(bb, weight)
+        out = None
+        for tap in range(taps):
+            window = _widened(bb, bb.emit(_op.strided_slice(padded, [2], [tap], [tap + length])))
+            # weight[:, 0, tap] as (1, channels, 1)
+            tap_weight = _op.reshape(_op.strided_slice(weight, [2], [tap], [tap + 1]),
+                                     (1, channels, 1))
+            term = _op.multiply(window, tap_weight)
+            out = bb.emit(term if out is None else _op.add(out, term))
+        out = bb.emit(_op.astype(out, dtype))
+        if bias is not None:
+            out = bb.emit(_op.add(out, _op.reshape(bias, (1, channels, 1))))
+        if activation != "none":
+            out = bb.emit(_op.astype(_swish(bb, _widened(bb, out), 1.0), dtype))
+        return relax.Tuple([out, present])
