@@ -180,3 +180,21 @@ def test_split_runtime_sizes():
                     for n in "abc"])
     for split in ([5, 0, 7], [1, 2, 9]):
         _check_against_onnxruntime(model, {"x": x, "split": np.array(split, np.int64)})
+
+
+@pytest.mark.parametrize("mode", ["TF", "IDF", "TFIDF"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_tfidf_vectorizer_modes_with_skips(mode, weighted):
+    """Unigrams and bigrams with skips into permuted output columns, with and without
+    per-n-gram weights; unweighted, two n-grams share a column."""
+    columns = [4, 0, 2, 1, 3, 5] if weighted else [4, 0, 2, 1, 3, 0]
+    weights = {"weights": [0.5, 2.0, 1.5, 3.0, 0.25, 4.0]} if weighted else {}
+    node = helper.make_node(
+        "TfIdfVectorizer", ["x"], ["y"], mode=mode, min_gram_length=1, max_gram_length=2,
+        max_skip_count=2, ngram_counts=[0, 3], ngram_indexes=columns,
+        pool_int64s=[2, 5, 7, 5, 2, 2, 7, 7, 5], **weights)
+    width = max(columns) + 1
+    model = _model([node], [helper.make_tensor_value_info("x", TensorProto.INT32, [3, 9])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, width])], opset=9)
+    x = np.random.default_rng(4).choice([2, 5, 7, 9], size=(3, 9)).astype(np.int32)
+    _check_against_onnxruntime(model, {"x": x})

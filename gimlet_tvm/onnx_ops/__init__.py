@@ -1,5 +1,14 @@
-"""gimlet-tvm's own ONNX converters, one module per op family, installed by `frontend.py`."""
+"""gimlet-tvm's own ONNX converters, one module per op family, installed by `frontend.py`.
 
-from . import attention, bitwise, constants, guards, llm, losses, normalization, recurrent, reduce, registry, shapes
+Every public module of this package is a family; `registry.converters_of` collects the
+converter classes each defines (an op defined in two families is an error).
+"""
 
-MODULES = (attention, bitwise, constants, guards, llm, losses, normalization, recurrent, reduce, shapes)
+import importlib
+import pkgutil
+
+MODULES = tuple(
+    importlib.import_module(f"{__name__}.{info.name}")
+    for info in pkgutil.iter_modules(__path__)
+    if not info.name.startswith("_")
+)

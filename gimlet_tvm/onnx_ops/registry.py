@@ -13,11 +13,14 @@ from .folding import Folding
 
 def converters_of(modules: Iterable[ModuleType]) -> dict[str, type[OnnxOpConverter]]:
     """Every `OnnxOpConverter` subclass defined in `modules`, by its class (= ONNX op) name."""
-    found = {}
+    found: dict[str, type[OnnxOpConverter]] = {}
     for module in modules:
         for name, value in vars(module).items():
             if (isinstance(value, type) and issubclass(value, OnnxOpConverter)
                     and value.__module__ == module.__name__ and not name.startswith("_")):
+                if name in found:
+                    raise ImportError(f"ONNX op {name} has converters in both "
+                                      f"{found[name].__module__} and {module.__name__}")
                 found[name] = value
     return found
 
