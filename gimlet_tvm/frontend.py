@@ -31,6 +31,7 @@ _DEFAULT_DOMAINS = {"", "ai.onnx"}
 
 _TVM_CONVERT_MAP = onnx_frontend._get_convert_map
 _OUR_CONVERTERS = onnx_ops.registry.converters_of(onnx_ops.MODULES)
+_OUR_DOMAINS = onnx_ops.registry.domains_of(_OUR_CONVERTERS)  # op -> its non-default domain
 
 
 def _convert_map() -> dict[str, Any]:
@@ -104,10 +105,11 @@ def unsupported_ops(model: onnx.ModelProto) -> dict[str, list[str]]:
     converters = _convert_map()
     found: dict[str, list[str]] = {}
     for index, node in enumerate(_walk_nodes(model.graph)):
-        known_domain = node.domain in _DEFAULT_DOMAINS
+        domain = _OUR_DOMAINS.get(node.op_type)
+        known_domain = node.domain == domain if domain else node.domain in _DEFAULT_DOMAINS
         if known_domain and (node.op_type in converters or node.op_type in _BUILTIN_OPS):
             continue
-        op = node.op_type if known_domain else f"{node.domain}::{node.op_type}"
+        op = node.op_type if node.domain in _DEFAULT_DOMAINS else f"{node.domain}::{node.op_type}"
         found.setdefault(op, []).append(node.name or f"#{index}")
     return found
 

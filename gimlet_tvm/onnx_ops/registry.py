@@ -25,6 +25,12 @@ def converters_of(modules: Iterable[ModuleType]) -> dict[str, type[OnnxOpConvert
     return found
 
 
+def domains_of(converters: dict[str, type[OnnxOpConverter]]) -> dict[str, str]:
+    """The ONNX domain of each converter that declares one (`domain = "ai.onnx.ml"`); the
+    others convert ops of the default domain."""
+    return {op: cls.domain for op, cls in converters.items() if getattr(cls, "domain", None)}
+
+
 @functools.lru_cache(maxsize=4)
 def _merged(base_items: tuple, ours_items: tuple) -> dict[str, Any]:
     merged = dict(base_items)
