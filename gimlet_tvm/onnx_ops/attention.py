@@ -1,4 +1,5 @@
-"""Attention (opset 23/24): 3-D or 4-D inputs, masks, KV cache, GQA, softcap, windows."""
+"""Attention (opset 23/24): 3-D or 4-D inputs, masks, KV cache, GQA, softcap, windows;
+LinearAttention (opset 27)."""
 
 from __future__ import annotations
 
@@ -150,3 +151,76 @@ class Attention(OnnxOpConverter):
             term = bb.emit(_op.where(condition, zero, neg_inf))
             bias = term if bias is None else bb.emit(_op.add(bias, term))
         return bias
+
+
+def _heads_first(bb: relax.BlockBuilder, x: relax.Expr, heads: int) -> relax.Expr:
+    """(batch, seq, heads * size) -> (batch, heads, seq, size), in float32."""
+    return bb.emit(_op.astype(_split_heads(bb, x, heads), "float32"))
+
+
+def _step(bb: relax.BlockBuilder, x: relax.Expr, t: int) -> relax.Expr:
+    """x[:, :, t:t+1] of a (batch, heads, seq, size) tensor."""
+    return bb.emit(_op.strided_slice(x, [2], [t], [t + 1]))
+
+
+class LinearAttention(OnnxOpConverter):
+    """Linear attention (update_rule linear, gated, delta, gated_delta) with GQA, past state,
+    per-head or per-key-dim decay and per-head or shared beta, run as the ONNX reference does:
+    the recurrence unrolled over the (static) sequence, in float32, outputs cast back.
+
+    Refuses inputs of run-time shape and decay/beta shapes the spec does not allow."""
+
+    @classmethod
+    def _impl_v27(cls, bb, inputs, attr, params):
+        q, k, v = inputs[0], inputs[1], inputs[2]
+        past, decay, beta = (optional_input(inputs, i) for i in (3, 4, 5))
+        rule = attr.get("update_rule", b"gated_delta")
+        rule = rule.decode() if isinstance(rule, bytes) else rule
+        gated, delta = rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")
+        if rule not in ("linear", "gated", "delta", "gated_delta"):
+            raise reject("LinearAttention", f"update_rule '{rule}'")
+        if gated != (decay is not None) or delta != (beta is not None):
+            raise reject("LinearAttention", f"update_rule '{rule}' with these decay/beta inputs")
+        q_heads, kv_heads = attr.get("q_num_heads", 0), attr.get("kv_num_heads", 0)
+        if kv_heads <= 0 or q_heads <= 0 or q_heads % kv_heads:
+            raise reject("LinearAttention", f"q_num_heads={q_heads}, kv_num_heads={kv_heads}")
+        tensors = [x for x in (q, k, v, past, decay, beta) if x is not None]
+        if any(static_shape(x) is None for x in tensors):
+            raise reject("LinearAttention", "inputs of run-time shape")
+        batch, seq, _ = static_shape(q)
+        d_k, d_v = static_shape(k)[2] // kv_heads, static_shape(v)[2] // kv_heads
+        q4, k4, v4 = (_heads_first(bb, x, n) for x, n in ((q, q_heads), (k, kv_heads),
+                                                           (v, kv_heads)))
+        if gated:
+            width = static_shape(decay)[2]
+            if width not in (kv_heads, kv_heads * d_k):
+                raise reject("LinearAttention", f"decay of last dim {width}")
+            # exp(decay) as (batch, kv heads, seq, 1 or d_k)
+            decay = bb.emit(_op.exp(_heads_first(bb, decay, kv_heads)))
+        if delta:
+            width = static_shape(beta)[2]
+            if width not in (kv_heads, 1):
+                raise reject("LinearAttention", f"beta of last dim {width}")
+            beta = _heads_first(bb, beta, width)
+        state_dtype = dtype_of(past) if past is not None else dtype_of(q)
+        if past is None:
+            state = bb.emit(_op.zeros((batch, kv_heads, d_k, d_v), "float32"))
+        else:
+            state = bb.emit(_op.astype(past, "float32"))
+        scale = attr.get("scale", 0.0) or 1.0 / np.sqrt(d_k)
+        outputs = []
+        for t in range(seq):
+            k_t, v_t = _step(bb, k4, t), _step(bb, v4, t)
+            if gated:
+                state = bb.emit(_op.multiply(state, _op.permute_dims(_step(bb, decay, t),
+                                                                     [0, 1, 3, 2])))
+            if delta:
+                retrieved = _op.matmul(k_t, state)
+                v_t = bb.emit(_op.multiply(_step(bb, beta, t), _op.subtract(v_t, retrieved)))
+            state = bb.emit(_op.add(state, _op.multiply(_op.permute_dims(k_t, [0, 1, 3, 2]), v_t)))
+            read = state if q_heads == kv_heads else _op.repeat(state, q_heads // kv_heads, axis=1)
+            outputs.append(bb.emit(_op.matmul(_step(bb, q4, t), read)))
+        out = bb.emit(_op.multiply(_op.concat(outputs, axis=2), scalar(scale, "float32")))
+        out = bb.emit(_op.reshape(_op.permute_dims(out, [0, 2, 1, 3]), (batch, seq, q_heads * d_v)))
+        return relax.Tuple([bb.emit(_op.astype(out, dtype_of(q))),
+                            bb.emit(_op.astype(state, state_dtype))])
