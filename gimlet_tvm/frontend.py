@@ -18,6 +18,7 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from . import onnx_ops
+from .carriers import carrier, is_carried
 from .errors import InputError, ModelImportError, ModelLoadError, UnsupportedOpError, summary
 from .io_spec import Dim, IOSpec, TensorSpec
 
@@ -189,7 +190,13 @@ def _output_specs(model: onnx.ModelProto, mod: tvm.IRModule) -> tuple[TensorSpec
         declared = _declared_spec(info) if info.type.HasField("tensor_type") else None
         if isinstance(sinfo, relax.TensorType):
             dims = _relax_dims(sinfo) or (declared.shape if declared else ())
-            specs.append(TensorSpec(info.name, dims, str(sinfo.dtype)))
+            dtype = str(sinfo.dtype)
+            if declared is not None and is_carried(declared.dtype):
+                if dtype != carrier(declared.dtype):
+                    raise ModelImportError(
+                        f"output '{info.name}' of dtype {declared.dtype} is computed as {dtype}")
+                dtype = declared.dtype  # the runtime converts the carrier back
+            specs.append(TensorSpec(info.name, dims, dtype))
         elif declared is not None:
             specs.append(declared)
         else:
@@ -215,12 +222,13 @@ def import_model(
             raise ModelImportError(
                 f"input '{spec.name}' has no declared shape; give it with input_shapes"
             )
+    lowered = onnx_ops.carried.lower(model)
     with warnings.catch_warnings(), _our_converters():
         warnings.simplefilter("ignore")
         try:
             mod = onnx_frontend.from_onnx(
-                model,
-                dtype_dict={spec.name: spec.dtype for spec in inputs},
+                lowered,
+                dtype_dict={spec.name: carrier(spec.dtype) for spec in inputs},
                 keep_params_in_input=False,
             )
         except Exception as err:  # a converter can fail with any error type: name it

@@ -14,6 +14,7 @@ import tvm_ffi
 from tvm import relax
 
 from .. import __version__
+from ..carriers import from_carrier, to_carrier
 from ..errors import ArtifactError, GimletError, TargetUnavailableError
 from ..io_spec import IOSpec, TensorSpec
 from ..relax_passes.place_on_devices import WEIGHTS_FUNCTION
@@ -154,10 +155,10 @@ class CompiledModel:
 
     def _execute(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         entry = self._entry()
-        tensors = [tvm.runtime.tensor(np.require(a, requirements="C"), self.device) for a in arrays]
-        result = entry(*tensors, *self._weights)
+        result = entry(*device_tensors(arrays, self.device), *self._weights)
         flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
-        return [to_numpy(value) for value in flat]
+        return [from_carrier(to_numpy(value), spec.dtype)
+                for value, spec in zip(flat, self.outputs)]
 
     def benchmark(
         self,
@@ -225,8 +226,7 @@ class CompiledModel:
             return 0
 
         vm.set_instrument(instrument)
-        tensors = [tvm.runtime.tensor(np.require(a, requirements="C"), self.device) for a in arrays]
-        vm["main"](*tensors, *self._weights)
+        vm["main"](*device_tensors(arrays, self.device), *self._weights)
         return Profile(
             [(symbol, place, len(t), sum(t) * 1e3) for (symbol, place), t in rows.items()],
             {t["name"]: t.get("planned_memory") for t in self.targets},
@@ -252,6 +252,12 @@ class CompiledModel:
             artifact.copy(self._artifact_path, path)
         else:
             artifact.write(path, self._module.export_library, self.metadata)
+
+
+def device_tensors(arrays: Sequence[np.ndarray], device: tvm.runtime.Device) -> list:
+    """Checked input arrays as tensors on `device`, float8/int4/... as their carriers."""
+    return [tvm.runtime.tensor(np.require(to_carrier(a), requirements="C"), device)
+            for a in arrays]
 
 
 def to_numpy(value: Any) -> np.ndarray:

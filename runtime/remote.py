@@ -19,6 +19,7 @@ import numpy as np
 import tvm
 from tvm import rpc
 
+from ..carriers import from_carrier
 from ..errors import GimletError, RemoteDeviceError, summary
 from ..io_spec import IOSpec
 
@@ -134,10 +135,10 @@ class RemoteModel:
         self.close()
 
     def _set_inputs(self, arrays: Sequence[np.ndarray]) -> None:
+        from .compiled_model import device_tensors
+
         def copy() -> None:
-            tensors = [tvm.runtime.tensor(np.require(a, requirements="C"), self._remote_device)
-                       for a in arrays]
-            self._vm.set_input("main", *tensors)
+            self._vm.set_input("main", *device_tensors(arrays, self._remote_device))
 
         self._device.call("copy inputs", copy)
 
@@ -148,7 +149,8 @@ class RemoteModel:
         self._device.call("run", lambda: self._vm.invoke_stateful("main"))
         result = self._device.call("fetch outputs", lambda: self._vm.get_outputs("main"))
         flat = list(result) if isinstance(result, (list, tuple)) else [result]
-        return self._device.call("fetch outputs", lambda: [to_numpy(v) for v in flat])
+        return self._device.call("fetch outputs", lambda: [
+            from_carrier(to_numpy(v), spec.dtype) for v, spec in zip(flat, self.io.outputs)])
 
     def __call__(self, *arrays: Any) -> list[np.ndarray]:
         return self._execute(self.io.order_inputs(arrays))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime
@@ -180,6 +181,34 @@ def test_split_runtime_sizes():
                     for n in "abc"])
     for split in ([5, 0, 7], [1, 2, 9]):
         _check_against_onnxruntime(model, {"x": x, "split": np.array(split, np.int64)})
+
+
+def test_float8_and_int4_round_trip_at_the_api():
+    """float8/int4 inputs and outputs are ml_dtypes arrays at the API (carried as bytes inside),
+    casts to and from them match ml_dtypes bit for bit, and a wrong dtype is an InputError."""
+    x = np.array([[0.3, -1.7, 500.0, -0.0], [1e-3, np.nan, -np.inf, 7.0]], np.float32)
+    q = np.array([[-8, -1, 0, 7], [3, -5, 6, 1]], ml_dtypes.int4)
+    f8 = TensorProto.FLOAT8E4M3FN
+    model = _model(
+        [helper.make_node("Cast", ["x"], ["x8"], to=f8),
+         helper.make_node("Transpose", ["x8"], ["x8t"]),
+         helper.make_node("Cast", ["x8t"], ["back"], to=TensorProto.FLOAT),
+         helper.make_node("Cast", ["q"], ["q32"], to=TensorProto.FLOAT),
+         helper.make_node("Cast", ["q32"], ["q4"], to=TensorProto.INT4)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+         helper.make_tensor_value_info("q", TensorProto.INT4, [2, 4])],
+        [helper.make_tensor_value_info("x8t", f8, [4, 2]),
+         helper.make_tensor_value_info("back", TensorProto.FLOAT, [4, 2]),
+         helper.make_tensor_value_info("q4", TensorProto.INT4, [2, 4])])
+    built = gimlet_tvm.build(model, "llvm")
+    assert [o.dtype for o in built.outputs] == ["float8_e4m3fn", "float32", "int4"]
+    x8t, back, q4 = built(x, q)
+    want = onnx.numpy_helper.saturate_cast(x, ml_dtypes.float8_e4m3fn).T
+    assert x8t.dtype == want.dtype and np.array_equal(x8t.view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(back, want.astype(np.float32))
+    assert q4.dtype == q.dtype and np.array_equal(q4, q)
+    with pytest.raises(gimlet_tvm.InputError, match="dtype int8, expected int4"):
+        built(x, q.astype(np.int8))
 
 
 @pytest.mark.parametrize("mode", ["TF", "IDF", "TFIDF"])

@@ -19,6 +19,7 @@ from onnx.reference import ReferenceEvaluator
 from tvm import relax
 
 from ._common import const_value
+from .carried import ANNOTATION
 
 # Ops whose result is not a function of their inputs, or that carry subgraphs.
 _NEVER_FOLD = frozenset({
@@ -42,7 +43,7 @@ def _attribute_values(attr: dict) -> dict:
 
 def fold(op: str, opset: int, inputs: Sequence[Any], attr: dict) -> relax.Expr | None:
     """`op` evaluated on constant `inputs` as a constant (a tuple for several outputs), or None."""
-    if op in _NEVER_FOLD or not inputs:
+    if op in _NEVER_FOLD or not inputs or ANNOTATION in attr:  # carriers: see carried.py
         return None
     arrays = [None if x is None else const_value(x) for x in inputs]
     present = [a for a in arrays if a is not None]

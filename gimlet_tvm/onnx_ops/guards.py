@@ -8,18 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import onnx
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from ._common import OnnxOpConverter, const_value, dtype_of, optional_input, reject, static_shape
-
-# Sub-byte integers, float8/float4 and e8m0: TVM has no correct kernels for them.
-_EXOTIC_DTYPE_PREFIXES = ("float8", "float4", "int4", "uint4", "int2", "uint2")
-
-
-def _exotic(dtype: str) -> bool:
-    return dtype.startswith(_EXOTIC_DTYPE_PREFIXES)
-
 
 class _Guarded(OnnxOpConverter):
     """TVM's converter for `cls.__name__`, called after `check`."""
@@ -37,31 +28,6 @@ class _Guarded(OnnxOpConverter):
             return convert(bb, inputs, attr, params)
 
         return guarded
-
-
-def _onnx_dtype_name(code: int) -> str:
-    return onnx.TensorProto.DataType.Name(code).lower()
-
-
-class Cast(_Guarded):
-    """Refuses casts from or to float8/float4/e8m0 and 2-/4-bit integers."""
-
-    @classmethod
-    def check(cls, inputs, attr):
-        target = _onnx_dtype_name(attr["to"])
-        for dtype in (dtype_of(inputs[0]), target):
-            if _exotic(dtype):
-                raise reject(cls.__name__, f"dtype {dtype}")
-
-
-class CastLike(_Guarded):
-    """As Cast, with the target dtype taken from the second input."""
-
-    @classmethod
-    def check(cls, inputs, attr):
-        for dtype in (dtype_of(inputs[0]), dtype_of(inputs[1])):
-            if _exotic(dtype):
-                raise reject(cls.__name__, f"dtype {dtype}")
 
 
 class BatchNormalization(_Guarded):
