@@ -90,3 +90,20 @@ def inclusive_cumsum(bb: relax.BlockBuilder, values: relax.Expr, length: int) ->
     kernel here): a product with a lower-triangular matrix of ones."""
     lower = const(np.tril(np.ones((length, length), "int64")))
     return bb.emit(relax.op.sum(relax.op.multiply(lower, values), axis=[1]))
+
+
+def dim_tensor(n: Any) -> relax.Expr:
+    """The dimension `n` (an int or TIR expression, possibly symbolic) as a (1,) int64 tensor."""
+    return relax.op.shape_to_tensor(relax.ShapeExpr([n]))
+
+
+def scalar_dim(bb: relax.BlockBuilder, value: relax.Expr | None, prefix: str) -> Any:
+    """A scalar (or 1-element) integer input as a dimension: its value when constant, else a
+    symbolic dimension bound at run time; None when absent."""
+    if value is None:
+        return None
+    constant = const_value(value)
+    if constant is not None:
+        return tirx.IntImm("int64", int(constant.reshape(-1)[0]))
+    flat = bb.emit(relax.op.reshape(relax.op.astype(value, "int64"), [1]))
+    return shape_from_tensor(bb, flat, 1, prefix).values[0]
