@@ -39,37 +39,6 @@ class BatchNormalization(_Guarded):
             raise reject(cls.__name__, "training_mode=1")
 
 
-class Dropout(_Guarded):
-    """Training mode and the mask output are refused (TVM returns a float mask)."""
-
-    @classmethod
-    def check(cls, inputs, attr):
-        training = optional_input(inputs, 2)
-        if training is not None and (const_value(training) is None or const_value(training)):
-            raise reject(cls.__name__, "training_mode input")
-        if attr["tvm_custom"]["num_outputs"] > 1:
-            raise reject(cls.__name__, "the mask output")
-
-
-class IsInf(_Guarded):
-    """detect_negative=0 / detect_positive=0 are refused (TVM ignores them)."""
-
-    @classmethod
-    def check(cls, inputs, attr):
-        if not attr.get("detect_negative", 1) or not attr.get("detect_positive", 1):
-            raise reject(cls.__name__, "detect_negative=0 or detect_positive=0")
-
-
-class Mod(_Guarded):
-    """Floating-point inputs are refused: with fmod=1 TVM's NaN/inf edge cases differ from C
-    fmod, with fmod=0 its NaN positions differ from onnxruntime's."""
-
-    @classmethod
-    def check(cls, inputs, attr):
-        if dtype_of(inputs[0]).startswith(("float", "bfloat")):
-            raise reject(cls.__name__, f"fmod={attr.get('fmod', 0)} on floating-point inputs")
-
-
 class ConvTranspose(_Guarded):
     """The output_shape attribute is refused (TVM ignores it)."""
 
