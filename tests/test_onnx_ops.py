@@ -227,3 +227,46 @@ def test_tfidf_vectorizer_modes_with_skips(mode, weighted):
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, width])], opset=9)
     x = np.random.default_rng(4).choice([2, 5, 7, 9], size=(3, 9)).astype(np.int32)
     _check_against_onnxruntime(model, {"x": x})
+
+
+def _random_forest(rng, trees: int, depth: int, features: int, targets: int, **attrs):
+    """`trees` complete binary trees of `depth` splits with random modes, features, splits."""
+    nodes, leaves = 2 ** depth - 1, 2 ** depth
+    true_ids, false_ids, true_leaf, false_leaf, roots = [], [], [], [], []
+    for t in range(trees):
+        roots.append(t * nodes)
+        for i in range(nodes):
+            left, right = 2 * i + 1, 2 * i + 2
+            is_leaf = left >= nodes
+            true_ids.append(t * leaves + left - nodes if is_leaf else t * nodes + left)
+            false_ids.append(t * leaves + right - nodes if is_leaf else t * nodes + right)
+            true_leaf.append(int(is_leaf))
+            false_leaf.append(int(is_leaf))
+    count = trees * nodes
+    return helper.make_node(
+        "TreeEnsemble", ["x"], ["y"], domain="ai.onnx.ml", n_targets=targets, tree_roots=roots,
+        nodes_modes=helper.make_tensor("m", TensorProto.UINT8, [count], rng.integers(0, 6, count)),
+        nodes_featureids=rng.integers(0, features, count).tolist(),
+        nodes_splits=helper.make_tensor("s", TensorProto.FLOAT, [count], rng.normal(size=count)),
+        nodes_missing_value_tracks_true=rng.integers(0, 2, count).tolist(),
+        nodes_truenodeids=true_ids, nodes_falsenodeids=false_ids,
+        nodes_trueleafs=true_leaf, nodes_falseleafs=false_leaf,
+        leaf_targetids=rng.integers(0, targets, trees * leaves).tolist(),
+        leaf_weights=helper.make_tensor("w", TensorProto.FLOAT, [trees * leaves],
+                                        rng.normal(size=trees * leaves)),
+        **attrs)
+
+
+@pytest.mark.parametrize("aggregate", [0, 1, 2, 3])
+def test_tree_ensemble_random_forest(aggregate):
+    """Three random trees (every comparison mode, NaN routing), each aggregate function."""
+    rng = np.random.default_rng(aggregate)
+    node = _random_forest(rng, trees=3, depth=3, features=4, targets=3,
+                          aggregate_function=aggregate, post_transform=0)
+    graph = helper.make_graph([node], "forest", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23),
+                                                    helper.make_opsetid("ai.onnx.ml", 5)])
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    x[rng.random((16, 4)) < 0.1] = np.nan
+    _check_against_onnxruntime(model, {"x": x})
