@@ -1,5 +1,5 @@
 """Attention (opset 23/24): 3-D or 4-D inputs, masks, KV cache, GQA, softcap, windows;
-LinearAttention (opset 27)."""
+LinearAttention (opset 27); ai.onnx.preview FlexAttention."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import onnx
 from tvm import relax
 
 from ._common import OnnxOpConverter, const, dtype_of, optional_input, reject, scalar, static_shape
+from .control import convert_graph
 
 _op = relax.op
 
@@ -224,3 +225,66 @@ class LinearAttention(OnnxOpConverter):
         out = bb.emit(_op.reshape(_op.permute_dims(out, [0, 2, 1, 3]), (batch, seq, q_heads * d_v)))
         return relax.Tuple([bb.emit(_op.astype(out, dtype_of(q))),
                             bb.emit(_op.astype(state, state_dtype))])
+
+
+def _rounded_matmul(bb: relax.BlockBuilder, a: relax.Expr, b: relax.Expr) -> relax.Expr:
+    """a @ b in a's dtype; half-precision products summed in float32 and rounded once."""
+    dtype = dtype_of(a)
+    if dtype not in ("float16", "bfloat16"):
+        return bb.emit(_op.matmul(a, b))
+    return bb.emit(_op.astype(_op.matmul(a, b, out_dtype="float32"), dtype))
+
+
+class FlexAttention(OnnxOpConverter):
+    """ai.onnx.preview FlexAttention: rank-4 Q/K/V, GQA, scale, score_mod and prob_mod
+    subgraphs converted inline, softmax in float32 (float64 for double inputs) or
+    `softmax_precision`, as the ONNX reference computes it.
+
+    Refuses inputs of run-time shape and a half-precision softmax_precision."""
+
+    domain = "ai.onnx.preview"
+
+    @classmethod
+    def get_converter(cls, opset: int):
+        def convert(bb, inputs, attr, params):
+            return cls._convert(bb, inputs, attr, params, opset)
+
+        return convert
+
+    @classmethod
+    def _convert(cls, bb, inputs, attr, params, opset):
+        q, k, v = inputs[0], inputs[1], inputs[2]
+        if any(static_shape(x) is None or len(static_shape(x)) != 4 for x in (q, k, v)):
+            raise reject("FlexAttention", "inputs of run-time shape or rank other than 4")
+        dtype = dtype_of(q)
+        q_heads, kv_heads = static_shape(q)[1], static_shape(k)[1]
+        if q_heads % kv_heads:
+            raise reject("FlexAttention", f"{q_heads} query heads over {kv_heads} KV heads")
+        if q_heads != kv_heads:
+            k, v = (bb.emit(_op.repeat(x, q_heads // kv_heads, axis=1)) for x in (k, v))
+        if "softmax_precision" in attr:
+            compute = onnx.helper.tensor_dtype_to_np_dtype(attr["softmax_precision"]).name
+            if compute not in ("float32", "float64"):
+                raise reject("FlexAttention", f"softmax_precision {compute}")
+        else:
+            compute = "float64" if dtype == "float64" else "float32"
+        scale = attr.get("scale", 1.0 / np.sqrt(static_shape(q)[3]))
+        sqrt_scale = scalar(np.sqrt(np.float32(scale)), dtype)
+        keys = bb.emit(_op.permute_dims(_op.multiply(k, sqrt_scale), [0, 1, 3, 2]))
+        scores = _rounded_matmul(bb, bb.emit(_op.multiply(q, sqrt_scale)), keys)
+        scores = bb.emit(_op.astype(scores, compute))
+
+        def modified(name: str, x: relax.Expr) -> relax.Expr:
+            if name not in attr:
+                return x
+            graph = attr[name]
+            (out,) = convert_graph(bb, "FlexAttention", graph, {graph.input[0].name: x}, opset,
+                                   params)
+            return bb.emit(_op.astype(out, compute))
+
+        scores = modified("score_mod", scores)
+        exp = bb.emit(_op.exp(_op.subtract(scores, _op.max(scores, axis=[-1], keepdims=True))))
+        probs = bb.emit(_op.divide(exp, _op.sum(exp, axis=[-1], keepdims=True)))
+        probs = modified("prob_mod", probs)
+        out = bb.emit(_op.matmul(probs, _op.astype(v, compute)))
+        return bb.emit(_op.astype(out, dtype_of(v)))
