@@ -25,6 +25,7 @@ from .frontend import InputShapes, ModelLike, import_model, load_model
 from .op_timing import OpTimer, RecordedTimes
 from .relax_passes.graph_fusion import graph_fusion_passes
 from .relax_passes.kernel_targets import AssignKernelTargets, PerTarget
+from .relax_passes.nan_safe_comparisons import NaNSafeComparisons
 from .relax_passes.place_on_devices import PlaceOnDevices
 from .relax_passes.placement import Device, Pins
 from .relax_passes.planned_memory import RecordPlannedMemory
@@ -42,6 +43,7 @@ def canonicalize_passes() -> list[tvm.transform.Pass]:
     """Target-independent clean-up of the imported graph, before any target sees it."""
     return [
         relax.transform.CanonicalizeBindings(),
+        NaNSafeComparisons(),
         relax.transform.FoldBatchnormToConv2D(),
         relax.transform.DecomposeOpsForInference(),
         relax.transform.FoldConstant(),
