@@ -108,8 +108,7 @@ class TreeEnsemble(OnnxOpConverter):
         split = const(splits)
         by_mode = [_op.less_equal(value, split), _op.less(value, split),
                    _op.greater_equal(value, split), _op.greater(value, split),
-                   # TVM's LLVM code compares != ordered (NaN != x is false): NaN added back
-                   _op.equal(value, split), _op.logical_or(_op.not_equal(value, split), _op.isnan(value)),
+                   _op.equal(value, split), _op.not_equal(value, split),  # NaN: NaNSafeComparisons
                    _op.max(_op.astype(_op.equal(_op.expand_dims(value, -1),
                                                 const(_member_table(modes, attr))), "int8"), axis=-1)]
         went_true = by_mode[_LEQ]
