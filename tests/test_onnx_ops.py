@@ -194,21 +194,28 @@ def test_float8_and_int4_round_trip_at_the_api():
          helper.make_node("Transpose", ["x8"], ["x8t"]),
          helper.make_node("Cast", ["x8t"], ["back"], to=TensorProto.FLOAT),
          helper.make_node("Cast", ["q"], ["q32"], to=TensorProto.FLOAT),
-         helper.make_node("Cast", ["q32"], ["q4"], to=TensorProto.INT4)],
+         helper.make_node("Cast", ["q32"], ["q4"], to=TensorProto.INT4),
+         helper.make_node("Reshape", ["e", "flat"], ["e_flat"])],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
-         helper.make_tensor_value_info("q", TensorProto.INT4, [2, 4])],
+         helper.make_tensor_value_info("q", TensorProto.INT4, [2, 4]),
+         helper.make_tensor_value_info("e", TensorProto.FLOAT8E5M2, [2, 2])],
         [helper.make_tensor_value_info("x8t", f8, [4, 2]),
          helper.make_tensor_value_info("back", TensorProto.FLOAT, [4, 2]),
-         helper.make_tensor_value_info("q4", TensorProto.INT4, [2, 4])])
+         helper.make_tensor_value_info("q4", TensorProto.INT4, [2, 4]),
+         helper.make_tensor_value_info("e_flat", TensorProto.FLOAT8E5M2, [4])],
+        [helper.make_tensor("flat", TensorProto.INT64, [1], [4])])
     built = gimlet_tvm.build(model, "llvm")
-    assert [o.dtype for o in built.outputs] == ["float8_e4m3fn", "float32", "int4"]
-    x8t, back, q4 = built(x, q)
+    assert [o.dtype for o in built.outputs] == ["float8_e4m3fn", "float32", "int4", "float8_e5m2"]
+    e = np.array([[1.5, -0.0], [np.inf, 57344.0]], ml_dtypes.float8_e5m2)
+    x8t, back, q4, e_flat = built(x, q, e)
     want = onnx.numpy_helper.saturate_cast(x, ml_dtypes.float8_e4m3fn).T
     assert x8t.dtype == want.dtype and np.array_equal(x8t.view(np.uint8), want.view(np.uint8))
     np.testing.assert_array_equal(back, want.astype(np.float32))
     assert q4.dtype == q.dtype and np.array_equal(q4, q)
+    assert e_flat.dtype == e.dtype
+    assert np.array_equal(e_flat.view(np.uint8), e.view(np.uint8).ravel())
     with pytest.raises(gimlet_tvm.InputError, match="dtype int8, expected int4"):
-        built(x, q.astype(np.int8))
+        built(x, q.astype(np.int8), e)
 
 
 @pytest.mark.parametrize("mode", ["TF", "IDF", "TFIDF"])

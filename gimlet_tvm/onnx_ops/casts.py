@@ -104,10 +104,8 @@ def _e8m0_scalar(x: tirx.PrimExpr, saturate: bool, round_mode: str) -> tirx.Prim
         up = guard & (rest | (exponent > 0))
     elif round_mode == "up":
         up = (bits & 0x7FFFFF) != 0
-    elif round_mode == "down":
+    else:  # "down"
         up = tirx.const(False)
-    else:
-        raise reject("Cast", f"round_mode={round_mode}")
     if saturate:
         up = up & (exponent != 0xFE)
     rounded = tirx.Select(up, exponent + 1, exponent)
@@ -172,9 +170,12 @@ def cast(bb: relax.BlockBuilder, x: relax.Expr, source: str, dtype: str, saturat
     return _encode_float(bb, x, source, dtype, saturate, round_mode)
 
 
-def _round_mode(attr: dict) -> str:
+def _round_mode(op: str, attr: dict) -> str:
     mode = attr.get("round_mode", b"up")
-    return mode.decode() if isinstance(mode, bytes) else mode
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode not in ("up", "nearest", "down"):
+        raise reject(op, f"round_mode={mode}")
+    return mode
 
 
 def _convert(op: str, bb: relax.BlockBuilder, x: Any, source: str | None, dtype: str,
@@ -183,7 +184,7 @@ def _convert(op: str, bb: relax.BlockBuilder, x: Any, source: str | None, dtype:
         return _tvm_cast(bb, x, dtype)
     if dtype in ("string", "object") or source in ("string", "object"):
         raise reject(op, "strings")
-    return cast(bb, x, source, dtype, bool(attr.get("saturate", 1)), _round_mode(attr))
+    return cast(bb, x, source, dtype, bool(attr.get("saturate", 1)), _round_mode(op, attr))
 
 
 class Cast(OnnxOpConverter):
