@@ -30,24 +30,6 @@ class _Guarded(OnnxOpConverter):
         return guarded
 
 
-class BatchNormalization(_Guarded):
-    """training_mode=1 (batch statistics) is refused."""
-
-    @classmethod
-    def check(cls, inputs, attr):
-        if attr.get("training_mode", 0):
-            raise reject(cls.__name__, "training_mode=1")
-
-
-class ConvTranspose(_Guarded):
-    """The output_shape attribute is refused (TVM ignores it)."""
-
-    @classmethod
-    def check(cls, inputs, attr):
-        if "output_shape" in attr:
-            raise reject(cls.__name__, "output_shape")
-
-
 class NonMaxSuppression(_Guarded):
     """More than one batch or class is refused (TVM drops boxes)."""
 
