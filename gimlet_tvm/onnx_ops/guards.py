@@ -47,12 +47,3 @@ class RoiAlign(_Guarded):
     def check(cls, inputs, attr):
         if attr.get("mode", b"avg") in (b"max", "max"):
             raise reject(cls.__name__, "mode='max'")
-
-
-class SpaceToDepth(_Guarded):
-    """mode='CRD' is refused (TVM applies DCR)."""
-
-    @classmethod
-    def check(cls, inputs, attr):
-        if attr.get("mode", b"DCR") in (b"CRD", "CRD"):
-            raise reject(cls.__name__, "mode='CRD'")
