@@ -18,6 +18,7 @@ compiles `!=` as the ordered "one" comparison (false for NaN). An ONNX `Not(Less
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import IRModule, relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -55,7 +56,19 @@ def _is_float(expr: relax.Expr) -> bool:
 
 
 def _or_nan(result: relax.Expr, a: relax.Expr, b: relax.Expr) -> relax.Expr:
-    return _op.logical_or(result, _op.logical_or(_op.isnan(a), _op.isnan(b)))
+    """`result | isnan(a) | isnan(b)`, leaving out constants that hold no NaN. Or-ed as uint8
+    maxima: TVM's vectorized LLVM code mixes i1 and i8 in a `logical_or` with `isnan`."""
+    terms = [result] + [
+        _op.isnan(operand) for operand in (a, b)
+        if not (isinstance(operand, tvm.ir.GenericConst) and not np.isnan(operand.value.numpy()).any())
+    ]
+    if len(terms) == 1:
+        return result
+    flags = [_op.astype(term, "uint8") for term in terms]
+    combined = flags[0]
+    for flag in flags[1:]:
+        combined = _op.maximum(combined, flag)
+    return _op.astype(combined, "bool")
 
 
 @mutator
