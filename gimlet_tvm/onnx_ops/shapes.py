@@ -1,4 +1,5 @@
-"""Reshape, Unsqueeze, Slice and Split with the target shape / axes / bounds given at run time.
+"""Reshape, Unsqueeze, Slice, Split and Expand with the target shape / axes / bounds / sizes
+given at run time.
 
 The output shape (or the sizes of Slice's and Split's pieces) is computed as an int64
 tensor and bound to fresh symbolic dims (`shape_from_tensor`); constant shapes, axes and
@@ -176,3 +177,21 @@ class Split(_RunTimeOrTVM):
         sizes = shape_from_tensor(bb, split, parts, "split").values
         return relax.Tuple([_take_range(bb, x, axis, _op.take(starts, const(np.int64(i))),
                                         sizes[i]) for i in range(parts)])
+
+
+class Expand(_RunTimeOrTVM):
+    """Expand-8/13 with the shape input at run time: ONNX's two-way broadcast of the input
+    shape and the given one (a 1 on either side takes the other's dim)."""
+
+    @classmethod
+    def convert_runtime(cls, bb, inputs, attr):
+        x = inputs[0]
+        rank = rank_of(x)
+        length = _static_length(cls.__name__, "shape", inputs[1])
+        out_rank = max(rank, length)
+        ones = lambda n: const(np.ones(n, "int64"))  # noqa: E731
+        in_shape = _shape_tensor(bb, x) if rank > 0 else ones(0)
+        in_shape = bb.emit(_op.concat([ones(out_rank - rank), in_shape]))
+        shape = bb.emit(_op.concat([ones(out_rank - length), _op.astype(inputs[1], "int64")]))
+        shape = bb.emit(_op.where(_op.equal(shape, scalar(1, "int64")), in_shape, shape))
+        return bb.emit(_op.broadcast_to(x, shape_from_tensor(bb, shape, out_rank, "expand")))
