@@ -17,6 +17,9 @@ MIN_PARALLEL_ITERATIONS = 1 << 14
 # Math the LLVM backend can only call per element (libm): a vectorized loop calling them does
 # not compile ("unknown intrinsic"), so functions using them stay scalar.
 SCALAR_ONLY_MATH = ("T.sinh(", "T.cosh(", "T.fmod(")
+# TVM's bfloat16 storage legalization (bfloat16 kept as uint16) cannot lower vector stores
+# ("dtype mismatch on BufferStore"), so functions touching bfloat16 buffers stay scalar too.
+SCALAR_ONLY_DTYPES = ('"bfloat16"',)
 
 # What scheduling primitives raise when a rule's assumptions do not hold for a function.
 SCHEDULE_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
@@ -47,8 +50,8 @@ class CPURule(ScheduleRule):
 
 def vector_lanes(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, target: Target) -> int:
     """How many of the elements `block` writes fit in the target's vector register; 1 when
-    the function calls math that cannot be vectorized."""
-    if _calls_scalar_only_math(sch):
+    the function calls math or uses a dtype that cannot be vectorized."""
+    if _is_scalar_only(sch):
         return 1
     writes = sch.get(block).writes
     dtype_bits = writes[0].source.dtype.bits if writes else 32
@@ -56,10 +59,10 @@ def vector_lanes(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, target: Ta
     return max((vector_bits if vector_bits > 0 else 128) // dtype_bits, 1)
 
 
-def _calls_scalar_only_math(sch: s_tir.Schedule) -> bool:
-    # The wheel's Python API has no TIR visitor; the printed function names every call.
+def _is_scalar_only(sch: s_tir.Schedule) -> bool:
+    # The wheel's Python API has no TIR visitor; the printed function names every call/dtype.
     script = sch.mod.script()
-    return any(call in script for call in SCALAR_ONLY_MATH)
+    return any(name in script for name in SCALAR_ONLY_MATH + SCALAR_ONLY_DTYPES)
 
 
 def loop_product(sch: s_tir.Schedule, loops: list[s_tir.schedule.LoopRV]) -> int | None:
