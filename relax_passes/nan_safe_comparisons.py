@@ -55,11 +55,16 @@ def _is_float(expr: relax.Expr) -> bool:
     return isinstance(ty, relax.TensorType) and "float" in str(ty.dtype)
 
 
+def _isnan_operand(x: relax.Expr) -> relax.Expr:
+    """`x`, as float32 when bfloat16 (TVM has no bfloat16 isnan)."""
+    return _op.astype(x, "float32") if str(x.ty.dtype) == "bfloat16" else x
+
+
 def _or_nan(result: relax.Expr, a: relax.Expr, b: relax.Expr) -> relax.Expr:
     """`result | isnan(a) | isnan(b)`, leaving out constants that hold no NaN. Or-ed as uint8
     maxima: TVM's vectorized LLVM code mixes i1 and i8 in a `logical_or` with `isnan`."""
     terms = [result] + [
-        _op.isnan(operand) for operand in (a, b)
+        _op.isnan(_isnan_operand(operand)) for operand in (a, b)
         if not (isinstance(operand, tvm.ir.GenericConst) and not np.isnan(operand.value.numpy()).any())
     ]
     if len(terms) == 1:
