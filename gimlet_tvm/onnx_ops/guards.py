@@ -30,16 +30,6 @@ class _Guarded(OnnxOpConverter):
         return guarded
 
 
-class NonMaxSuppression(_Guarded):
-    """More than one batch or class is refused (TVM drops boxes)."""
-
-    @classmethod
-    def check(cls, inputs, attr):
-        scores = static_shape(inputs[1])
-        if scores is None or scores[0] > 1 or scores[1] > 1:
-            raise reject(cls.__name__, "several batches or classes")
-
-
 class RoiAlign(_Guarded):
     """mode='max' is refused."""
 

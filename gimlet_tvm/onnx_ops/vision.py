@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from tvm import relax, tirx
+from tvm import relax, te, tirx, topi
 
 from ._common import (OnnxOpConverter, const, const_value, dtype_of, normalize_axes,
                       optional_input, rank_of, reject, scalar, shape_from_tensor, static_shape)
@@ -99,3 +99,54 @@ class TensorScatter(OnnxOpConverter):
         gather_shape[axis] = cache_length
         rows = _op.gather_elements(update, _op.broadcast_to(source, gather_shape), axis)
         return _op.where(written, bb.emit(rows), past)
+
+
+def _threshold(value: relax.Expr | None, default: float, dtype: str) -> relax.Expr:
+    """A 0-d `dtype` tensor of an optional threshold input (constant or run-time)."""
+    if value is None:
+        return scalar(default, dtype)
+    return _op.reshape(_op.astype(value, dtype), [])
+
+
+def _next_float(t: te.Tensor) -> te.Tensor:
+    """The float32 after each non-negative `t`: TOPI suppresses at IoU >= its threshold, ONNX
+    at IoU > threshold (and TOPI suppresses nothing for a threshold of 0)."""
+    return te.compute(t.shape, lambda *i: tirx.reinterpret(
+        "float32", tirx.reinterpret("int32", t(*i)) + 1), name="next_float")
+
+
+class NonMaxSuppression(OnnxOpConverter):
+    """NonMaxSuppression-10+ by TOPI's all-class NMS kernel (every batch and class), its
+    padded [batch * classes * boxes, 3] result cut to the run-time count of selected boxes.
+    center_point_box=1 boxes are converted to corners first; max_output_boxes_per_class,
+    iou_threshold and score_threshold may be run-time inputs."""
+
+    @classmethod
+    def _impl_v10(cls, bb, inputs, attr, params):
+        boxes, scores = inputs[0], inputs[1]
+        limit = optional_input(inputs, 2)
+        if limit is None:  # the default 0 selects nothing
+            return const(np.zeros((0, 3), "int64"))
+        limit = bb.emit(_op.maximum(_op.reshape(_op.astype(limit, "int64"), [1]),
+                                    scalar(0, "int64")))
+        if attr.get("center_point_box", 0):
+            centre = _op.strided_slice(boxes, [2], [0], [2])
+            half = _op.multiply(_op.strided_slice(boxes, [2], [2], [4]),
+                                scalar(0.5, dtype_of(boxes)))
+            boxes = bb.emit(_op.concat([_op.subtract(centre, half), _op.add(centre, half)],
+                                       axis=2))
+        iou = bb.emit_te(_next_float, bb.emit(_op.maximum(
+            _threshold(optional_input(inputs, 3), 0.0, "float32"), scalar(0, "float32"))))
+        score = bb.emit(_threshold(optional_input(inputs, 4), float("-inf"), "float32"))
+        shape = static_shape(scores)
+        if shape is not None and shape[0] * shape[1] == 1:
+            # TVM's lowering of the kernel fails for one (batch, class) pair: add a class
+            # that selects nothing (every score -inf, never above the threshold)
+            nothing = const(np.full(shape, -np.inf, dtype_of(scores)))
+            scores = bb.emit(_op.concat([scores, nothing], axis=1))
+        result = bb.emit_te(topi.vision.all_class_non_max_suppression, boxes, scores,
+                            limit, iou, score, "onnx")
+        selected = bb.emit(relax.TupleGetItem(result, 0))
+        count = bb.emit(_op.astype(relax.TupleGetItem(result, 1), "int64"))
+        rows = shape_from_tensor(bb, count, 1, "nms").values[0]
+        return _op.take(selected, _op.arange(0, rows, 1, "int64"), axis=0)
