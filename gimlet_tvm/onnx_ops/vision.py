@@ -1,9 +1,11 @@
-"""AffineGrid with a constant or run-time size, TensorScatter (KV-cache writes)."""
+"""AffineGrid with a constant or run-time size, TensorScatter (KV-cache writes),
+NonMaxSuppression, RoiAlign in max mode."""
 
 from __future__ import annotations
 
 import numpy as np
 from tvm import relax, te, tirx, topi
+from tvm.relax.frontend.onnx import onnx_frontend
 
 from ._common import (OnnxOpConverter, const, const_value, dtype_of, normalize_axes,
                       optional_input, rank_of, reject, scalar, shape_from_tensor, static_shape)
@@ -150,3 +152,90 @@ class NonMaxSuppression(OnnxOpConverter):
         count = bb.emit(_op.astype(relax.TupleGetItem(result, 1), "int64"))
         rows = shape_from_tensor(bb, count, 1, "nms").values[0]
         return _op.take(selected, _op.arange(0, rows, 1, "int64"), axis=0)
+
+
+def _sample_axis(start: relax.Expr, bin_size: relax.Expr, pooled: int, grid: int, size: int,
+                 dtype: str) -> tuple[relax.Expr, ...]:
+    """Along one axis of RoiAlign's sampling grid ([R, pooled * grid] points per ROI): whether
+    each point is inside (-1 <= p <= size), its low and high pixel and their weights."""
+    steps = np.array([p + (i + 0.5) / grid for p in range(pooled) for i in range(grid)], dtype)
+    point = _op.add(_op.expand_dims(start, 1), _op.multiply(const(steps), _op.expand_dims(bin_size, 1)))
+    inside = _op.logical_and(_op.greater_equal(point, scalar(-1, dtype)),
+                             _op.less_equal(point, scalar(size, dtype)))
+    point = _op.maximum(point, scalar(0, dtype))
+    low = _op.floor(point)
+    last = scalar(size - 1, dtype)
+    at_edge = _op.greater_equal(low, last)
+    low = _op.where(at_edge, last, low)
+    point = _op.where(at_edge, last, point)
+    high = _op.where(at_edge, last, _op.add(low, scalar(1, dtype)))
+    frac = _op.subtract(point, low)
+    return inside, _op.astype(low, "int64"), _op.astype(high, "int64"), \
+        _op.subtract(scalar(1, dtype), frac), frac
+
+
+class RoiAlign(OnnxOpConverter):
+    """RoiAlign-10/16. mode='max' as ONNX's reference and onnxruntime define it: per sample
+    point the largest of the four weighted corner pixels, then the largest over the bin's
+    sampling_ratio x sampling_ratio points (sampling_ratio 0, adaptive per ROI, is refused);
+    mode='avg' goes to TVM's converter."""
+
+    @classmethod
+    def get_converter(cls, opset: int):
+        tvm_convert = onnx_frontend.RoiAlign.get_converter(opset)
+        default_mode = b"half_pixel" if opset >= 16 else b"output_half_pixel"
+
+        def convert(bb, inputs, attr, params):
+            if attr.get("mode", b"avg") not in (b"max", "max"):
+                return tvm_convert(bb, inputs, attr, params)
+            return cls._max(bb, inputs, attr, default_mode)
+
+        return convert
+
+    @classmethod
+    def _max(cls, bb: relax.BlockBuilder, inputs: list, attr: dict, default_mode: bytes):
+        x, rois, batch_indices = inputs
+        grid = int(attr.get("sampling_ratio", 0))
+        shape = static_shape(x)
+        if grid <= 0 or shape is None:
+            raise reject(cls.__name__, "mode='max' with sampling_ratio 0 or a run-time shape")
+        _, channels, height, width = shape
+        pooled_h, pooled_w = int(attr.get("output_height", 1)), int(attr.get("output_width", 1))
+        dtype = dtype_of(x)
+        half_pixel = attr.get("coordinate_transformation_mode", default_mode) in (
+            b"half_pixel", "half_pixel")
+        corners = _op.subtract(_op.multiply(rois, scalar(float(attr.get("spatial_scale", 1.0)),
+                                                         dtype)),
+                               scalar(0.5 if half_pixel else 0.0, dtype))
+        corners = bb.emit(corners)
+        coord = lambda k: _op.take(corners, const(np.int64(k)), axis=1)  # noqa: E731
+        sizes = []
+        for k in (0, 1):  # x, y
+            size = _op.subtract(coord(k + 2), coord(k))
+            sizes.append(size if half_pixel else _op.maximum(size, scalar(1, dtype)))
+        ys = _sample_axis(coord(1), _op.divide(sizes[1], scalar(pooled_h, dtype)), pooled_h,
+                          grid, height, dtype)
+        xs = _sample_axis(coord(0), _op.divide(sizes[0], scalar(pooled_w, dtype)), pooled_w,
+                          grid, width, dtype)
+        ys = [bb.emit(_op.expand_dims(v, 2)) for v in ys]  # [R, SY, 1]
+        xs = [bb.emit(_op.expand_dims(v, 1)) for v in xs]  # [R, 1, SX]
+        inside = _op.logical_and(ys[0], xs[0])
+        images = _op.reshape(bb.emit(_op.take(x, _op.astype(batch_indices, "int64"), axis=0)),
+                             [-1, channels, height * width])
+        images = bb.emit(images)
+        points = pooled_h * grid * pooled_w * grid
+        candidates = []
+        for y_index, y_weight in ((ys[1], ys[3]), (ys[2], ys[4])):
+            for x_index, x_weight in ((xs[1], xs[3]), (xs[2], xs[4])):
+                flat = _op.reshape(bb.emit(_op.add(_op.multiply(y_index, scalar(width, "int64")),
+                                                   x_index)), [-1, 1, points])
+                index = _op.broadcast_to(flat, [images.ty.shape.values[0], channels, points])
+                pixels = _op.gather_elements(images, bb.emit(index), axis=2)
+                weight = _op.reshape(bb.emit(_op.multiply(y_weight, x_weight)), [-1, 1, points])
+                candidates.append(bb.emit(_op.multiply(weight, pixels)))
+        best = candidates[0]
+        for other in candidates[1:]:
+            best = _op.maximum(best, other)
+        best = _op.where(_op.reshape(bb.emit(inside), [-1, 1, points]), best, scalar(0, dtype))
+        best = _op.reshape(bb.emit(best), [-1, channels, pooled_h, grid, pooled_w, grid])
+        return _op.max(best, axis=[3, 5])
