@@ -9,7 +9,8 @@ inputs) and cast back.
 DFT: forward/inverse, onesided (rfft; with inverse, irfft: Hermitian input, real output),
 dft_length (truncating or zero-padding), axis as attribute (opset 17) or input (opset 20).
 A run-time axis is handled by computing the transform along every candidate axis and selecting
-the requested one; it is refused when the candidates' output shapes differ (onesided).
+the requested one; where the candidates' shapes differ (onesided), each is zero-padded to a
+common shape and the selected one is cut back to its shape at run time (static shapes only).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from ._common import (OnnxOpConverter, const_value, dim_tensor, dtype_of, optional_input,
-                      rank_of, reject, scalar, scalar_dim)
+from ._common import (OnnxOpConverter, const, const_value, dim_tensor, dtype_of,
+                      optional_input, rank_of, reject, scalar, scalar_dim, shape_from_tensor,
+                      static_shape)
 
 _op = relax.op
 PrimExpr = Any  # a TIR integer expression (IntImm or symbolic)
@@ -117,15 +119,46 @@ class DFT(OnnxOpConverter):
             return dft(bb, x, axis, n, inverse, onesided)
         candidates = {a: dft(bb, x, a, n, inverse, onesided) for a in range(rank - 1)}
         shapes = [c.ty.shape for c in candidates.values()]
-        if not all(tvm_ffi.structural_equal(s, shapes[0]) for s in shapes):
-            raise reject(op, "a run-time axis whose candidate outputs differ in shape")
-        axis = bb.emit(_op.astype(axis, "int64"))
-        result = candidates[rank - 2]
-        for a in range(rank - 2):
-            chosen = _op.logical_or(_op.equal(axis, relax.const(a, "int64")),
-                                    _op.equal(axis, relax.const(a - rank, "int64")))
-            result = bb.emit(_op.where(chosen, candidates[a], result))
-        return result
+        if all(tvm_ffi.structural_equal(s, shapes[0]) for s in shapes):
+            return _select(bb, axis, rank, candidates)
+        return _select_padded(bb, op, axis, rank, candidates)
+
+
+def _chosen(axis: relax.Expr, a: int, rank: int) -> relax.Expr:
+    """Whether the run-time `axis` names axis `a` (counted from either end)."""
+    return _op.logical_or(_op.equal(axis, relax.const(a, "int64")),
+                          _op.equal(axis, relax.const(a - rank, "int64")))
+
+
+def _select(bb: relax.BlockBuilder, axis: relax.Expr, rank: int,
+            candidates: dict[int, relax.Expr]) -> relax.Expr:
+    """The candidate for the run-time `axis` (any other value gives the last candidate)."""
+    axis = bb.emit(_op.astype(axis, "int64"))
+    last = max(candidates)
+    result = candidates[last]
+    for a, value in candidates.items():
+        if a != last:
+            result = bb.emit(_op.where(_chosen(axis, a, rank), value, result))
+    return result
+
+
+def _select_padded(bb: relax.BlockBuilder, op: str, axis: relax.Expr, rank: int,
+                   candidates: dict[int, relax.Expr]) -> relax.Expr:
+    """As `_select` for candidates of different static shapes: each is zero-padded to their
+    common bounding shape, and the selected one is cut back to its own shape at run time."""
+    shapes = [static_shape(c) for c in candidates.values()]
+    if any(s is None for s in shapes):
+        raise reject(op, "a run-time axis with output shapes unknown at import time")
+    bound = np.max(np.array(shapes), axis=0)
+    padded = {a: bb.emit(_op.nn.pad(c, [w for d, s in zip(bound, static_shape(c))
+                                         for w in (0, int(d - s))]))
+              for a, c in candidates.items()}
+    sizes = {a: const(np.array(static_shape(c), "int64")) for a, c in candidates.items()}
+    dims = shape_from_tensor(bb, _select(bb, axis, rank, sizes), len(bound), "dft").values
+    result = _select(bb, axis, rank, padded)
+    for d in np.flatnonzero(np.ptp(np.array(shapes), axis=0)):
+        result = bb.emit(_op.take(result, _op.arange(0, dims[d], 1, "int64"), axis=int(d)))
+    return result
 
 
 class STFT(OnnxOpConverter):
