@@ -1,15 +1,13 @@
-"""Det by Gaussian elimination with partial pivoting, and Einsum for bfloat16.
+"""Det by Gaussian elimination with partial pivoting.
 
-Det: unrolled over the matrix size, which must be known at import time; any leading batch
-dims; computed in float64 and cast back. Einsum: TVM's converter, with bfloat16 operands
-computed in float32 and rounded once (TVM's bfloat16 einsum kernel does not compile).
+Unrolled over the matrix size, which must be known at import time; any leading batch dims;
+computed in float64 and cast back.
 """
 
 from __future__ import annotations
 
 import tvm
 from tvm import relax
-from tvm.relax.frontend.onnx import onnx_frontend
 
 from ._common import OnnxOpConverter, dtype_of, rank_of, reject, scalar
 
@@ -55,18 +53,3 @@ class Det(OnnxOpConverter):
                                                      pivot_row)))
         return bb.emit(_op.astype(_op.squeeze(det, [-1]), dtype))
 
-
-class Einsum(OnnxOpConverter):
-    """TVM's Einsum; bfloat16 operands go through float32."""
-
-    @classmethod
-    def get_converter(cls, opset: int):
-        convert = onnx_frontend.Einsum.get_converter(opset)
-
-        def einsum(bb, inputs, attr, params):
-            if not any(dtype_of(x) == "bfloat16" for x in inputs):
-                return convert(bb, inputs, attr, params)
-            wide = [bb.emit(_op.astype(x, "float32")) for x in inputs]
-            return _op.astype(bb.normalize(convert(bb, wide, attr, params)), "bfloat16")
-
-        return einsum
