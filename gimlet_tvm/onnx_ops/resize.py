@@ -192,12 +192,14 @@ def _weighted_taps(bb: relax.BlockBuilder, x: relax.Expr, scale: relax.Expr, mod
     weights (not normalized): the n integers j with -n/2 <= j - x < n/2, where
     n = 2 * ceil(support / filter scale) covers the filter's whole support."""
     support = _SUPPORT[mode]
-    filter_scale = bb.emit(_op.minimum(scale, _f64(1.0))) if antialias else _f64(1.0)
-    fixed = const_value(filter_scale)
+    fixed = const_value(scale) if antialias else 1.0
     if fixed is not None:
-        n = 2 * math.ceil(support / float(fixed))
+        fixed = min(float(fixed), 1.0)
+        filter_scale = _f64(fixed)
+        n = 2 * math.ceil(support / fixed)
         half = _f64(n / 2)
     else:
+        filter_scale = bb.emit(_op.minimum(scale, _f64(1.0)))
         count = bb.emit(_op.multiply(_op.ceil(_op.divide(_f64(support), filter_scale)),
                                      _f64(2.0)))
         n_tensor = bb.emit(_op.reshape(_op.astype(count, "int64"), [1]))
