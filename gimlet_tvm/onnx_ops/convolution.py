@@ -55,7 +55,8 @@ class ConvTranspose(OnnxOpConverter):
         conv_attr["pads"] = [max(p, 0) for p in begin + end]
         y = bb.normalize(tvm_convert(bb, [x, w, None], conv_attr, params))
         if any(p < 0 for p in begin + end):
-            widths = [0, 0, 0, 0] + [v for b, e in zip(begin, end) for v in (max(-b, 0), max(-e, 0))]
+            widths = [0, 0, 0, 0] + [v for b, e in zip(begin, end)
+                                     for v in (max(-b, 0), max(-e, 0))]
             y = bb.emit(_op.nn.pad(y, widths))
         bias = optional_input(inputs, 2)
         if bias is None:

@@ -159,7 +159,8 @@ def _sample_axis(start: relax.Expr, bin_size: relax.Expr, pooled: int, grid: int
     """Along one axis of RoiAlign's sampling grid ([R, pooled * grid] points per ROI): whether
     each point is inside (-1 <= p <= size), its low and high pixel and their weights."""
     steps = np.array([p + (i + 0.5) / grid for p in range(pooled) for i in range(grid)], dtype)
-    point = _op.add(_op.expand_dims(start, 1), _op.multiply(const(steps), _op.expand_dims(bin_size, 1)))
+    point = _op.add(_op.expand_dims(start, 1),
+                    _op.multiply(const(steps), _op.expand_dims(bin_size, 1)))
     inside = _op.logical_and(_op.greater_equal(point, scalar(-1, dtype)),
                              _op.less_equal(point, scalar(size, dtype)))
     point = _op.maximum(point, scalar(0, dtype))
