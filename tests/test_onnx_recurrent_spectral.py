@@ -1,4 +1,4 @@
-"""RNN/GRU/LSTM, Scan, DFT/STFT, Col2Im, DeformConv and Det converters on cases beyond the
+"""RNN/GRU/LSTM, Scan, DFT/STFT/MelWeightMatrix, Col2Im, DeformConv and Det converters on cases beyond the
 conformance suite (run-time lengths and axes, masks, groups), compared with onnxruntime."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import onnx
 import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
 
 import gimlet_tvm
 
@@ -148,3 +149,18 @@ def test_det_pivoting_singular_and_batched():
     model = _model([helper.make_node("Det", ["x"], ["y"])], {"x": x}, {"y": 1})
     got = np.asarray(gimlet_tvm.build(model, "llvm").run({"x": x})["y"])
     np.testing.assert_allclose(got, np.linalg.det(x.astype(np.float64)), rtol=1e-5, atol=1e-5)
+
+
+def test_mel_weight_matrix_double_output():
+    """Run-time parameters, float64 output, against ONNX's reference."""
+    feeds = {"bins": np.array(10, np.int64), "length": np.array(64, np.int64),
+             "rate": np.array(16000, np.int64), "low": np.array(20, np.float32),
+             "high": np.array(7600, np.float32)}
+    node = helper.make_node("MelWeightMatrix", list(feeds), ["y"],
+                            output_datatype=TensorProto.DOUBLE)
+    model = _model([node], feeds, {"y": 2}, opset=17)
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.DOUBLE
+    got = np.asarray(gimlet_tvm.build(model, "llvm").run(feeds)["y"])
+    want = ReferenceEvaluator(model).run(None, feeds)[0]
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

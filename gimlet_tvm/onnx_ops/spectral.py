@@ -1,4 +1,4 @@
-"""DFT and STFT as matrix products with cos/sin matrices built in the graph.
+"""DFT and STFT as matrix products with cos/sin matrices built in the graph; MelWeightMatrix.
 
 The matrices come from `arange` over the transform's lengths, so the lengths (dft_length,
 STFT's frame_step and frame_length) may be constants or run-time inputs; a length known only
@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import onnx
 import tvm
 import tvm_ffi
 from tvm import relax, tirx
@@ -185,3 +186,52 @@ class STFT(OnnxOpConverter):
         if window is not None:
             framed = bb.emit(_op.multiply(framed, _op.reshape(window, [frame, 1])))
         return dft(bb, framed, 2, frame, False, bool(attr.get("onesided", 1)))
+
+
+class MelWeightMatrix(OnnxOpConverter):
+    """MelWeightMatrix-17: (dft_length // 2 + 1, num_mel_bins) triangular filters, as ONNX's
+    reference builds them (mel points spaced by range / (num_mel_bins + 2), floored to bins).
+    The integer inputs may be run-time values (symbolic output dims)."""
+
+    @classmethod
+    def _impl_v17(cls, bb, inputs, attr, params):
+        mels = scalar_dim(bb, inputs[0], "num_mel_bins")
+        length = scalar_dim(bb, inputs[1], "dft_length")
+        wide = [bb.emit(_op.astype(_op.reshape(x, [1]), "float64")) for x in inputs]
+        mels_f, length_f, rate, low, high = wide
+        one = scalar(1, "float64")
+
+        def to_mel(hertz):
+            return _op.multiply(scalar(2595 / np.log(10), "float64"),
+                                _op.log(_op.add(one, _op.divide(hertz, scalar(700, "float64")))))
+
+        low_mel = bb.emit(to_mel(low))
+        step = _op.divide(_op.subtract(to_mel(high), low_mel),
+                          _op.add(mels_f, scalar(2, "float64")))
+        count = _op.astype(_op.arange(0, mels + 2, 1, "int64"), "float64")
+        points = _op.add(_op.multiply(count, step), low_mel)
+        hertz = _op.multiply(scalar(700, "float64"), _op.subtract(
+            _op.exp(_op.multiply(points, scalar(np.log(10) / 2595, "float64"))), one))
+        scaled = _op.divide(_op.multiply(_op.add(length_f, one), hertz), rate)
+        bins = bb.emit(_op.astype(_op.floor(scaled), "int64"))  # (num_mel_bins + 2,)
+        first = bb.emit(_op.arange(0, mels, 1, "int64"))
+        left, center, right = (
+            bb.emit(_op.expand_dims(_op.take(bins, _op.add(first, relax.const(o, "int64"))), 0))
+            for o in range(3))
+        j = bb.emit(_op.expand_dims(_op.arange(0, length // 2 + 1, 1, "int64"), 1))
+        zero = scalar(0, "float64")
+
+        def ramp(num, den):
+            return _op.divide(_op.astype(num, "float64"),
+                              _op.astype(_op.maximum(den, relax.const(1, "int64")), "float64"))
+
+        rising = _op.logical_and(_op.greater_equal(j, left), _op.less_equal(j, center))
+        weights = _op.where(_op.logical_and(_op.greater(center, left), rising),
+                            ramp(_op.subtract(j, left), _op.subtract(center, left)), zero)
+        weights = _op.where(_op.logical_and(_op.equal(center, left), _op.equal(j, center)),
+                            one, weights)
+        falling = _op.logical_and(_op.greater_equal(j, center), _op.less(j, right))
+        weights = _op.where(_op.logical_and(_op.greater(right, center), falling),
+                            ramp(_op.subtract(right, j), _op.subtract(right, center)), weights)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(attr.get("output_datatype", 1)).name
+        return bb.emit(_op.astype(weights, dtype))
