@@ -12,6 +12,18 @@ from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter  # noqa: F401 
 from ..errors import ModelImportError
 
 
+class OpsetConverter(OnnxOpConverter):
+    """A converter that is given the model's opset: subclasses define `_convert(bb, inputs,
+    attr, params, opset)` instead of one `_impl_vN` per version."""
+
+    @classmethod
+    def get_converter(cls, opset: int):
+        def convert(bb, inputs, attr, params):
+            return cls._convert(bb, inputs, attr, params, opset)
+
+        return convert
+
+
 def reject(op: str, what: str) -> ModelImportError:
     """The error for a case we refuse rather than compute wrongly: `unsupported: <op> with <what>`."""
     return ModelImportError(f"unsupported: {op} with {what}")

@@ -7,7 +7,8 @@ import numpy as np
 import onnx
 from tvm import relax
 
-from ._common import OnnxOpConverter, const, dtype_of, optional_input, reject, scalar, static_shape
+from ._common import (OnnxOpConverter, OpsetConverter, const, dtype_of, optional_input, reject,
+                      scalar, static_shape)
 from .control import convert_graph
 
 _op = relax.op
@@ -235,7 +236,7 @@ def _rounded_matmul(bb: relax.BlockBuilder, a: relax.Expr, b: relax.Expr) -> rel
     return bb.emit(_op.astype(_op.matmul(a, b, out_dtype="float32"), dtype))
 
 
-class FlexAttention(OnnxOpConverter):
+class FlexAttention(OpsetConverter):
     """ai.onnx.preview FlexAttention: rank-4 Q/K/V, GQA, scale, score_mod and prob_mod
     subgraphs converted inline, softmax in float32 (float64 for double inputs) or
     `softmax_precision`, as the ONNX reference computes it.
@@ -243,13 +244,6 @@ class FlexAttention(OnnxOpConverter):
     Refuses inputs of run-time shape and a half-precision softmax_precision."""
 
     domain = "ai.onnx.preview"
-
-    @classmethod
-    def get_converter(cls, opset: int):
-        def convert(bb, inputs, attr, params):
-            return cls._convert(bb, inputs, attr, params, opset)
-
-        return convert
 
     @classmethod
     def _convert(cls, bb, inputs, attr, params, opset):

@@ -16,7 +16,7 @@ from onnx import numpy_helper
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
-from ._common import OnnxOpConverter, const, const_value, optional_input, reject, static_shape
+from ._common import OpsetConverter, const, const_value, optional_input, reject, static_shape
 
 _op = relax.op
 
@@ -56,16 +56,9 @@ def _take(bb: relax.BlockBuilder, x: relax.Expr, index: int, axis: int) -> relax
     return bb.emit(_op.squeeze(_op.take(x, const(np.array([index], "int64")), axis=axis), [axis]))
 
 
-class Scan(OnnxOpConverter):
+class Scan(OpsetConverter):
     """Scan-8 (batch axis 0, sequence axis 1, per-input directions; sequence_lens only when
     constant and full) and Scan-9+ (scan_input/output axes and directions)."""
-
-    @classmethod
-    def get_converter(cls, opset: int):
-        def convert(bb, inputs, attr, params):
-            return cls._convert(bb, inputs, attr, params, opset)
-
-        return convert
 
     @classmethod
     def _convert(cls, bb, inputs, attr, params, opset):
