@@ -13,6 +13,7 @@ from tvm.relax.frontend.onnx import from_onnx
 from gimlet_tvm import models
 from gimlet_tvm.compiler import canonicalize_passes
 from gimlet_tvm.schedules.cpu import RULES
+from gimlet_tvm.schedules.cpu.window_reduction import WindowReduction
 from gimlet_tvm.targets.llvm import LLVM_CPU
 
 from .test_cpu_library import TARGET, onnx_model, rand, run_both
@@ -134,3 +135,25 @@ def test_suite_model_against_onnxruntime(name: str) -> None:
     for batch in (1, 8):
         ours, reference = run_both(model, info.example_inputs(batch))
         np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_window_reduction_writes_all_of_an_epilogue_larger_than_it() -> None:
+    """A pad after a pooling window (fused into its kernel) covers more than the reduction's
+    rows: every output point is written (the output buffer starts as NaN)."""
+    nodes = [helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[3, 3]),
+             helper.make_node("Pad", ["p", "pads"], ["y"])]
+    pads = np.array([0, 0, 0, 0, 0, 0, 1, 2], np.int64)
+    model = onnx_model(nodes, [("x", [1, 3, 9, 12])], ("y", None), {"pads": pads})
+    functions = fused_prim_funcs(from_onnx(model, keep_params_in_input=False))
+    scheduled = {name: WindowReduction().apply(func, TARGET, False) for name, func in functions.items()}
+    name, sch = next((name, sch) for name, sch in scheduled.items() if sch is not None)
+    x = rand(1, 3, 9, 12, seed=5)
+    results = []
+    for func in (functions[name], sch.mod["main"]):
+        kernel = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                             target=TARGET)
+        out = tvm.runtime.tensor(np.full((1, 3, 8, 12), np.nan, np.float32))
+        kernel["main"](tvm.runtime.tensor(x), out)
+        results.append(out.numpy())
+    assert not np.isnan(results[1]).any()
+    np.testing.assert_array_equal(results[1], results[0])

@@ -44,6 +44,7 @@ class WindowReduction(CPURule):
             return None
         loops = sch.get_loops(reduction.block_rv)
         spatial, window = loops[:num_spatial], loops[num_spatial:]
+        extents = [get_extent(sch, loop) for loop in spatial]
         window_size = loop_product(sch, window)
         innermost = get_extent(sch, spatial[-1])
         if window_size is None or window_size > MAX_WINDOW:
@@ -65,9 +66,13 @@ class WindowReduction(CPURule):
         for producer in blocks[:index][::-1]:
             sch.compute_at(producer.block_rv, parallel_loop, preserve_unit_loops=True)
             self._vectorize_under(sch, producer.block_rv, parallel_loop, lanes)
-        if consumers:  # one output row of the epilogue after each row of the reduction
+        if consumers:
             epilogue = consumers[-1].block_rv
-            sch.reverse_compute_at(epilogue, spatial[-2], preserve_unit_loops=True)
+            # One output row of the epilogue after each row of the reduction, when the
+            # epilogue has the reduction's shape: computed at the row, an epilogue larger
+            # than it (a pad) would never write the points that read no reduction output.
+            if [get_extent(sch, loop) for loop in sch.get_loops(epilogue)] == extents:
+                sch.reverse_compute_at(epilogue, spatial[-2], preserve_unit_loops=True)
             vectorize_innermost(sch, sch.get_loops(epilogue)[-1], lanes)
         # Vectorize before splitting off the init block, which copies the vectorized loop.
         vectorize_innermost(sch, sch.get_loops(reduction.block_rv)[-1], lanes)
