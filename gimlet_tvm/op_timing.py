@@ -32,18 +32,13 @@ ExtractKernels = Callable[[tvm.IRModule, int], Sequence[ms.ExtractedTask]]
 """The tuning tasks (kernels, with call counts) of a module built for the device at that index."""
 
 
-class OpTimer:
-    """Times ops on `devices` (runtime devices, by build index) with `compile_one`."""
+class _PerSignature:
+    """An op time source that builds each op alone (`_single_op_module`) and finds its time
+    once per op signature and device, with `_seconds` (None: unknown)."""
 
-    source = "measured"
+    source: str
 
-    def __init__(self, devices: Sequence[tvm.runtime.Device], compile_one: CompileOne,
-                 min_repeat_ms: int = 5, symbolic_dim: int = 1):
-        self.devices = list(devices)
-        self.compile_one = compile_one
-        self.min_repeat_ms = min_repeat_ms
-        self.symbolic_dim = symbolic_dim
-        self.failures: dict[tuple[str, int], str] = {}  # (op name, device) -> why not timed
+    def __init__(self) -> None:
         self._cache: dict[tuple[int, int], float | None] = {}
 
     def __call__(self, node: OpNode, device: int) -> float | None:
@@ -53,12 +48,34 @@ class OpTimer:
         mod, params = built
         key = (tvm_ffi.structural_hash(mod), device)
         if key not in self._cache:
-            try:
-                self._cache[key] = self._time(mod, params, device)
-            except Exception as err:  # the op does not build or run alone on this target
-                self.failures[node.name, device] = str(err).strip().splitlines()[-1][:200]
-                self._cache[key] = None
+            self._cache[key] = self._seconds(node, mod, params, device)
         return self._cache[key]
+
+    def _seconds(self, node: OpNode, mod: tvm.IRModule, params: list[relax.TensorType],
+                 device: int) -> float | None:
+        raise NotImplementedError
+
+
+class OpTimer(_PerSignature):
+    """Times ops on `devices` (runtime devices, by build index) with `compile_one`."""
+
+    source = "measured"
+
+    def __init__(self, devices: Sequence[tvm.runtime.Device], compile_one: CompileOne,
+                 min_repeat_ms: int = 5, symbolic_dim: int = 1):
+        super().__init__()
+        self.devices = list(devices)
+        self.compile_one = compile_one
+        self.min_repeat_ms = min_repeat_ms
+        self.symbolic_dim = symbolic_dim
+        self.failures: dict[tuple[str, int], str] = {}  # (op name, device) -> why not timed
+
+    def _seconds(self, node, mod, params, device):
+        try:
+            return self._time(mod, params, device)
+        except Exception as err:  # the op does not build or run alone on this target
+            self.failures[node.name, device] = str(err).strip().splitlines()[-1][:200]
+            return None
 
     def _time(self, mod: tvm.IRModule, params: list[relax.TensorType], device: int) -> float:
         dev = self.devices[device]
@@ -76,7 +93,7 @@ class OpTimer:
         return float(timer(*args).median)
 
 
-class RecordedTimes:
+class RecordedTimes(_PerSignature):
     """Op times from tuning records: `databases[i]` holds the records for the target of device
     `i` (None: no records for it); `extract` gives a one-op module's kernels for a device."""
 
@@ -84,23 +101,15 @@ class RecordedTimes:
 
     def __init__(self, databases: Sequence[ms.database.Database | None], targets: Sequence[tvm.target.Target],
                  extract: ExtractKernels):
+        super().__init__()
         self.databases = list(databases)
         self.targets = list(targets)
         self.extract = extract
-        self._cache: dict[tuple[int, int], float | None] = {}
 
-    def __call__(self, node: OpNode, device: int) -> float | None:
+    def _seconds(self, node, mod, params, device):
         database = self.databases[device]
-        built = _single_op_module(node.value) if database is not None else None
-        if built is None:
+        if database is None:
             return None
-        mod, _ = built
-        key = (tvm_ffi.structural_hash(mod), device)
-        if key not in self._cache:
-            self._cache[key] = self._recorded(mod, device, database)
-        return self._cache[key]
-
-    def _recorded(self, mod: tvm.IRModule, device: int, database: ms.database.Database) -> float | None:
         total = 0.0
         tasks = self.extract(mod, device)
         for task in tasks:
