@@ -29,6 +29,16 @@ def reject(op: str, what: str) -> ModelImportError:
     return ModelImportError(f"unsupported: {op} with {what}")
 
 
+def text_attr(attr: dict, name: str, default: str) -> str:
+    """A string attribute as `str` (the importer gives bytes), `default` when absent."""
+    return as_text(attr.get(name, default))
+
+
+def as_text(value: str | bytes) -> str:
+    """An attribute string (bytes from the importer) as `str`."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def const_value(expr: relax.Expr | None) -> np.ndarray | None:
     """The value of `expr` if it is a constant, else None."""
     if isinstance(expr, tvm.ir.GenericConst):

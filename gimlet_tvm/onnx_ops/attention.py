@@ -8,7 +8,7 @@ import onnx
 from tvm import relax
 
 from ._common import (OnnxOpConverter, OpsetConverter, const, dtype_of, optional_input, reject,
-                      scalar, static_shape)
+                      scalar, static_shape, text_attr)
 from .control import convert_graph
 
 _op = relax.op
@@ -176,8 +176,7 @@ class LinearAttention(OnnxOpConverter):
     def _impl_v27(cls, bb, inputs, attr, params):
         q, k, v = inputs[0], inputs[1], inputs[2]
         past, decay, beta = (optional_input(inputs, i) for i in (3, 4, 5))
-        rule = attr.get("update_rule", b"gated_delta")
-        rule = rule.decode() if isinstance(rule, bytes) else rule
+        rule = text_attr(attr, "update_rule", "gated_delta")
         gated, delta = rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")
         if rule not in ("linear", "gated", "delta", "gated_delta"):
             raise reject("LinearAttention", f"update_rule '{rule}'")

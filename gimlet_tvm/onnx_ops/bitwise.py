@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from tvm import relax
 
-from ._common import OnnxOpConverter, reject
+from ._common import OnnxOpConverter, reject, text_attr
 
 
 class BitShift(OnnxOpConverter):
@@ -20,8 +20,7 @@ class BitShift(OnnxOpConverter):
     @classmethod
     def _impl_v11(cls, bb, inputs, attr, params):
         x, shift = inputs
-        direction = attr.get("direction", b"")
-        direction = direction.decode() if isinstance(direction, bytes) else str(direction)
+        direction = text_attr(attr, "direction", "")
         if direction not in ("LEFT", "RIGHT"):
             raise reject("BitShift", f"direction '{direction}'")
         dtype = str(x.ty.dtype)

@@ -18,7 +18,7 @@ from tvm import relax, te, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from ..carriers import FLOAT_BITS, SMALL_INTS, carrier, is_carried
-from ._common import OnnxOpConverter, const, reject
+from ._common import OnnxOpConverter, const, reject, text_attr
 from .carried import dtype_name, input_dtypes
 
 
@@ -171,8 +171,7 @@ def cast(bb: relax.BlockBuilder, x: relax.Expr, source: str, dtype: str, saturat
 
 
 def _round_mode(op: str, attr: dict) -> str:
-    mode = attr.get("round_mode", b"up")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    mode = text_attr(attr, "round_mode", "up")
     if mode not in ("up", "nearest", "down"):
         raise reject(op, f"round_mode={mode}")
     return mode

@@ -5,14 +5,13 @@ from __future__ import annotations
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
-from ._common import OnnxOpConverter, optional_input, rank_of, reject, static_shape
+from ._common import OnnxOpConverter, optional_input, rank_of, reject, static_shape, text_attr
 
 _op = relax.op
 
 
 def _auto_pad(attr: dict) -> str:
-    mode = attr.get("auto_pad", b"NOTSET")
-    return mode.decode() if isinstance(mode, bytes) else mode
+    return text_attr(attr, "auto_pad", "NOTSET")
 
 
 class ConvTranspose(OnnxOpConverter):

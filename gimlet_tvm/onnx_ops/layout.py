@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tvm import relax
 
-from ._common import OnnxOpConverter, rank_of, reject, with_fresh_shape
+from ._common import OnnxOpConverter, rank_of, reject, text_attr, with_fresh_shape
 
 _op = relax.op
 _ORDER = {"DCR": [0, 3, 5, 1, 2, 4], "CRD": [0, 1, 3, 5, 2, 4]}
@@ -17,8 +17,7 @@ class SpaceToDepth(OnnxOpConverter):
     @classmethod
     def _impl_v1(cls, bb, inputs, attr, params):
         x = inputs[0]
-        mode = attr.get("mode", b"DCR")
-        mode = mode.decode() if isinstance(mode, bytes) else mode
+        mode = text_attr(attr, "mode", "DCR")
         if rank_of(x) != 4 or mode not in _ORDER:
             raise reject(cls.__name__, f"mode={mode!r} or an input that is not 4-D")
         if getattr(x.ty.shape, "values", None) is None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tvm import relax
 
-from ._common import OnnxOpConverter, dtype_of, optional_input, reject, scalar, static_shape
+from ._common import (OnnxOpConverter, dtype_of, optional_input, reject, scalar, static_shape,
+                      text_attr)
 
 _op = relax.op
 _HALF = ("float16", "bfloat16")
@@ -111,8 +112,7 @@ class CausalConvWithState(OnnxOpConverter):
     def _impl_v27(cls, bb, inputs, attr, params):
         x, weight = inputs[0], inputs[1]
         bias, past = optional_input(inputs, 2), optional_input(inputs, 3)
-        activation = attr.get("activation", b"none")
-        activation = activation.decode() if isinstance(activation, bytes) else activation
+        activation = text_attr(attr, "activation", "none")
         if activation not in ("none", "silu", "swish"):
             raise reject("CausalConvWithState", f"activation '{activation}'")
         if static_shape(x) is None or static_shape(weight) is None:

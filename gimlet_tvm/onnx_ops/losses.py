@@ -9,20 +9,16 @@ from __future__ import annotations
 
 from tvm import relax
 
-from ._common import OnnxOpConverter, dtype_of, optional_input, reject, scalar
+from ._common import OnnxOpConverter, dtype_of, optional_input, reject, scalar, text_attr
 
 _op = relax.op
 _REDUCTIONS = ("none", "sum", "mean")
 
 
-def _string(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def nll_loss(bb: relax.BlockBuilder, op: str, log_prob: relax.Expr, target: relax.Expr,
              weight: relax.Expr | None, attr: dict) -> relax.Expr:
     """ONNX NegativeLogLikelihoodLoss of `log_prob` (N, C, d1..dk) at `target` (N, d1..dk)."""
-    reduction = _string(attr.get("reduction", "mean"))
+    reduction = text_attr(attr, "reduction", "mean")
     if reduction not in _REDUCTIONS:
         raise reject(op, f"reduction='{reduction}'")
     dtype = dtype_of(log_prob)

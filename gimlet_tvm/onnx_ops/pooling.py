@@ -14,7 +14,7 @@ import numpy as np
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend
 
-from ._common import OnnxOpConverter, const, reject, scalar, static_shape
+from ._common import OnnxOpConverter, const, reject, scalar, static_shape, text_attr
 
 _op = relax.op
 
@@ -68,8 +68,7 @@ class MaxPool(OnnxOpConverter):
             if attr["tvm_custom"]["num_outputs"] < 2:
                 return pooled
             x = inputs[0]
-            auto_pad = attr.get("auto_pad", b"NOTSET")
-            auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+            auto_pad = text_attr(attr, "auto_pad", "NOTSET")
             if auto_pad not in ("NOTSET", "VALID"):
                 raise reject(cls.__name__, f"auto_pad={auto_pad} and the Indices output")
             pooled = bb.emit(pooled)

@@ -16,8 +16,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ._common import (OnnxOpConverter, const, const_value, dtype_of, optional_input, reject,
-                      scalar)
+from ._common import (OnnxOpConverter, as_text, const, const_value, dtype_of, optional_input,
+                      reject, scalar, text_attr)
 
 _op = relax.op
 Activation = Callable[[relax.Expr], relax.Expr]
@@ -28,8 +28,6 @@ _DEFAULT_ALPHA = {"affine": 1.0, "leakyrelu": 0.01, "thresholdedrelu": 1.0, "sca
 _DEFAULT_BETA = {"affine": 0.0, "scaledtanh": 1.0, "hardsigmoid": 0.5}
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _activation(op: str, name: str, alpha: float, beta: float, dtype: str) -> Activation:
@@ -58,7 +56,7 @@ def _activation(op: str, name: str, alpha: float, beta: float, dtype: str) -> Ac
 def _activations(op: str, attr: dict, defaults: Sequence[str], directions: int,
                  dtype: str) -> list[list[Activation]]:
     """Per direction, the activation functions (f, g[, h]) from the attributes."""
-    names = [_text(n) for n in attr.get("activations", defaults)]
+    names = [as_text(n) for n in attr.get("activations", defaults)]
     if len(names) == len(defaults) and directions == 2:
         names = names * 2
     if len(names) != len(defaults) * directions:
@@ -88,7 +86,7 @@ class _Recurrent(OnnxOpConverter):
         x, w, r = inputs[0], inputs[1], inputs[2]
         dtype = dtype_of(x)
         batch_major = attr.get("layout", 0) == 1
-        direction = _text(attr.get("direction", "forward"))
+        direction = text_attr(attr, "direction", "forward")
         if direction not in ("forward", "reverse", "bidirectional"):
             raise reject(op, f"direction={direction}")
         directions = 2 if direction == "bidirectional" else 1

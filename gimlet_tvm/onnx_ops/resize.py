@@ -21,7 +21,8 @@ import numpy as np
 from tvm import relax, tirx
 
 from ._common import (OnnxOpConverter, const, const_value, dtype_of, normalize_axes,
-                      optional_input, rank_of, reject, scalar, shape_from_tensor, static_shape)
+                      optional_input, rank_of, reject, scalar, shape_from_tensor, static_shape,
+                      text_attr)
 
 _op = relax.op
 _F64 = "float64"
@@ -35,11 +36,6 @@ def _f64(value: float) -> relax.Expr:
 
 def _i64(value: int) -> relax.Expr:
     return scalar(value, "int64")
-
-
-def _attr_str(attr: dict, name: str, default: str) -> str:
-    value = attr.get(name, default)
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _present(expr: relax.Expr | None) -> bool:
@@ -216,17 +212,17 @@ class _Attrs:
     """The attributes that shape the interpolation, with their opset defaults."""
 
     def __init__(self, attr: dict, legacy: bool):
-        self.mode = _attr_str(attr, "mode", "nearest")
+        self.mode = text_attr(attr, "mode", "nearest")
         # Resize-10 and Upsample: asymmetric coordinates, onnxruntime's 'simple' rounding.
         self.coordinates = ("asymmetric" if legacy else
-                            _attr_str(attr, "coordinate_transformation_mode", "half_pixel"))
-        self.nearest_mode = "simple" if legacy else _attr_str(attr, "nearest_mode",
+                            text_attr(attr, "coordinate_transformation_mode", "half_pixel"))
+        self.nearest_mode = "simple" if legacy else text_attr(attr, "nearest_mode",
                                                                "round_prefer_floor")
         self.cubic_a = float(attr.get("cubic_coeff_a", -0.75))
         self.exclude_outside = bool(attr.get("exclude_outside", 0))
         self.extrapolation_value = float(attr.get("extrapolation_value", 0.0))
         self.antialias = bool(attr.get("antialias", 0))
-        self.policy = _attr_str(attr, "keep_aspect_ratio_policy", "stretch")
+        self.policy = text_attr(attr, "keep_aspect_ratio_policy", "stretch")
 
 
 def _resize_axis(bb: relax.BlockBuilder, data: relax.Expr, axis: int, out: tirx.PrimExpr | int,

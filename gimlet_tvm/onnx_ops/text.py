@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from tvm import relax
 
-from ._common import OnnxOpConverter, const, reject, scalar, static_shape
+from ._common import OnnxOpConverter, as_text, const, reject, scalar, static_shape
 
 _op = relax.op
 _MODES = ("TF", "IDF", "TFIDF")
@@ -81,7 +81,7 @@ class TfIdfVectorizer(OnnxOpConverter):
         shape = static_shape(inputs[0])
         if shape is None or len(shape) not in (1, 2):
             raise reject(name, "an input of unknown length or rank other than 1 or 2")
-        mode = attr["mode"].decode() if isinstance(attr["mode"], bytes) else attr["mode"]
+        mode = as_text(attr["mode"])
         if mode not in _MODES:
             raise reject(name, f"mode='{mode}'")
         lowest, highest = int(attr["min_gram_length"]), int(attr["max_gram_length"])

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 from tvm import relax
 
-from ._common import OnnxOpConverter, dtype_of, reject, scalar
+from ._common import OnnxOpConverter, as_text, dtype_of, reject, scalar
 
 _op = relax.op
 _DOMAIN = "ai.onnx.preview.training"
@@ -101,7 +101,7 @@ class Momentum(OnnxOpConverter):
 
     @classmethod
     def _impl_v1(cls, bb, inputs, attr, params):
-        mode = attr["mode"].decode() if isinstance(attr["mode"], bytes) else attr["mode"]
+        mode = as_text(attr["mode"])
         if mode not in ("standard", "nesterov"):
             raise reject(cls.__name__, f"mode='{mode}'")
 

@@ -8,7 +8,8 @@ from tvm import relax, te, tirx, topi
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from ._common import (OnnxOpConverter, const, const_value, dtype_of, normalize_axes,
-                      optional_input, rank_of, reject, scalar, shape_from_tensor, static_shape)
+                      optional_input, rank_of, reject, scalar, shape_from_tensor, static_shape,
+                      text_attr)
 
 _op = relax.op
 
@@ -70,8 +71,7 @@ class TensorScatter(OnnxOpConverter):
         past, update = inputs[0], inputs[1]
         rank = rank_of(past)
         axis = normalize_axes([attr.get("axis", -2)], rank)[0]
-        mode = attr.get("mode", b"linear")
-        mode = mode.decode() if isinstance(mode, bytes) else mode
+        mode = text_attr(attr, "mode", "linear")
         if axis == 0 or mode not in ("linear", "circular"):
             raise reject(cls.__name__, f"axis 0 or mode {mode}")
         past_dims = past.ty.shape.values
