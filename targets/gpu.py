@@ -16,6 +16,7 @@ import tvm_ffi
 from tvm.s_tir import dlight
 
 from ..errors import CodeCheckError
+from ..schedules.unit_reductions import FoldUnitReductions
 from .spec import CodegenRecord
 
 # DLight's GPU rules, most specific first; `Fallback` schedules anything left.
@@ -29,8 +30,13 @@ _DLIGHT_GPU_RULES = {
 
 
 def dlight_gpu_rules(*, without: Sequence[str] = ()) -> list:
-    """DLight's default GPU rules, less those named in `without` (known to fail a target)."""
-    return [rule() for name, rule in _DLIGHT_GPU_RULES.items() if name not in without]
+    """DLight's default GPU rules, less those named in `without` (known to fail a target).
+
+    Each sees the kernel with its single-element reductions folded (`FoldUnitReductions`):
+    DLight inlines an epilogue into such a reduction's init and update both.
+    """
+    return [FoldUnitReductions(rule()) for name, rule in _DLIGHT_GPU_RULES.items()
+            if name not in without]
 
 
 def device_modules(module: tvm.runtime.Module, kind: str) -> list[tvm.runtime.Module]:

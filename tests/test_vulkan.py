@@ -13,9 +13,11 @@ import sys
 import textwrap
 
 import numpy as np
+import onnx
 import pytest
 import scipy.special
 import tvm
+from onnx import TensorProto, helper
 from tvm.script import tirx as T
 
 import gimlet_tvm
@@ -86,6 +88,41 @@ def test_device_facts_come_from_the_driver() -> None:
     assert facts["device"] == device["name"]
     assert facts["shared_memory_per_block"] == device["max_shared_memory"]
     assert facts["max_threads_per_block"] <= device["max_workgroup_invocations"]
+
+
+def _carried_outer_products(batch: list[int], steps: int) -> onnx.ModelProto:
+    """`state += k_t^T v_t; out_t = q_t state` for t < steps, unrolled (what the Scan converter
+    makes of LinearAttention): matmuls with an inner dimension of 1 followed by an add."""
+
+    def tensor(name: str, *shape: int) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [*batch, *shape])
+
+    nodes, inputs, outputs, state = [], [tensor("state", 8, 8)], [], "state"
+    for t in range(steps):
+        nodes += [
+            helper.make_node("MatMul", [f"k{t}", f"v{t}"], [f"outer{t}"]),
+            helper.make_node("Add", [state, f"outer{t}"], [f"state{t}"]),
+            helper.make_node("MatMul", [f"q{t}", f"state{t}"], [f"out{t}"]),
+        ]
+        state = f"state{t}"
+        inputs += [tensor(f"q{t}", 1, 8), tensor(f"k{t}", 8, 1), tensor(f"v{t}", 1, 8)]
+        outputs.append(tensor(f"out{t}", 1, 8))
+    outputs.append(tensor(state, 8, 8))
+    graph = helper.make_graph(nodes, "carried_outer_products", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("batch", [[2, 4], [4]])
+def test_reduction_over_one_element_with_epilogue_matches_onnxruntime(batch: list[int]) -> None:
+    # DLight inlined the Add into both the init and the update of the K=1 matmul, adding the
+    # carried state twice (batch [2, 4]: wrong results; [4]: an AssertionError in DLight's GEMV
+    # analysis). Step 0 of LinearAttention starts from zeros, so only later steps were wrong.
+    model = _carried_outer_products(batch, steps=3)
+    rng = np.random.default_rng(0)
+    inputs = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim])
+              .astype("float32") for i in model.graph.input}
+    ours = gimlet_tvm.build(model, "vulkan")(*inputs.values())
+    assert_matches(ours, onnxruntime_outputs(model, inputs))
 
 
 @T.prim_func
