@@ -32,7 +32,7 @@ def _host_cpu() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _vector_bits(mcpu: str) -> int:
+def vector_bits(mcpu: str) -> int:
     """Widest vector width the CPU model supports, from LLVM's own feature table."""
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
     features = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target)}
@@ -46,7 +46,7 @@ def host_target() -> dict[str, Any]:
 
 def host_facts() -> dict[str, Any]:
     mcpu = _host_cpu()
-    return {"mcpu": mcpu, "vector_bits": _vector_bits(mcpu), "cores": _num_cores()}
+    return {"mcpu": mcpu, "vector_bits": vector_bits(mcpu), "cores": _num_cores()}
 
 
 def _clock_ghz() -> float:
@@ -61,7 +61,7 @@ def _clock_ghz() -> float:
 
 def host_perf() -> PerfFacts:
     """Roofline of the host: cores x fp32 lanes x 2 (FMA) x 2 FMA ports x clock."""
-    lanes = _vector_bits(_host_cpu()) // 32
+    lanes = vector_bits(_host_cpu()) // 32
     peak = _num_cores() * lanes * 2 * 2 * _clock_ghz()
     return PerfFacts(peak_gflops=peak, memory_gbps=HOST_MEMORY_GBPS, launch_us=1, link_gbps=None,
                      copy_us=0)

@@ -4,6 +4,7 @@ op groups carry the epilogue the CPU library absorbs, and every candidate is che
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -24,6 +25,7 @@ from gimlet_tvm.schedules.kernel_selection.verify import run_candidate
 
 M, K, N = 5, 24, 40
 SIG = OpSignature("matmul", ((M, K), (K, N)), "float32")
+WEIGHT_SIG = dataclasses.replace(SIG, weight=True)  # B a constant, as in a model
 
 # A correct external kernel, one that is off (adds 1 to every output) and one that writes
 # 2 TiB past its output (a real SIGSEGV in the verifying subprocess).
@@ -75,17 +77,41 @@ def _request(candidate_id: str, target, external_dir=None) -> dict:
 def test_candidates_from_every_source(kernels):
     _, target = resolve_target("llvm")
     ids = [c.id for c in candidates(SIG, target, str(kernels))]
-    assert ids == ["generated:tir", "library:openblas", "handwritten:cpu_gemm_4x32", "handwritten:cpu_gemv_k4",
-                   "external:good", "external:wrong", "external:crash"]
+    assert ids == ["generated:tir", "library:openblas", "handwritten:cpu_gemm_6x2v",
+                   "handwritten:cpu_gemm_packed_4x2v", "handwritten:cpu_gemm_packed_6x2v",
+                   "handwritten:cpu_gemv_k4", "external:good", "external:wrong", "external:crash"]
     other_shape = OpSignature("matmul", ((M + 1, K), (K, N)), "float32")
     assert not [c for c in candidates(other_shape, target, str(kernels)) if c.source == "external"]
 
 
 def test_handwritten_cpu_gemm_verified_at_edge_case_shape():
     _, target = resolve_target("llvm")
-    outcome = run_candidate(_request("handwritten:cpu_gemm_4x32", target), timeout=120)
+    outcome = run_candidate(_request("handwritten:cpu_gemm_6x2v", target), timeout=120)
     assert outcome.verified, outcome.reason
     assert outcome.checks == [SIG.key, SIG.edge_case().key] and outcome.seconds > 0
+
+
+def test_packed_gemm_only_for_weights_and_packs_at_build_time():
+    """The packed GEMM takes B in panels: offered only where B is a constant, whose packing
+    is then a constant of the build (no packing left in the model's code); verified with B
+    packed at run time and timed with packed constant copies of B."""
+    _, target = resolve_target("llvm")
+    assert "constant weight" in find("handwritten:cpu_gemm_packed_6x2v", SIG, target).unavailable
+    packed = find("handwritten:cpu_gemm_packed_6x2v", WEIGHT_SIG, target)
+    assert packed.unavailable is None
+    weight = np.random.default_rng(3).standard_normal((K, N)).astype(np.float32)
+    mod = rewrite_ops(WEIGHT_SIG.module([weight]), lambda sig: packed, "llvm")
+    assert "R.permute_dims" in mod.script()
+    executable = gimlet_tvm.compiler.compile_alone(mod, resolve_target("llvm"))
+    assert "permute_dims" not in executable.as_text()  # folded into a packed constant
+    x = np.random.default_rng(4).standard_normal((M, K)).astype(np.float32)
+    from tvm import relax, runtime
+    (got,) = relax.VirtualMachine(executable, runtime.cpu())["main"](runtime.tensor(x))
+    np.testing.assert_allclose(got.numpy(), x @ weight, rtol=1e-5, atol=1e-5)
+    request = dict(_request("handwritten:cpu_gemm_packed_6x2v", target), signature=WEIGHT_SIG.to_json())
+    outcome = run_candidate(request, timeout=120)
+    assert outcome.verified, outcome.reason
+    assert outcome.checks == [WEIGHT_SIG.key, WEIGHT_SIG.edge_case().key] and outcome.seconds > 0
 
 
 def test_handwritten_cuda_gemm_compiles_with_nvcc():
@@ -108,15 +134,15 @@ def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_
     code, out, err = cli("select", str(model_path), "--records", str(records), "--kernels", str(kernels),
                          "--input-shape", f"x={M},{K}")
     assert code == 0, err
-    assert re.search(r"external:wrong +no: wrong result at matmul float32 5x24 @ 24x40 on random", out), out
+    assert re.search(r"external:wrong +no: wrong result at matmul float32 5x24 @ const 24x40 on random", out), out
     assert re.search(r"external:crash +no: crashed \(SIGSEGV\)", out), out
     assert "model builds with the selection" in out
     stored = json.loads((records / SELECTION_FILE).read_text())
     (choice,) = next(iter(stored["targets"].values()))["ops"].values()
     tried = {t["id"]: t for t in choice["tried"]}
     assert not tried["external:wrong"]["verified"] and not tried["external:crash"]["verified"]
-    assert all(tried[i]["verified"] for i in ("generated:tir", "library:openblas",
-                                              "handwritten:cpu_gemm_4x32", "external:good"))
+    assert all(tried[i]["verified"] for i in ("generated:tir", "library:openblas", "handwritten:cpu_gemm_6x2v",
+                                              "handwritten:cpu_gemm_packed_6x2v", "external:good"))
     assert choice["winner"] not in ("external:wrong", "external:crash")
     verified = [t for t in tried.values() if t["verified"]]
     assert tried[choice["winner"]]["seconds"] == min(t["seconds"] for t in verified)
@@ -141,17 +167,17 @@ def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_
 
 def test_selection_rewrites_only_into_the_chosen_kernel():
     _, target = resolve_target("llvm")
-    handwritten = find("handwritten:cpu_gemm_4x32", SIG, target)
+    handwritten = find("handwritten:cpu_gemm_6x2v", SIG, target)
     text = rewrite_ops(SIG.module(), lambda sig: handwritten, "llvm").script()
-    assert "cpu_gemm_4x32" in text and "R.matmul" not in text
+    assert "cpu_gemm_6x2v" in text and "R.matmul" not in text
     untouched = rewrite_ops(SIG.module(), lambda sig: None, "llvm").script()
     assert "gimlet.cpu.matmul" in untouched  # the op group as the library pass formed it
 
 
 # A linear layer + ReLU, and one with GELU and a residual add (a transformer's FFN shape).
-BIAS_RELU = OpSignature("matmul", ((M, K), (K, N)), "float32", (("add", (N,)), ("relu", ())))
+BIAS_RELU = OpSignature("matmul", ((M, K), (K, N)), "float32", (("add", (N,)), ("relu", ())), weight=True)
 GELU_RESIDUAL = OpSignature("matmul", ((1, M, K), (K, N)), "float32",
-                            (("add", (N,)), ("gelu", ()), ("add", (1, M, N))))
+                            (("add", (N,)), ("gelu", ()), ("add", (1, M, N))), weight=True)
 
 # An external kernel of the bias + ReLU group; `{bias}` is the bias term (left out: wrong).
 EPILOGUE_KERNEL = """
@@ -182,12 +208,12 @@ def test_op_group_is_what_the_library_absorbs():
     _, target = resolve_target("llvm")
     mod, _ = import_model(model, {"x": [M, K]})
     assert op_signatures(mod, target) == {BIAS_RELU: 1}
-    assert BIAS_RELU.key == f"matmul float32 {M}x{K} @ {K}x{N} +{N} relu"
+    assert BIAS_RELU.key == f"matmul float32 {M}x{K} @ const {K}x{N} +{N} relu"
     assert OpSignature.from_json(json.loads(json.dumps(BIAS_RELU.to_json()))) == BIAS_RELU
 
 
-@pytest.mark.parametrize("candidate_id", ["generated:tir", "library:openblas", "handwritten:cpu_gemm_4x32",
-                                          "handwritten:cpu_gemv_k4"])
+@pytest.mark.parametrize("candidate_id", ["generated:tir", "library:openblas", "handwritten:cpu_gemm_6x2v",
+                                          "handwritten:cpu_gemm_packed_4x2v", "handwritten:cpu_gemv_k4"])
 def test_every_source_fuses_the_epilogue(candidate_id):
     """Each source computes matmul + bias + GELU + residual, checked against the reference
     group at its shapes and the edge-case ones."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tvm
@@ -71,12 +71,14 @@ def group_operands(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, list[relax
 @dataclasses.dataclass(frozen=True)
 class OpSignature:
     """An op group at static shapes: `shapes` of the op's tensor operands, all of `dtype`,
-    then its `epilogue` steps in order."""
+    then its `epilogue` steps in order; `weight`: the second operand is a constant (a model
+    weight), so a kernel may take it in its own layout, converted at build time."""
 
     op: str
     shapes: tuple[tuple[int, ...], ...]
     dtype: str
     epilogue: tuple[Step, ...] = ()
+    weight: bool = False
 
     @classmethod
     def of_call(cls, call: relax.Expr) -> OpSignature | None:
@@ -95,13 +97,15 @@ class OpSignature:
         a, b = shapes[:2]
         if len(a) < 2 or len(b) != 2 or len(dtypes) != 1 or a[-1] != b[0]:
             return None
-        return cls("matmul", (a, b), dtypes.pop(), tuple(epilogue))
+        return cls("matmul", (a, b), dtypes.pop(), tuple(epilogue), isinstance(b_var, tvm.ir.expr.Constant))
 
     @property
     def key(self) -> str:
-        """`matmul float32 1x1024 @ 1024x4096 +4096 relu`: stable, readable, the records' key."""
+        """`matmul float32 1x1024 @ const 1024x4096 +4096 relu`: stable, readable, the records'
+        key (`const`: a weight)."""
         steps = [f"+{'x'.join(map(str, shape))}" if kind == "add" else kind for kind, shape in self.epilogue]
-        return " ".join([f"{self.op} {self.dtype}", " @ ".join("x".join(map(str, s)) for s in self.shapes), *steps])
+        a, b = ("x".join(map(str, s)) for s in self.shapes)
+        return " ".join([f"{self.op} {self.dtype}", a, "@", *(["const"] if self.weight else []), b, *steps])
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -146,24 +150,28 @@ class OpSignature:
             return tuple(1 if d == 1 else edge_out[offset + i] for i, d in enumerate(shape))
 
         epilogue = tuple((kind, edge(shape)) for kind, shape in self.epilogue)
-        return OpSignature(self.op, (a, (k, n)), self.dtype, epilogue)
+        return OpSignature(self.op, (a, (k, n)), self.dtype, epilogue, self.weight)
 
     def call(self) -> relax.Call:
         """The op applied to fresh variables of its operand types (no epilogue)."""
         args = [relax.Var(f"arg{i}", relax.TensorType(shape, self.dtype)) for i, shape in enumerate(self.shapes)]
         return relax.op.matmul(*args)
 
-    def module(self) -> tvm.IRModule:
-        """`main(operands..., addends...)` computing the op group as plain Relax ops."""
+    def module(self, weights: Sequence[np.ndarray] = ()) -> tvm.IRModule:
+        """`main(operands..., addends...)` computing the op group as plain Relax ops. With
+        `weights`, B is no parameter: `main(a, addends...)` runs the group once with each of
+        them as a constant (as a model's weights reach its kernels) and returns a tuple."""
         call = self.call()
+        a, b = call.args
         addends = [relax.Var(f"addend{i}", relax.TensorType(shape, self.dtype))
                    for i, shape in enumerate(self.addend_shapes)]
+        bs = [relax.const(w.astype(self.dtype)) for w in weights] or [b]
         bb = relax.BlockBuilder()
-        with bb.function("main", [*call.args, *addends]):
+        with bb.function("main", [a, *([] if weights else [b]), *addends]):
             with bb.dataflow():
-                out = bb.emit(call)
-                out = emit_epilogue(bb, out, addends, self.epilogue)
-                out = bb.emit_output(out)
+                outs = [bb.emit(emit_epilogue(bb, bb.emit(relax.op.matmul(a, w)), addends, self.epilogue))
+                        for w in bs]
+                out = bb.emit_output(relax.Tuple(outs) if weights else outs[0])
             bb.emit_func_output(out)
         return bb.finalize()
 
@@ -182,12 +190,13 @@ class OpSignature:
 
     def to_json(self) -> dict[str, Any]:
         return {"op": self.op, "shapes": [list(s) for s in self.shapes], "dtype": self.dtype,
-                "epilogue": [[kind, list(shape)] for kind, shape in self.epilogue]}
+                "epilogue": [[kind, list(shape)] for kind, shape in self.epilogue], "weight": self.weight}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> OpSignature:
         epilogue = tuple((kind, tuple(shape)) for kind, shape in data.get("epilogue", []))
-        return cls(data["op"], tuple(tuple(s) for s in data["shapes"]), data["dtype"], epilogue)
+        return cls(data["op"], tuple(tuple(s) for s in data["shapes"]), data["dtype"], epilogue,
+                   data.get("weight", False))
 
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -227,16 +236,28 @@ class Candidate:
         return f"{self.source}:{self.name}"
 
 
+def pack_panels(bb: relax.BlockBuilder, b: relax.Expr, packed: tuple[int, int, int]) -> relax.Expr:
+    """B[K, N] as `packed` = [panels, K, width]: zero-padded along N to panels x width, each
+    panel's columns one contiguous run (folded into a constant at build time when B is one)."""
+    panels, k, width = packed
+    n = int(b.ty.shape[1])
+    if panels * width > n:
+        b = bb.emit(relax.op.nn.pad(b, [0, 0, 0, panels * width - n]))
+    return bb.emit(relax.op.permute_dims(relax.op.reshape(b, (k, panels, width)), [1, 0, 2]))
+
+
 def call_prim_func(bb: relax.BlockBuilder, call: relax.Call, func: tvm.tirx.PrimFunc,
-                   name: str) -> relax.Expr:
-    """`call` (a matmul group) as `call_tir` of a 2-D GEMM PrimFunc `(a[M, K], b[K, N],
-    addends..., c[M, N])`, batch axes of the first operand folded into M and unfolded after;
-    each addend reshaped to the (rows, columns) of `OpSignature.addends_2d`."""
+                   name: str, packed_b: tuple[int, int, int] | None = None) -> relax.Expr:
+    """`call` (a matmul group) as `call_tir` of a 2-D GEMM PrimFunc `(a[M, K], b, addends...,
+    c[M, N])`, b being B[K, N] or, with `packed_b`, `pack_panels(B)`; batch axes of the first
+    operand folded into M and unfolded after; each addend reshaped to the (rows, columns) of
+    `OpSignature.addends_2d`."""
     a, b, addends, _ = group_operands(call)
     sig = OpSignature.of_call(call)
     m, n, k = sig.gemm
     func = func.with_attr("op_pattern", 8)  # opaque: FuseOps must not fuse into a scheduled kernel
     gvar = bb.add_func(func, name)
+    b = b if packed_b is None else pack_panels(bb, b, packed_b)
     a2 = a if len(sig.shapes[0]) == 2 else bb.emit(relax.op.reshape(a, (m, k)))
     flat = [bb.emit(relax.op.reshape(x, shape)) for x, shape in zip(addends, sig.addends_2d())]
     out = bb.emit(relax.call_tir(gvar, [a2, b, *flat], relax.TensorType((m, n), sig.dtype)))

@@ -59,13 +59,17 @@ def handwritten(sig: OpSignature, target: tvm.target.Target, external_dir: str |
     def rewrite(kernel):
         def emit(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
             call_sig = OpSignature.of_call(call)
-            func = kernel.make(target, *call_sig.gemm, call_sig.epilogue, call_sig.addends_2d())
-            return call_prim_func(bb, call, func, kernel.name)
+            m, n, k = call_sig.gemm
+            func = kernel.make(target, m, n, k, call_sig.epilogue, call_sig.addends_2d())
+            packed = kernel.packed_b(target, n, k) if kernel.packed_b else None
+            return call_prim_func(bb, call, func, kernel.name, packed)
         return emit
 
     def unavailable(kernel) -> str | None:
         if sig.dtype != "float32":
             return "float32 only"
+        if kernel.packed_b and not sig.weight:
+            return "takes B packed: B must be a constant weight"
         if sig.epilogue and not kernel.fuses_epilogue:
             return "fuses no epilogue"
         if sig.addends_2d() is None or len(sig.addend_shapes) > MAX_ADDENDS:

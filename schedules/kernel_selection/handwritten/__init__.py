@@ -8,7 +8,8 @@ from typing import Callable
 
 import tvm
 
-from .cpu_gemm import MAX_ADDENDS, cpu_gemm, cpu_gemv
+from ....targets.llvm import vector_bits
+from .cpu_gemm import MAX_ADDENDS, cpu_gemm, cpu_gemv, packed_shape
 from .cuda_gemm import cuda_gemm
 
 __all__ = ["KERNELS", "MAX_ADDENDS", "HandwrittenKernel"]
@@ -18,7 +19,10 @@ __all__ = ["KERNELS", "MAX_ADDENDS", "HandwrittenKernel"]
 class HandwrittenKernel:
     """`make(target, M, N, K, epilogue, addends)`: the PrimFunc `(a[M, K], b[K, N], addends...,
     c[M, N])` for one GEMM shape and epilogue (`OpSignature.epilogue`, `.addends_2d()`) on
-    `target`; a kernel that does not `fuses_epilogue` is only asked for groups without one."""
+    `target`; a kernel that does not `fuses_epilogue` is only asked for groups without one.
+    `packed_b(target, N, K)`: for a kernel that takes B packed (only offered where B is a
+    constant weight, so the packing is folded at build time), the packed shape; B[K, N] is
+    padded to it along N and laid out as [panels, K, panel width]."""
 
     name: str
     op: str
@@ -26,16 +30,35 @@ class HandwrittenKernel:
     make: Callable[..., tvm.tirx.PrimFunc]
     file: str
     fuses_epilogue: bool
+    packed_b: Callable[[tvm.target.Target, int, int], tuple[int, int, int]] | None = None
+
+
+_HERE = Path(__file__).resolve().parent
 
 
 def _cores(target: tvm.target.Target) -> int:
     return int(target.attrs.get("num-cores", 1))
 
 
-_HERE = Path(__file__).resolve().parent
+def _two_vectors(target: tvm.target.Target) -> int:
+    """Panel width of the CPU GEMMs: two of the target's float32 vectors."""
+    return 2 * vector_bits(str(target.attrs.get("mcpu", ""))) // 32
+
+
+def _cpu_gemm(mr: int, packed: bool) -> HandwrittenKernel:
+    """`cpu_gemm[_packed]_{mr}x2v`: an mr x (2 vectors) register tile (`cpu_gemm.cpu_gemm`)."""
+    return HandwrittenKernel(
+        f"cpu_gemm{'_packed' if packed else ''}_{mr}x2v", "matmul", "llvm",
+        lambda target, *group: cpu_gemm(mr, _two_vectors(target), packed, *group),
+        str(_HERE / "cpu_gemm.py"), fuses_epilogue=True,
+        packed_b=(lambda target, n, k: packed_shape(n, k, _two_vectors(target))) if packed else None,
+    )
+
+
 KERNELS = (
-    HandwrittenKernel("cpu_gemm_4x32", "matmul", "llvm", lambda target, *group: cpu_gemm(4, 32, *group),
-                      str(_HERE / "cpu_gemm.py"), fuses_epilogue=True),
+    _cpu_gemm(6, packed=False),
+    _cpu_gemm(4, packed=True),
+    _cpu_gemm(6, packed=True),
     HandwrittenKernel("cpu_gemv_k4", "matmul", "llvm",
                       lambda target, *group: cpu_gemv(4, _cores(target), *group),
                       str(_HERE / "cpu_gemm.py"), fuses_epilogue=True),

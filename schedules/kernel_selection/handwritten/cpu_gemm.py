@@ -48,36 +48,26 @@ def _dot(a, b, row, col, k0, ku: int) -> tvm.tirx.PrimExpr:
     return sum((a[row, k0 + u] * b[k0 + u, col] for u in range(1, ku)), a[row, k0] * b[k0, col])
 
 
-def _prim_func(body, m: int, n: int, k: int, full_n: int, epilogue: tuple[Step, ...],
+def _prim_func(kernel, m: int, n: int, k: int, b_shape: tuple[int, ...],
                addends: list[tuple[int, int]]) -> tvm.tirx.PrimFunc:
-    """The PrimFunc `(a, b, addends..., c)` running `body(a, b, c, addends)` (columns
-    [0, full_n)), then the columns left over with scalar loops."""
-
-    @T.macro
-    def kernel(a, b, c, extra):
-        body(a, b, c, extra)
-        for r, j in T.grid(m, n - full_n):
-            c[r, full_n + j] = T.float32(0)
-            for kk in range(k):
-                c[r, full_n + j] = c[r, full_n + j] + a[r, kk] * b[kk, full_n + j]
-            c[r, full_n + j] = _epilogue(c[r, full_n + j], r, full_n + j, epilogue, extra)
-
+    """The PrimFunc `(a[M, K], b[b_shape], addends..., c[M, N])` running the macro
+    `kernel(a, b, c, addends)`."""
     # One signature per number of addends (TVMScript parameters are written out).
     if not addends:
         @T.prim_func
-        def gemm(a: T.Buffer((m, k), "float32"), b: T.Buffer((k, n), "float32"),
+        def gemm(a: T.Buffer((m, k), "float32"), b: T.Buffer(b_shape, "float32"),
                  c: T.Buffer((m, n), "float32")):
             T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
             kernel(a, b, c, ())
     elif len(addends) == 1:
         @T.prim_func
-        def gemm(a: T.Buffer((m, k), "float32"), b: T.Buffer((k, n), "float32"),
+        def gemm(a: T.Buffer((m, k), "float32"), b: T.Buffer(b_shape, "float32"),
                  e0: T.Buffer(addends[0], "float32"), c: T.Buffer((m, n), "float32")):
             T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
             kernel(a, b, c, (e0,))
     else:
         @T.prim_func
-        def gemm(a: T.Buffer((m, k), "float32"), b: T.Buffer((k, n), "float32"),
+        def gemm(a: T.Buffer((m, k), "float32"), b: T.Buffer(b_shape, "float32"),
                  e0: T.Buffer(addends[0], "float32"), e1: T.Buffer(addends[1], "float32"),
                  c: T.Buffer((m, n), "float32")):
             T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
@@ -86,40 +76,73 @@ def _prim_func(body, m: int, n: int, k: int, full_n: int, epilogue: tuple[Step, 
     return gemm
 
 
-def cpu_gemm(mr: int, nr: int, m: int, n: int, k: int, epilogue: tuple[Step, ...],
+def _columns(b, col0):
+    """Columns [col0, col0 + nr) of a row-major [K, N] buffer as `(kk, j) -> element`."""
+    return lambda kk, j: b[kk, col0 + j]
+
+
+def packed_shape(n: int, k: int, nr: int) -> tuple[int, int, int]:
+    """Shape of B[K, N] packed into panels of `nr` columns: [ceil(N / nr), K, nr], the last
+    panel zero-padded; each panel is one contiguous run, read in order by the GEMM."""
+    return (-(-n // nr), k, nr)
+
+
+def cpu_gemm(mr: int, nr: int, packed: bool, m: int, n: int, k: int, epilogue: tuple[Step, ...],
              addends: list[tuple[int, int]]) -> tvm.tirx.PrimFunc:
     """The GEMM kernel with an mr x nr register tile for fixed M, N, K (tails included) and
-    epilogue; `addends`: each epilogue addend's (rows, columns), the PrimFunc's parameters
-    after b."""
+    epilogue; B is [K, N], or `packed_shape` when `packed`; `addends`: each epilogue addend's
+    (rows, columns), the PrimFunc's parameters after b.
+
+    Each parallel task owns a panel of `nr` columns and walks down it `mr` rows at a time
+    (the last M % mr rows as one shorter tile), accumulating the tile over all of K in
+    registers and writing `epilogue(tile)` from there. The columns left over (N % nr) are one
+    more panel, computed the same way but stored element by element."""
     full_m, full_n = m // mr * mr, n // nr * nr
 
-    @T.macro
-    def body(a, b, c, extra):
-        for panel in T.parallel(n // nr):
-            acc = T.decl_buffer((mr, nr), "float32", scope="local")
-            row = T.decl_buffer((nr,), "float32", scope="local")
-            for block in range(m // mr):
-                for i in T.unroll(mr):
-                    for j in T.vectorized(nr):
-                        acc[i, j] = T.float32(0)
-                for kk in range(k):
-                    for i in T.unroll(mr):
-                        for j in T.vectorized(nr):
-                            acc[i, j] = acc[i, j] + a[block * mr + i, kk] * b[kk, panel * nr + j]
-                for i in T.unroll(mr):
-                    for j in T.vectorized(nr):
-                        c[block * mr + i, panel * nr + j] = _epilogue(
-                            acc[i, j], block * mr + i, panel * nr + j, epilogue, extra)
-            for r in range(m - full_m):
-                for j in T.vectorized(nr):
-                    row[j] = T.float32(0)
-                for kk in range(k):
-                    for j in T.vectorized(nr):
-                        row[j] = row[j] + a[full_m + r, kk] * b[kk, panel * nr + j]
-                for j in T.vectorized(nr):
-                    c[full_m + r, panel * nr + j] = _epilogue(row[j], full_m + r, panel * nr + j, epilogue, extra)
+    def b_panel(b, panel):
+        """B's columns [panel * nr, panel * nr + nr) as `(kk, j) -> element`."""
+        return (lambda kk, j: b[panel, kk, j]) if packed else _columns(b, panel * nr)
 
-    return _prim_func(body, m, n, k, full_n, epilogue, addends)
+    @T.macro
+    def tile(a, b_cols, c, extra, col0, row0, rows, cols):
+        # "global" scope: a stack array LLVM keeps in registers ("local" allocates a workspace
+        # LLVM cannot prove unaliased, so every update is stored back).
+        acc = T.decl_buffer((rows, nr), "float32", scope="global")
+        for i in T.unroll(rows):
+            for j in T.vectorized(nr):
+                acc[i, j] = T.float32(0)
+        for kk in range(k):
+            for i in T.unroll(rows):
+                for j in T.vectorized(nr):
+                    acc[i, j] = acc[i, j] + a[row0 + i, kk] * b_cols(kk, j)
+        if cols == nr:
+            for i in T.unroll(rows):
+                for j in T.vectorized(nr):
+                    c[row0 + i, col0 + j] = _epilogue(acc[i, j], row0 + i, col0 + j, epilogue, extra)
+        else:
+            for i, j in T.grid(rows, cols):
+                c[row0 + i, col0 + j] = _epilogue(acc[i, j], row0 + i, col0 + j, epilogue, extra)
+
+    @T.macro
+    def panel_of(a, b_cols, c, extra, col0, cols):
+        for block in range(m // mr):
+            tile(a, b_cols, c, extra, col0, block * mr, mr, cols)
+        if m > full_m:
+            tile(a, b_cols, c, extra, col0, full_m, m - full_m, cols)
+
+    @T.macro
+    def kernel(a, b, c, extra):
+        for panel in T.parallel(n // nr):
+            panel_of(a, b_panel(b, panel), c, extra, panel * nr, nr)
+        if n > full_n and packed:  # the last panel is zero-padded
+            panel_of(a, b_panel(b, n // nr), c, extra, full_n, n - full_n)
+        if n > full_n and not packed:  # the last columns, copied into a zero-padded panel
+            last = T.decl_buffer((k, nr), "float32", scope="global")
+            for kk, j in T.grid(k, nr):
+                last[kk, j] = T.if_then_else(j < n - full_n, b[kk, T.min(full_n + j, n - 1)], T.float32(0))
+            panel_of(a, _columns(last, 0), c, extra, full_n, n - full_n)
+
+    return _prim_func(kernel, m, n, k, packed_shape(n, k, nr) if packed else (k, n), addends)
 
 
 def cpu_gemv(ku: int, cores: int, m: int, n: int, k: int, epilogue: tuple[Step, ...],
@@ -153,4 +176,13 @@ def cpu_gemv(ku: int, cores: int, m: int, n: int, k: int, epilogue: tuple[Step, 
                         c[r, panel * width + jo * VECTOR + ji] = _epilogue(
                             acc[jo * VECTOR + ji], r, panel * width + jo * VECTOR + ji, epilogue, extra)
 
-    return _prim_func(body, m, n, k, full_n, epilogue, addends)
+    @T.macro
+    def kernel(a, b, c, extra):
+        body(a, b, c, extra)
+        for r, j in T.grid(m, n - full_n):
+            c[r, full_n + j] = T.float32(0)
+            for kk in range(k):
+                c[r, full_n + j] = c[r, full_n + j] + a[r, kk] * b[kk, full_n + j]
+            c[r, full_n + j] = _epilogue(c[r, full_n + j], r, full_n + j, epilogue, extra)
+
+    return _prim_func(kernel, m, n, k, (k, n), addends)
