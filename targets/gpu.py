@@ -16,6 +16,7 @@ import tvm_ffi
 from tvm.s_tir import dlight
 
 from ..errors import CodeCheckError
+from ..schedules.opaque_kernels import OpaqueKernels
 from ..schedules.unit_reductions import FoldUnitReductions
 from .spec import CodegenRecord
 
@@ -33,10 +34,13 @@ def dlight_gpu_rules(*, without: Sequence[str] = ()) -> list:
     """DLight's default GPU rules, less those named in `without` (known to fail a target).
 
     Each sees the kernel with its single-element reductions folded (`FoldUnitReductions`):
-    DLight inlines an epilogue into such a reduction's init and update both.
+    DLight inlines an epilogue into such a reduction's init and update both. `OpaqueKernels`
+    comes last: it puts on the device the kernels DLight leaves to the host (TOPI's generic
+    extern ops), or refuses them.
     """
-    return [FoldUnitReductions(rule()) for name, rule in _DLIGHT_GPU_RULES.items()
-            if name not in without]
+    rules = [FoldUnitReductions(rule()) for name, rule in _DLIGHT_GPU_RULES.items()
+             if name not in without]
+    return [*rules, OpaqueKernels()]
 
 
 def device_modules(module: tvm.runtime.Module, kind: str) -> list[tvm.runtime.Module]:

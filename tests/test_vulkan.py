@@ -125,6 +125,38 @@ def test_reduction_over_one_element_with_epilogue_matches_onnxruntime(batch: lis
     assert_matches(ours, onnxruntime_outputs(model, inputs))
 
 
+def _one_op_model(node: onnx.NodeProto, inputs: list[onnx.ValueInfoProto],
+                  outputs: list[onnx.ValueInfoProto]) -> onnx.ModelProto:
+    graph = helper.make_graph([node], node.op_type, inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_cumsum_runs_on_device_threads(axis: int) -> None:
+    # TOPI's generic cumsum (an opaque block with a parallel loop) was left unscheduled and
+    # compiled as host code that dereferenced the VulkanBuffer handles: crashes, garbage.
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [300, 5])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [300, 5])
+    axis_value = helper.make_tensor("axis", TensorProto.INT64, [], [axis])
+    model = _one_op_model(helper.make_node("CumSum", ["x", "axis"], ["y"], reverse=1), [x], [y])
+    model.graph.initializer.append(axis_value)
+    inputs = {"x": np.random.default_rng(axis).standard_normal((300, 5)).astype("float32")}
+    ours = gimlet_tvm.build(model, "vulkan")(inputs["x"])
+    assert_matches(ours, onnxruntime_outputs(model, inputs))
+
+
+def test_topk_is_refused_at_compile_time() -> None:
+    # TOPI's generic argsort calls a CPU library function, which cannot read device memory.
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])
+    k = helper.make_tensor_value_info("k", TensorProto.INT64, [1])
+    values = helper.make_tensor_value_info("values", TensorProto.FLOAT, [3, 2])
+    indices = helper.make_tensor_value_info("indices", TensorProto.INT64, [3, 2])
+    node = helper.make_node("TopK", ["x", "k"], ["values", "indices"])
+    model = _one_op_model(node, [x, k], [values, indices])
+    with pytest.raises(CompileError, match="unsupported on vulkan: .*tvm.contrib.sort.argsort"):
+        gimlet_tvm.build(model, "vulkan")
+
+
 @T.prim_func
 def _math(a: T.Buffer((1024,), "float32"), erf: T.Buffer((1024,), "float32"),
           tanh: T.Buffer((1024,), "float32"), cube: T.Buffer((1024,), "float32"),
