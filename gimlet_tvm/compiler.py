@@ -62,11 +62,13 @@ def kernel_passes(
 ) -> list[tvm.transform.Pass]:
     """Graph (placed already, with several devices) to fused TIR kernels, each tagged with the
     target that compiles it; `selection` (kernel selection's chosen kernels) runs before the
-    library passes."""
+    library passes. Sorts (`R.argsort`, which LegalizeOps does not lower) become TOPI's kernel
+    for each op's target: the generic one on CPUs, the GPU one on targets keyed "gpu"."""
     return [
         *graph_passes(),
         *([selection] if selection is not None else []),
         *[p for spec, target in devices for p in spec.library_passes(target)],
+        relax.backend.DispatchSortScan(),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),

@@ -9,8 +9,9 @@ memory. The conformance worker crashed, timed out or reported garbage device ids
 `OpaqueKernels`, the last GPU rule, puts every such function on the device: each outermost
 `parallel` loop becomes a grid of threads (one iteration per thread) where the function does
 all its work inside such loops, else the whole body runs on one device thread. A function that
-calls a host library function (`tvm.contrib.sort.argsort`, what TOPI's generic argsort and
-TopK call) cannot run on a GPU: it is refused at compile time, naming the function.
+calls a host library function (`tvm.contrib.sort.argsort`, what TOPI's generic argsort calls;
+sorts reach GPUs as TOPI's GPU sort through DispatchSortScan) cannot run on a GPU: it is refused
+at compile time, naming the function, and so is any other function left without threads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.dlight.base import max_threads_per_block
+
+
+class UnsupportedOnDeviceError(RuntimeError):
+    """A kernel the device cannot run (raised while scheduling, so at compile time)."""
+
 
 _PACKED_CALLS = ("tirx.tvm_call_packed", "tirx.tvm_call_cpacked", "tirx.tvm_call_trace_packed")
 
@@ -90,19 +96,15 @@ def _stores(node: object) -> int:
     return len(_walk(node, tirx.BufferStore))
 
 
-def _outer_parallel_loops(stmt: tirx.Stmt) -> list[tirx.For] | None:
-    """The outermost `parallel` loops of `stmt` if they do all its stores and none of them
-    holds another one, else None."""
+def _parallel_loops_do_all_work(stmt: tirx.Stmt) -> bool:
+    """Whether `stmt` has `parallel` loops, none inside another, that do all its stores."""
     loops = [f for f in _walk(stmt, tirx.For) if f.kind == tirx.ForKind.PARALLEL]
-    nested = [f for f in loops if any(g.kind == tirx.ForKind.PARALLEL
-                                      for g in _walk(f.body, tirx.For))]
-    if not loops or nested or sum(map(_stores, loops)) != _stores(stmt):
-        return None
-    return loops
+    nested = any(g.kind == tirx.ForKind.PARALLEL for f in loops for g in _walk(f.body, tirx.For))
+    return bool(loops) and not nested and sum(map(_stores, loops)) == _stores(stmt)
 
 
 def _on_device(block: s_tir.SBlock, threads: int) -> s_tir.SBlock:
-    if _outer_parallel_loops(block.body) is None:
+    if not _parallel_loops_do_all_work(block.body):
         return _on_one_thread(block)
     body = tvm_ffi.structural_map(
         block.body,
@@ -121,23 +123,18 @@ class OpaqueKernels(dlight.ScheduleRule):
         calls = _host_calls(func)
         if calls:
             raise UnsupportedOnDeviceError(
-                f"unsupported on {target.kind.name}: the kernel calls the host (CPU) library "
-                f"function {', '.join(calls)} (TOPI's generic sort, used by TopK and argsort), "
-                "which cannot read device memory"
+                f"unsupported on {target.kind.name}: a kernel calls the host (CPU) function "
+                f"{', '.join(calls)}, which cannot read device memory"
             )
         if not _stores(func.body):
             return None
         blocks = _walk(func.body, s_tir.SBlock)
         if len(blocks) != 1 or blocks[0].iter_vars:
             raise UnsupportedOnDeviceError(
-                f"unsupported on {target.kind.name}: no schedule rule maps this kernel to device "
+                f"unsupported on {target.kind.name}: no schedule rule maps a kernel to device "
                 "threads, and as host code it would read device memory"
             )
         threads = max_threads_per_block(target)
         return s_tir.Schedule(tvm_ffi.structural_map(
             func, [(s_tir.SBlock, lambda block: _on_device(block, threads))]
         ))
-
-
-class UnsupportedOnDeviceError(RuntimeError):
-    """A kernel the device cannot run (raised while scheduling, so at compile time)."""

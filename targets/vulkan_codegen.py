@@ -471,7 +471,23 @@ class _Printer:
             return f"({text} != uint8_t(0))" if self.is_bool_storage(e.source) else text
         if isinstance(e, tvm.ir.Call):
             return self.call(e)
+        if isinstance(e, tirx.Let):
+            return self.let(e)
         raise self.fail(f"unsupported expression {type(e).__name__}: {e}")
+
+    def let(self, e: Any) -> str:
+        """A let expression, its value printed in place of each use (GLSL has no expression
+        that binds a name; hoisting the value out would evaluate it where its guard, such as a
+        Select's condition, does not hold). The shader compiler merges the copies."""
+        outer = self.names.get(e.var)
+        self.names[e.var] = f"({self.expr(e.value)})"
+        try:
+            return self.expr(e.body)
+        finally:
+            if outer is None:
+                del self.names[e.var]
+            else:
+                self.names[e.var] = outer
 
     def int_literal(self, value: int, dtype: str) -> str:
         if dtype == "bool":

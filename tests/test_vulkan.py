@@ -18,9 +18,11 @@ import pytest
 import scipy.special
 import tvm
 from onnx import TensorProto, helper
+from tvm import relax, topi
 from tvm.script import tirx as T
 
 import gimlet_tvm
+from gimlet_tvm.compiler import compile_alone
 from gimlet_tvm.errors import CodeCheckError, CompileError, TargetUnavailableError
 from gimlet_tvm.models import SUITE
 from gimlet_tvm.runtime.vulkan_runtime import vulkan_devices
@@ -145,16 +147,30 @@ def test_cumsum_runs_on_device_threads(axis: int) -> None:
     assert_matches(ours, onnxruntime_outputs(model, inputs))
 
 
-def test_topk_is_refused_at_compile_time() -> None:
-    # TOPI's generic argsort calls a CPU library function, which cannot read device memory.
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])
+@pytest.mark.parametrize("largest", [0, 1])
+def test_topk_sorts_on_the_device(largest: int) -> None:
+    # TopK's argsort was TOPI's generic one, a CPU library call that read device memory.
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 300])
     k = helper.make_tensor_value_info("k", TensorProto.INT64, [1])
-    values = helper.make_tensor_value_info("values", TensorProto.FLOAT, [3, 2])
-    indices = helper.make_tensor_value_info("indices", TensorProto.INT64, [3, 2])
-    node = helper.make_node("TopK", ["x", "k"], ["values", "indices"])
+    values = helper.make_tensor_value_info("values", TensorProto.FLOAT, [3, 7])
+    indices = helper.make_tensor_value_info("indices", TensorProto.INT64, [3, 7])
+    node = helper.make_node("TopK", ["x", "k"], ["values", "indices"], largest=largest)
     model = _one_op_model(node, [x, k], [values, indices])
-    with pytest.raises(CompileError, match="unsupported on vulkan: .*tvm.contrib.sort.argsort"):
-        gimlet_tvm.build(model, "vulkan")
+    data = np.random.default_rng(largest).integers(0, 20, (3, 300)).astype("float32")  # ties
+    inputs = {"x": data, "k": np.array([7], "int64")}
+    ours = gimlet_tvm.build(model, "vulkan")(*inputs.values())
+    assert_matches(ours, onnxruntime_outputs(model, inputs))
+
+
+def test_host_library_call_is_refused_at_compile_time() -> None:
+    x = relax.Var("x", relax.TensorType((3, 4), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            order = bb.emit_output(bb.emit_te(topi.argsort, x, axis=1, dtype="int64"))
+        bb.emit_func_output(order)
+    with pytest.raises(RuntimeError, match="unsupported on vulkan: .*tvm.contrib.sort.argsort"):
+        compile_alone(bb.get(), (SPEC, SPEC.make_target()))
 
 
 @T.prim_func

@@ -7,7 +7,7 @@ A run-time k or depth sets an output dim: it is bound to a fresh symbolic dim
 from __future__ import annotations
 
 import numpy as np
-from tvm import relax, topi
+from tvm import relax
 
 from ._common import OnnxOpConverter, dtype_of, rank_of, reject, scalar, scalar_dim
 
@@ -36,8 +36,7 @@ class TopK(OnnxOpConverter):
         if rank < 1:
             raise reject(cls.__name__, "a 0-d or unknown-rank input")
         axis = axis % rank
-        order = bb.emit_te(topi.argsort, _sort_keys(bb, data), axis=axis, is_ascend=not largest,
-                           dtype="int64")
+        order = bb.emit(_op.argsort(_sort_keys(bb, data), axis, largest, "int64"))
         indices = bb.emit(_op.take(order, _op.arange(0, k, 1, "int64"), axis))
         values = bb.emit(_op.gather_elements(data, indices, axis))
         return relax.Tuple([values, indices])
