@@ -253,8 +253,9 @@ def build(
     overrides the placement cost model's roofline of a device. `placement_costs="measured"`
     times every op alone on every device (slower builds; the devices must be here) where the
     records have no time for it.
-    `selection`: the kernels `gimlet-tvm select` chose for the first target; by default the
-    one stored in `records`, if any.
+    `selection`: the kernels `gimlet-tvm select` (or `tune`) chose for the first target; by
+    default the one stored in `records`, if any (`targets[0]["selected_kernels"]`: op groups
+    it rewrote).
     """
     devices = resolve_devices(targets)
     for spec, _ in devices:
@@ -296,6 +297,7 @@ def build(
             "target": json.loads(json.dumps(dict(target.export()), default=list)),
             "device_code": device_code.to_json(),
             "tuned_tasks": tuned.applied if tuned is not None and index == 0 else 0,
+            "selected_kernels": chosen.applied if chosen is not None and index == 0 else 0,
             "planned_memory": memory.bytes_per_device.get(index, 0),
         })
     return CompiledModel(executable.mod, io, built_for, placement=placement)

@@ -10,6 +10,13 @@ round goes to the task with the largest share of the estimated model latency per
 tasks in proportion to their share of the kernels' end-to-end time. A task whose candidates
 all failed counts with the slowest measured latency.
 
+Kernel selection: after the MetaSchedule rounds, each op group with several implementations
+(a matmul and its epilogue: library, hand-written, generated with the records just tuned) is
+verified and timed (`kernel_selection.select_kernels`) and the winners stored beside the
+records, so `build(records=DIR)` applies both. A model whose heavy ops are all library calls
+thus still gets tuned: by measuring which kernel runs each op. Selection reruns only when
+MetaSchedule ran trials or the records lack a choice for one of the model's op groups.
+
 Resuming: `trials` is the total for the model's tasks in the records directory. A rerun counts
 the trials already recorded, warms the XGBoost cost model with them, seeds the evolutionary
 search with the best of them (MetaSchedule draws part of its initial population from the
@@ -32,6 +39,7 @@ from ..compiler import Targets, kernel_tasks, resolve_target
 from ..errors import GimletError
 from ..frontend import InputShapes, ModelLike, import_model, load_model
 from ..runtime.remote import RemoteDevice, parse_address
+from .kernel_selection.select import KernelSelection, op_signatures, select_kernels
 from .records import FAILED_SECONDS, RecordsDB
 
 Duration = float | str
@@ -63,6 +71,7 @@ class TuneResult:
     skipped: list[str]
     trials_run: int
     seconds: float
+    selection: KernelSelection | None = None  # the op groups' kernels as chosen (None: not run)
 
     @property
     def estimated_latency(self) -> float | None:
@@ -91,12 +100,12 @@ def parse_duration(value: Duration) -> float:
 
 
 def extract_tasks(
-    model: ModelLike, target: Targets = "llvm", *, input_shapes: InputShapes | None = None
+    model: ModelLike | tvm.IRModule, target: Targets = "llvm", *, input_shapes: InputShapes | None = None
 ) -> tuple[tvm.target.Target, list[TuningTask], list[str]]:
     """The model's kernels as our pipeline builds them: (target, tunable tasks, skipped names)."""
     device = resolve_target(target)
     tvm_target = device[1]
-    mod, _ = import_model(load_model(model), input_shapes)
+    mod = model if isinstance(model, tvm.IRModule) else import_model(load_model(model), input_shapes)[0]
     tasks, skipped = [], []
     for task in kernel_tasks(mod, device):
         kernel = task.dispatched[0]
@@ -256,6 +265,7 @@ def tune(
     runner_timeout: float = 10.0,
     seed: int | None = None,
     remote: RemoteDevice | None = None,
+    select: bool = True,
     log: IO[str] = sys.stderr,
 ) -> TuneResult:
     """Tune `model`'s kernels for `target` with MetaSchedule (XGBoost cost model) into `records`.
@@ -267,6 +277,8 @@ def tune(
     or runs past `runner_timeout` seconds is recorded as failed and tuning goes on. Progress goes to `log`, one line a round.
     `remote`: measure on devices handed out by an RPC tracker (MetaSchedule's RPC runner); a
     server lost during tuning fails its candidates, and the others carry on.
+    `select`: then choose each op group's kernel by measurement (module docstring; local only,
+    so off with `remote`).
     """
     if trials is None and time_budget is None:
         raise GimletError("give a trial budget (trials) or a time budget (time_budget), or both")
@@ -274,22 +286,52 @@ def tune(
         raise GimletError(f"trials must be positive, got {trials}")
     start = time.monotonic()
     deadline = start + parse_duration(time_budget) if time_budget is not None else float("inf")
-    tvm_target, tasks, skipped = extract_tasks(model, target, input_shapes=input_shapes)
+    mod, _ = import_model(load_model(model), input_shapes)
+    tvm_target, tasks, skipped = extract_tasks(mod, target)
     if skipped:
         print(f"[tune] skipping {len(skipped)} kernels with symbolic shapes "
               f"(fix them with input shapes): {', '.join(skipped)}", file=log)
-    if not tasks:
-        raise GimletError("the model has no tunable kernels (all symbolic, or all library calls)")
+    groups = op_signatures(mod, tvm_target) if select and remote is None else {}
+    if not tasks and not groups:
+        raise GimletError("the model has no tunable kernels (all symbolic, or all library calls "
+                          "without other candidates)")
     db = RecordsDB(records, create=True)
+    trials_run = _tune_tasks(tasks, tvm_target, db, trials=trials, deadline=deadline,
+                             trials_per_round=trials_per_round, population_size=population_size,
+                             runner_timeout=runner_timeout, seed=seed, remote=remote, log=log)
+    selection = KernelSelection.load(db.path, tvm_target)
+    if groups and (trials_run or selection is None or any(sig.key not in selection.choices for sig in groups)):
+        print(f"[select] {len(groups)} op groups: verifying and timing their candidates", file=log)
+        selection = select_kernels(mod, tvm_target, records=db.path, progress=_selection_progress(log))
+        selection.save(db.path)
+    return TuneResult(records, tasks, skipped, trials_run, time.monotonic() - start,
+                      selection if groups else None)
+
+
+def _selection_progress(log: IO[str]):
+    def report(sig, tried) -> None:
+        outcome = f"{tried.seconds * 1e3:.3f} ms" if tried.verified else f"no: {tried.reason}"
+        print(f"[select] {sig.key}: {tried.id} {outcome}", file=log, flush=True)
+    return report
+
+
+def _tune_tasks(tasks: list[TuningTask], tvm_target: tvm.target.Target, db: RecordsDB, *,
+                trials: int | None, deadline: float, trials_per_round: int, population_size: int,
+                runner_timeout: float, seed: int | None, remote: RemoteDevice | None,
+                log: IO[str]) -> int:
+    """MetaSchedule over `tasks` until `trials` (total, earlier runs included) or `deadline`;
+    the number of trials run."""
+    if not tasks:
+        return 0
     db.add([], tasks={t.shash: {"name": t.name, "weight": t.weight} for t in tasks})
     for task in tasks:
         task.trials, task.best = db.progress(task.shash, tvm_target)
     already = sum(t.trials for t in tasks)
     remaining = (trials - already) if trials is not None else 10**9
-    print(f"[tune] {len(tasks)} tasks, {already} trials in {records}; "
+    print(f"[tune] {len(tasks)} tasks, {already} trials in {db.path}; "
           f"running {remaining if trials is not None else 'until the time budget'}", file=log)
     if remaining <= 0:
-        return TuneResult(records, tasks, skipped, 0, time.monotonic() - start)
+        return 0
 
     cores = int(tvm_target.attrs.get("num-cores", 1))
     contexts = [
@@ -316,4 +358,4 @@ def tune(
         [*ms.measure_callback.MeasureCallback.create("default"), report],
         db.database(tvm_target, best_only=False), cost_model,
     )
-    return TuneResult(records, tasks, skipped, report.done, time.monotonic() - start)
+    return report.done

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import functools
+import io
 import os
 import shutil
 
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from tvm.s_tir import meta_schedule as ms
 
 import gimlet_tvm
+from gimlet_tvm.schedules.kernel_selection.select import SELECTION_FILE
 from gimlet_tvm.schedules.records import RecordsDB
 from gimlet_tvm.schedules.tuning import extract_tasks, parse_duration
 
@@ -75,6 +77,40 @@ def test_tasks_come_from_our_pipeline_after_library_dispatch():
     assert not skipped and "layer_norm" in names and all("matmul" not in n for n in names)
     _, tasks, skipped = extract_tasks(gimlet_tvm.models.SUITE["transformer_encoder"].build())
     assert not tasks and skipped  # symbolic batch: nothing measurable
+
+
+def linear_model() -> onnx.ModelProto:
+    """softmax(relu(x @ w + b)): one matmul group (library, hand-written and generated
+    candidates) and a softmax kernel for MetaSchedule."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+               for name, shape in (("w", (64, 96)), ("b", (96,)))]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["s"]),
+             helper.make_node("Relu", ["s"], ["r"]), helper.make_node("Softmax", ["r"], ["y"], axis=-1)]
+    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 96])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_tuning_also_selects_each_op_groups_kernel(tmp_path):
+    """After MetaSchedule, `tune` chooses the matmul group's kernel by measurement and stores
+    it beside the records; the tuned build applies both; a rerun with nothing new to tune
+    keeps the stored choice."""
+    path, log = str(tmp_path / "records"), io.StringIO()
+    result = gimlet_tvm.tune(linear_model(), "llvm", path, trials=4, log=log, **SMALL)
+    (choice,) = result.selection.choices.values()
+    assert choice.signature.weight and choice.winner is not None
+    assert sum(t.verified for t in choice.tried) >= 3  # generated, library, hand-written at least
+    assert "[select] matmul float32 8x64 @ const 64x96 +96 relu: library:openblas" in log.getvalue()
+    assert os.path.isfile(os.path.join(path, SELECTION_FILE))
+    tuned = gimlet_tvm.build(linear_model(), "llvm", records=path)
+    assert tuned.targets[0]["selected_kernels"] == 1 and tuned.targets[0]["tuned_tasks"] >= 1
+    x = np.random.default_rng(1).standard_normal((8, 64), dtype=np.float32)
+    assert_matches(tuned(x), onnxruntime_outputs(linear_model(), {"x": x}))
+    log = io.StringIO()
+    again = gimlet_tvm.tune(linear_model(), "llvm", path, trials=4, log=log, **SMALL)
+    assert again.trials_run == 0 and "[select]" not in log.getvalue()
+    assert again.selection.choices[choice.signature.key].winner == choice.winner
 
 
 def test_records_are_metaschedule_json_database(tuned_records):

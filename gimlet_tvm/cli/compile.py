@@ -26,7 +26,8 @@ def run(args) -> int:
     names = "+".join(t["name"] for t in model.targets)
     print(f"compiled {args.model} for {names} in {seconds:.1f} s -> {args.output}")
     if args.records:
-        print(f"  tuned kernels: {model.targets[0]['tuned_tasks']} from {args.records}")
+        print(f"  tuned kernels: {model.targets[0]['tuned_tasks']}, kernels chosen by selection: "
+              f"{model.targets[0]['selected_kernels']} from {args.records}")
     for built_for in model.targets:
         code = built_for["device_code"]
         if code["kernels"]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..schedules.tuning import tune
 from .common import add_remote_args, add_target_args, format_table, parse_input_shapes, remote_device
+from .select import format_selection
 
 
 def add_parser(sub) -> None:
@@ -23,6 +24,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--runner-timeout", type=float, default=10.0,
                         help="seconds before a candidate's run counts as failed")
     parser.add_argument("--seed", type=int, default=None, help="search random seed")
+    parser.add_argument("--no-select", dest="select", action="store_false",
+                        help="skip choosing each op group's kernel by measurement after tuning")
     add_remote_args(parser)
     parser.set_defaults(handler=run)
 
@@ -34,12 +37,16 @@ def run(args) -> int:
         input_shapes=parse_input_shapes(args.input_shape),
         trials_per_round=args.trials_per_round, population_size=args.population,
         runner_timeout=args.runner_timeout, seed=args.seed, remote=remote_device(args),
+        select=args.select,
     )
     rows = [
         [t.name, str(t.weight), str(t.trials), f"{t.best * 1e3:.4f}" if t.best else "-"]
         for t in result.tasks
     ]
-    print(format_table(["task", "weight", "trials", "best ms"], rows))
+    if rows:
+        print(format_table(["task", "weight", "trials", "best ms"], rows))
+    if result.selection is not None:
+        print(format_selection(result.selection))
     estimate = result.estimated_latency
     print(
         f"ran {result.trials_run} trials in {result.seconds:.0f} s -> {args.records}; "

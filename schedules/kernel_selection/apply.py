@@ -22,6 +22,7 @@ Choose = Callable[[OpSignature], Candidate | None]
 class _Rewriter(PyExprMutator):  # pylint: disable=abstract-method
     choose: Choose = staticmethod(lambda sig: None)
     target_kind = "llvm"
+    rewritten = 0
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
@@ -29,7 +30,10 @@ class _Rewriter(PyExprMutator):  # pylint: disable=abstract-method
         if sig is None or not all(_on(arg.ty, self.target_kind) for arg in call.args):
             return call
         candidate = self.choose(sig)
-        return call if candidate is None else candidate.rewrite(self.builder_, call)
+        if candidate is None:
+            return call
+        self.rewritten += 1
+        return candidate.rewrite(self.builder_, call)
 
 
 def _on(ty: relax.TensorType, kind: str) -> bool:
@@ -44,8 +48,9 @@ def grouping_passes(target_kind: str) -> list[tvm.transform.Pass]:
     return [DispatchCPULibrary()] if target_kind == "llvm" else []
 
 
-def rewrite_ops(mod: tvm.IRModule, choose: Choose, target_kind: str) -> tvm.IRModule:
-    """`mod` with every op group `choose` gives a candidate for rewritten into that candidate."""
+def rewrite_ops(mod: tvm.IRModule, choose: Choose, target_kind: str) -> tuple[tvm.IRModule, int]:
+    """`mod` with every op group `choose` gives a candidate for rewritten into that candidate,
+    and how many were."""
     mod = tvm.transform.Sequential(grouping_passes(target_kind))(mod)
     rewriter = _Rewriter(mod)
     rewriter.choose = choose
@@ -53,16 +58,19 @@ def rewrite_ops(mod: tvm.IRModule, choose: Choose, target_kind: str) -> tvm.IRMo
     for g_var, func in mod.functions_items():
         if isinstance(func, relax.Function):
             rewriter.builder_.update_func(g_var, rewriter.visit_expr(func))
-    return rewriter.builder_.get()
+    return rewriter.builder_.get(), rewriter.rewritten
 
 
 @tvm.transform.module_pass(opt_level=0, name="ApplyKernelSelection")
 class ApplyKernelSelection:  # pylint: disable=too-few-public-methods
-    """Rewrite each op group the selection has a winner for (on `target`) into that winner."""
+    """Rewrite each op group the selection has a winner for (on `target`) into that winner;
+    `applied`: how many were."""
 
     def __init__(self, choose: Choose, target: tvm.target.Target) -> None:
         self.choose = choose
         self.target = target
+        self.applied = 0
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        return rewrite_ops(mod, self.choose, self.target.kind.name)
+        mod, self.applied = rewrite_ops(mod, self.choose, self.target.kind.name)
+        return mod

@@ -81,7 +81,7 @@ def _build(mod, candidate, spec, target, tuned):
     from ...compiler import relax_pipeline
     from .apply import rewrite_ops
 
-    mod = rewrite_ops(mod, lambda _: candidate, target.kind.name)
+    mod, _ = rewrite_ops(mod, lambda _: candidate, target.kind.name)
     with target, spec.codegen_hooks(target):
         return tvm.compile(mod, target, relax_pipeline=relax_pipeline(spec, target, tuned))
 
