@@ -1,22 +1,26 @@
-"""Tuning benchmark: untuned vs MetaSchedule-tuned gimlet_tvm vs onnxruntime, and a GEMM table.
+"""Tuning benchmark: untuned vs tuned gimlet_tvm vs onnxruntime, and a GEMM table.
 
     .venv/bin/python benchmarks/tuning.py                        # whole suite, 64 trials a model
     .venv/bin/python benchmarks/tuning.py --models mlp --trials 32 --gemm-sizes 512
 
 Models: each suite model at the batch benchmarks/run.py uses, tuned into
-`--records/<model>` (resumable: a rerun reuses the records), then built untuned and tuned
-and timed against onnxruntime in interleaved rounds (2 threads, spinning off). Reported as
-ratios of medians (below 1: faster than onnxruntime) with the trial budget and tuning time.
+`--records/<model>` with `gimlet_tvm.tune` (MetaSchedule over the TIR kernels, then kernel
+selection over each matmul group's candidates; resumable: a rerun reuses the records), then
+built untuned and tuned and timed against onnxruntime in interleaved rounds (`--threads`,
+spinning off). Reported as ratios of medians (below 1: faster than onnxruntime) with the trial
+budget, the tuning time and the kernels selection chose.
 
-GEMM: C = A @ B in fp32, square sizes. numpy/OpenBLAS runs in its own process with
-OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (they can slow OpenBLAS on this machine) and
-reports the kernel threadpoolctl sees; its best GFLOP/s is the machine's measured peak.
-Ours: a MatMul ONNX model through gimlet_tvm.build (dispatched to OpenBLAS on the CPU).
+GEMM: C = A @ W in fp32, square sizes, W a weight. numpy/OpenBLAS runs in its own process
+with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (they can slow OpenBLAS on this machine)
+and reports the kernel threadpoolctl sees. Ours: a MatMul ONNX model through gimlet_tvm.build,
+untuned (dispatched to OpenBLAS on the CPU) and tuned (the kernel selection chose). Peak: the
+best GFLOP/s measured on this machine in the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -24,7 +28,7 @@ import sys
 import tempfile
 import time
 
-THREADS = 2
+THREADS = int(sys.argv[sys.argv.index("--threads") + 1]) if "--threads" in sys.argv else 2
 for var in ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ[var] = str(THREADS)
 
@@ -76,30 +80,42 @@ def matmul_model(n: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def gemm_table(sizes: list[int]) -> list[str]:
-    rows, peak = [], 0.0
-    results = []
+def _selected(selection) -> str:
+    """`2 handwritten:cpu_gemm_packed_6x2v, 1 library:openblas`: the selection's winners."""
+    counts = collections.Counter(c.winner for c in selection.choices.values() if c.winner) if selection else {}
+    return ", ".join(f"{n} {w}" for w, n in sorted(counts.items())) or "-"
+
+
+def gemm_table(sizes: list[int], records: str) -> list[str]:
+    results, peak = [], 0.0
     for n in sizes:
         peer = numpy_gemm(n)
-        model = gimlet_tvm.build(matmul_model(n), "llvm")
+        model = matmul_model(n)
+        tune = gimlet_tvm.tune(model, "llvm", os.path.join(records, f"gemm{n}"), trials=1, log=sys.stderr)
+        untuned = gimlet_tvm.build(model, "llvm")
+        tuned = gimlet_tvm.build(model, "llvm", records=os.path.join(records, f"gemm{n}"))
         x = np.random.default_rng(1).random((n, n), dtype=np.float32)
-        ours = time_interleaved({"ours": lambda: model(x)}, repeat=max(5, int(2e9 / n**3)))
-        flop = 2 * n**3
-        results.append((n, flop / peer["seconds"] / 1e9, flop / (ours["ours"].median_ms / 1e3) / 1e9, peer))
-        peak = max(peak, results[-1][1])
-    rows.append(f"| n | numpy/OpenBLAS GFLOP/s | % of peak | gimlet_tvm GFLOP/s | % of peak |")
-    rows.append("|---|---|---|---|---|")
-    for n, theirs, ours, _ in results:
-        rows.append(f"| {n} | {theirs:.1f} | {100 * theirs / peak:.0f}% | {ours:.1f} | "
-                    f"{100 * ours / peak:.0f}% |")
-    rows.append(f"\nPeak = best numpy GFLOP/s measured ({peak:.1f}). numpy BLAS: "
-                f"{'; '.join(results[-1][3]['blas'])}. gimlet_tvm times include input/output copies.")
+        np.testing.assert_allclose(tuned(x)[0], untuned(x)[0], rtol=1e-3, atol=1e-3)
+        times = time_interleaved({"untuned": lambda: untuned(x), "tuned": lambda: tuned(x)},
+                                 repeat=max(5, int(2e9 / n**3)))
+        gflops = [2 * n**3 / seconds / 1e9 for seconds in
+                  (peer["seconds"], times["untuned"].median_ms / 1e3, times["tuned"].median_ms / 1e3)]
+        results.append((n, gflops, _selected(tune.selection), peer["blas"]))
+        peak = max(peak, *gflops)
+    rows = ["| n | numpy/OpenBLAS GFLOP/s (% of peak) | untuned GFLOP/s (% of peak) | "
+            "tuned GFLOP/s (% of peak) | tuned kernel |", "|---|---|---|---|---|"]
+    for n, gflops, selected, _ in results:
+        cells = " | ".join(f"{g:.1f} ({100 * g / peak:.0f}%)" for g in gflops)
+        rows.append(f"| {n} | {cells} | {selected} |")
+    rows.append(f"\nPeak = best GFLOP/s measured in this run ({peak:.1f}). numpy BLAS: "
+                f"{'; '.join(results[-1][3])}. gimlet_tvm times include input/output copies.")
     return rows
 
 
 def model_rows(names: list[str], trials: int, records: str) -> list[str]:
-    rows = ["| model | trials | tuning time | tuned kernels | untuned / ORT | tuned / ORT | tuned / untuned |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| model | trials (this run, total) | tuning time | tuned kernels | selected kernels | "
+            "untuned / ORT | tuned / ORT | tuned / untuned | ms untuned, tuned, ORT (p10-p90) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         info, batch = SUITE[name], BATCH.get(name, 1)
         model = static_batch(info.build(), batch)
@@ -120,10 +136,12 @@ def model_rows(names: list[str], trials: int, records: str) -> list[str]:
             "ort": lambda: session.run(None, inputs),
         }, repeat=20)
         u, t, o = (times[k].median_ms for k in ("untuned", "tuned", "ort"))
-        rows.append(f"| {name} (batch {batch}) | {result.trials_run} run, "
-                    f"{sum(k.trials for k in result.tasks)} total | {tuning:.0f} s | "
-                    f"{tuned.targets[0]['tuned_tasks']}/{len(result.tasks)} | {u / o:.2f} | "
-                    f"{t / o:.2f} | {t / u:.2f} |")
+        spread = ", ".join(f"{times[k].median_ms:.2f} ({times[k].p10_ms:.2f}-{times[k].p90_ms:.2f})"
+                           for k in ("untuned", "tuned", "ort"))
+        rows.append(f"| {name} (batch {batch}) | {result.trials_run}, "
+                    f"{sum(k.trials for k in result.tasks)} | {tuning:.0f} s | "
+                    f"{tuned.targets[0]['tuned_tasks']}/{len(result.tasks)} | {_selected(result.selection)} | "
+                    f"{u / o:.2f} | {t / o:.2f} | {t / u:.2f} | {spread} |")
         print(rows[-1], flush=True)
     return rows
 
@@ -133,9 +151,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(SUITE))
     parser.add_argument("--trials", type=int, default=64, help="total trials per model")
     parser.add_argument("--records", default=os.path.join(tempfile.gettempdir(), "gimlet-tuning"))
-    parser.add_argument("--gemm-sizes", type=int, nargs="*", default=[256, 512, 1024, 2048])
+    parser.add_argument("--gemm-sizes", type=int, nargs="*", default=[256, 512, 1024])
+    parser.add_argument("--threads", type=int, default=2, help="threads of every engine")
     args = parser.parse_args()
-    print("\n".join(gemm_table(args.gemm_sizes)), flush=True)
+    print(f"{THREADS} threads per engine; load average at the start: {os.getloadavg()}", flush=True)
+    print("\n".join(gemm_table(args.gemm_sizes, args.records)), flush=True)
     print("\n".join(model_rows(args.models, args.trials, args.records)))
 
 

@@ -32,6 +32,7 @@ from .verify import Outcome, run_candidate
 SELECTION_FILE = "gimlet_kernel_selection.json"
 RETIME_MARGIN = 0.15  # candidates this close to the fastest are timed again ...
 RETIME_ROUNDS = 2     # ... this many more times each, interleaved
+HOPELESS = 10.0       # a candidate this many times slower than the fastest so far is timed once
 FORMAT = "gimlet-tvm-kernel-selection/1"
 
 
@@ -203,13 +204,16 @@ def select_kernels(
     choices = {}
     for sig, count in op_signatures(mod, target).items():
         tried, requests = [], {}
-        for candidate in candidates(sig, target, external_dir):
+        # Generated code last: an untuned schedule is often far behind, and then timed once.
+        for candidate in sorted(candidates(sig, target, external_dir), key=lambda c: c.source == "generated"):
             if candidate.unavailable is not None:
                 outcome = Outcome(False, f"unavailable: {candidate.unavailable}")
             else:
+                fastest = min((t.seconds for t in tried if t.verified), default=None)
                 requests[candidate.id] = {
                     "signature": sig.to_json(), "candidate": candidate.id, "target": target_json,
-                    "external_dir": external_dir, "records": records, "min_repeat_ms": min_repeat_ms}
+                    "external_dir": external_dir, "records": records, "min_repeat_ms": min_repeat_ms,
+                    "hopeless_after": HOPELESS * fastest if fastest else None}
                 outcome = run_candidate(requests[candidate.id], timeout)
             tried.append(Tried(candidate.id, candidate.provenance, outcome.verified, outcome.reason,
                                outcome.seconds, candidate.digest))

@@ -117,17 +117,24 @@ def _check(sig, candidate, spec, target, tuned) -> tuple[Any, str | None]:
     return executable, None
 
 
-def _time(executable, sig, spec, min_repeat_ms: int, build) -> float:
+def _time(executable, sig, spec, min_repeat_ms: int, build, hopeless_after: float | None) -> float:
     """Median seconds of one run of the op group, caches cold: the runs rotate through copies
     of its operands that together exceed `COLD_BYTES` (up to `MAX_COPIES`), as in a model
     whose other layers evict this group's weights. Where B is a weight, the copies of B are
     constants of one executable (`build(module)` builds it) whose run computes the group once
-    with each, so a kernel that takes B in its own layout finds it converted at build time."""
+    with each, so a kernel that takes B in its own layout finds it converted at build time.
+    A first run (`executable`, warm) slower than `hopeless_after` seconds is the answer: the
+    candidate cannot win, and a default-scheduled GEMM would take minutes to time cold."""
     import tvm
     from tvm import relax
 
     dev = spec.device()
     operands = [x.astype(sig.dtype) for x in _input_sets(sig, np.random.default_rng(1))["random"]]
+    first = time.perf_counter()
+    relax.VirtualMachine(executable, dev)["main"](*[tvm.runtime.tensor(x, dev) for x in operands])
+    dev.sync()
+    if hopeless_after is not None and time.perf_counter() - first > hopeless_after:
+        return time.perf_counter() - first
     count = min(MAX_COPIES, -(-COLD_BYTES // sum(x.nbytes for x in operands)))
     per_run = 1
     if sig.weight:
@@ -170,7 +177,7 @@ def _child(request: dict[str, Any]) -> Outcome:
         executable = built if checked is sig else executable
     try:
         seconds = _time(executable, sig, spec, request["min_repeat_ms"],
-                        lambda mod: _build(mod, candidate, spec, target, tuned))
+                        lambda mod: _build(mod, candidate, spec, target, tuned), request.get("hopeless_after"))
     except Exception as err:  # pylint: disable=broad-except  # a run-time failure of the candidate
         return Outcome(False, f"verified but timing failed: {str(err).strip().splitlines()[-1][:200]}")
     return Outcome(True, "", seconds, [c.key for c in checks])

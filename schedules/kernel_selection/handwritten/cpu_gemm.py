@@ -1,12 +1,14 @@
-"""CPU GEMM and GEMV kernels with a fused epilogue: C[M, N] = epilogue(A[M, K] @ B[K, N]), float32,
-row-major.
+"""CPU GEMM and GEMV kernels with a fused epilogue: C[M, N] = epilogue(A[M, K] @ B[K, N]),
+float32, row-major.
 
-`cpu_gemm`: each parallel task owns a panel of `nr` columns (vectors of 8 AVX2 lanes) and
-walks down it in blocks of `mr` rows, accumulating an mr x nr tile over all of K, then writes
-the tile through the epilogue (bias / residual adds, ReLU, GELU, in the group's order) while it
-is still in registers; the rows left over (M % mr) take the same walk one row at a time, and
-the columns left over (N % nr) are one more panel computed with scalar loops. So any M, N, K
-is handled without padding or masks.
+`cpu_gemm`: each parallel task owns a panel of `nr` columns (two vector registers) and walks
+down it `mr` rows at a time, accumulating an mr x nr tile over all of K in registers, then
+writes the tile through the epilogue (bias / residual adds, ReLU, GELU, in the group's order);
+the last M % mr rows are one shorter tile, the last N % nr columns one more, zero-padded
+panel. With `packed`, B comes as `packed_shape` panels (built from a constant weight at build
+time): each panel is one contiguous run read in order, where row-major B makes every step of
+K touch another page. 6 x 2 vectors fills AVX2's 16 registers (12 accumulators, 2 B vectors,
+1 broadcast A value); 4 x 2 leaves room to spare.
 
 `cpu_gemv` is the kernel for skinny M (batch 1, a few rows; memory-bound): one output row at
 a time, the columns split in one run per core, each task streaming long contiguous runs of
