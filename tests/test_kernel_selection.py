@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+from tvm import relax, runtime
 
 import gimlet_tvm
 from gimlet_tvm.compiler import resolve_target
@@ -84,6 +85,27 @@ def test_candidates_from_every_source(kernels):
     assert not [c for c in candidates(other_shape, target, str(kernels)) if c.source == "external"]
 
 
+def test_one_kernel_at_several_shapes_in_one_model():
+    """Two matmul groups of different shapes, both rewritten into the same hand-written kernel
+    (two PrimFuncs from one TVMScript function), build and compute right."""
+    _, target = resolve_target("llvm")
+    rng = np.random.default_rng(5)
+    w1, w2 = rng.standard_normal((K, N)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((M, K), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            h = bb.emit(relax.op.matmul(x, relax.const(w1)))
+            y = bb.emit_output(relax.op.matmul(h, relax.const(w2)))
+        bb.emit_func_output(y)
+    mod, rewritten = rewrite_ops(bb.finalize(), lambda sig: find("handwritten:cpu_gemm_packed_4x2v", sig, target), "llvm")
+    assert rewritten == 2
+    executable = gimlet_tvm.compiler.compile_alone(mod, resolve_target("llvm"))
+    data = rng.standard_normal((M, K)).astype(np.float32)
+    got = relax.VirtualMachine(executable, runtime.cpu())["main"](runtime.tensor(data))
+    np.testing.assert_allclose(got.numpy(), data @ w1 @ w2, rtol=1e-4, atol=1e-4)
+
+
 def test_handwritten_cpu_gemm_verified_at_edge_case_shape():
     _, target = resolve_target("llvm")
     outcome = run_candidate(_request("handwritten:cpu_gemm_6x2v", target), timeout=120)
@@ -106,7 +128,6 @@ def test_packed_gemm_only_for_weights_and_packs_at_build_time():
     executable = gimlet_tvm.compiler.compile_alone(mod, resolve_target("llvm"))
     assert "permute_dims" not in executable.as_text()  # folded into a packed constant
     x = np.random.default_rng(4).standard_normal((M, K)).astype(np.float32)
-    from tvm import relax, runtime
     (got,) = relax.VirtualMachine(executable, runtime.cpu())["main"](runtime.tensor(x))
     np.testing.assert_allclose(got.numpy(), x @ weight, rtol=1e-5, atol=1e-5)
     request = dict(_request("handwritten:cpu_gemm_packed_6x2v", target), signature=WEIGHT_SIG.to_json())

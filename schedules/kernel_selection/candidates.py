@@ -255,7 +255,9 @@ def call_prim_func(bb: relax.BlockBuilder, call: relax.Call, func: tvm.tirx.Prim
     a, b, addends, _ = group_operands(call)
     sig = OpSignature.of_call(call)
     m, n, k = sig.gemm
-    func = func.with_attr("op_pattern", 8)  # opaque: FuseOps must not fuse into a scheduled kernel
+    # Opaque: FuseOps must not fuse into a scheduled kernel; no symbol of its own, so that
+    # several shapes of one kernel in a model each get theirs from their GlobalVar.
+    func = func.with_attr("op_pattern", 8).without_attr("global_symbol")
     gvar = bb.add_func(func, name)
     b = b if packed_b is None else pack_panels(bb, b, packed_b)
     a2 = a if len(sig.shapes[0]) == 2 else bb.emit(relax.op.reshape(a, (m, k)))
