@@ -65,7 +65,8 @@ def _fold_block(block: s_tir.SBlock) -> s_tir.SBlock:
     if block.init is None or not all(map(_unit_extent, reduce)):
         return block
     iter_vars = [
-        tirx.IterVar(iv.dom, iv.var, tirx.IterVar.DataPar, iv.thread_tag) if iv in reduce else iv
+        tirx.IterVar(iv.dom, iv.var, tirx.IterVar.DataPar, iv.thread_tag)
+        if iv.iter_type == tirx.IterVar.CommReduce else iv
         for iv in block.iter_vars
     ]
     return s_tir.SBlock(
