@@ -155,7 +155,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of every engine")
     args = parser.parse_args()
     print(f"{THREADS} threads per engine; load average at the start: {os.getloadavg()}", flush=True)
-    print("\n".join(gemm_table(args.gemm_sizes, args.records)), flush=True)
+    if args.gemm_sizes:
+        print("\n".join(gemm_table(args.gemm_sizes, args.records)), flush=True)
     print("\n".join(model_rows(args.models, args.trials, args.records)))
 
 
