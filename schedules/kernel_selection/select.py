@@ -32,7 +32,7 @@ from .verify import Outcome, run_candidate
 SELECTION_FILE = "gimlet_kernel_selection.json"
 RETIME_MARGIN = 0.15  # candidates this close to the fastest are timed again ...
 RETIME_ROUNDS = 2     # ... this many more times each, interleaved
-HOPELESS = 10.0       # a candidate this many times slower than the fastest so far is timed once
+HOPELESS = 10.0       # generated code this many times slower than the fastest so far is timed once
 FORMAT = "gimlet-tvm-kernel-selection/1"
 
 
@@ -213,7 +213,7 @@ def select_kernels(
                 requests[candidate.id] = {
                     "signature": sig.to_json(), "candidate": candidate.id, "target": target_json,
                     "external_dir": external_dir, "records": records, "min_repeat_ms": min_repeat_ms,
-                    "hopeless_after": HOPELESS * fastest if fastest else None}
+                    "hopeless_after": HOPELESS * fastest if fastest and candidate.source == "generated" else None}
                 outcome = run_candidate(requests[candidate.id], timeout)
             tried.append(Tried(candidate.id, candidate.provenance, outcome.verified, outcome.reason,
                                outcome.seconds, candidate.digest))

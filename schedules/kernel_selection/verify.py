@@ -123,18 +123,23 @@ def _time(executable, sig, spec, min_repeat_ms: int, build, hopeless_after: floa
     whose other layers evict this group's weights. Where B is a weight, the copies of B are
     constants of one executable (`build(module)` builds it) whose run computes the group once
     with each, so a kernel that takes B in its own layout finds it converted at build time.
-    A first run (`executable`, warm) slower than `hopeless_after` seconds is the answer: the
-    candidate cannot win, and a default-scheduled GEMM would take minutes to time cold."""
+    With `hopeless_after` (given to generated code), a warm second run of `executable` slower
+    than that many seconds is the answer: the candidate cannot win, and a default-scheduled
+    GEMM would take minutes to time cold."""
     import tvm
     from tvm import relax
 
     dev = spec.device()
     operands = [x.astype(sig.dtype) for x in _input_sets(sig, np.random.default_rng(1))["random"]]
-    first = time.perf_counter()
-    relax.VirtualMachine(executable, dev)["main"](*[tvm.runtime.tensor(x, dev) for x in operands])
-    dev.sync()
-    if hopeless_after is not None and time.perf_counter() - first > hopeless_after:
-        return time.perf_counter() - first
+    if hopeless_after is not None:
+        warm = relax.VirtualMachine(executable, dev)
+        args = [tvm.runtime.tensor(x, dev) for x in operands]
+        warm["main"](*args)  # first touch of the tensors, thread pool
+        begin = time.perf_counter()
+        warm["main"](*args)
+        dev.sync()
+        if time.perf_counter() - begin > hopeless_after:
+            return time.perf_counter() - begin
     count = min(MAX_COPIES, -(-COLD_BYTES // sum(x.nbytes for x in operands)))
     per_run = 1
     if sig.weight:
