@@ -42,17 +42,25 @@ def _cpu_library_takes(sig: OpSignature) -> bool:
     return "call_dps_packed" in mod.script()
 
 
+def _openblas(sig: OpSignature) -> Candidate:
+    reason = None if _cpu_library_takes(sig) else "DispatchCPULibrary does not take this op"
+    return Candidate("library", "openblas", "gimlet.cpu.matmul (runtime/ext/cpu_library.cc)",
+                     _keep, unavailable=reason)
+
+
+def _cublas(sig: OpSignature) -> Candidate:
+    reason = (None if tvm.get_global_func("tvm.contrib.cublas.matmul", allow_missing=True)
+              else "this TVM build has no cuBLAS (tvm.contrib.cublas.matmul)")
+    return Candidate("library", "cublas", "cuBLAS via tvm.contrib.cublas", _keep, unavailable=reason)
+
+
+# The GEMM library of each target kind.
+LIBRARIES = {"llvm": _openblas, "cuda": _cublas}
+
+
 def library(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
-    kind = target.kind.name
-    if kind == "llvm":
-        reason = None if _cpu_library_takes(sig) else "DispatchCPULibrary does not take this op"
-        return [Candidate("library", "openblas", "gimlet.cpu.matmul (runtime/ext/cpu_library.cc)",
-                          _keep, unavailable=reason)]
-    if kind == "cuda":
-        reason = (None if tvm.get_global_func("tvm.contrib.cublas.matmul", allow_missing=True)
-                  else "this TVM build has no cuBLAS (tvm.contrib.cublas.matmul)")
-        return [Candidate("library", "cublas", "cuBLAS via tvm.contrib.cublas", _keep, unavailable=reason)]
-    return []
+    library_of = LIBRARIES.get(target.kind.name)
+    return [library_of(sig)] if library_of else []
 
 
 def handwritten(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
