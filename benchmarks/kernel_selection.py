@@ -5,6 +5,7 @@ each as a ratio against onnxruntime timed in the same run, interleaved. Input sh
 median ms [p10-p90] (median / onnxruntime median).
 
     python benchmarks/kernel_selection.py [--models mlp bert_base_like] [--batch 1] [--repeat 10]
+        [--tune-trials N]
 """
 
 from __future__ import annotations
@@ -23,14 +24,22 @@ from gimlet_tvm.schedules.kernel_selection.select import select_kernels, selecte
 MODELS = ["mlp", "bert_base_like"]
 
 
-def measure(name: str, batch: int, repeat: int, threads: int) -> str:
+def measure(name: str, batch: int, repeat: int, threads: int, tune_trials: int) -> str:
+    with tempfile.TemporaryDirectory() as records:
+        return _measure(name, batch, repeat, threads, tune_trials, records)
+
+
+def _measure(name: str, batch: int, repeat: int, threads: int, tune_trials: int, records: str) -> str:
     info = SUITE[name]
     proto = info.build()
     inputs = info.example_inputs(batch=batch)
     shapes = {key: list(value.shape) for key, value in inputs.items()}
     _, target = resolve_target("llvm")
     mod, _ = import_model(proto, shapes)
-    with tempfile.TemporaryDirectory() as records:
+    if tune_trials:
+        selection = gimlet_tvm.tune(proto, "llvm", records, trials=tune_trials, input_shapes=shapes,
+                                    tune_generated=True).selection
+    else:
         selection = select_kernels(mod, target, records=records, timeout=300, min_repeat_ms=10)
     for key, choice in selection.choices.items():
         times = ", ".join(f"{t.id} {t.seconds * 1e3:.3f} ms" if t.verified else f"{t.id} no"
@@ -39,7 +48,7 @@ def measure(name: str, batch: int, repeat: int, threads: int) -> str:
     sources = collections.Counter(selected_sources(selection))
     builds = {"selected": selection, "generated only": selection.restricted_to("generated"),
               "library only": selection.restricted_to("library")}
-    models = {label: gimlet_tvm.build(proto, "llvm", input_shapes=shapes, selection=chosen)
+    models = {label: gimlet_tvm.build(proto, "llvm", input_shapes=shapes, records=records, selection=chosen)
               for label, chosen in builds.items()}
     for label, model in models.items():
         ok, diff = check_against_onnxruntime(proto, model, inputs, tolerance=1e-3)
@@ -53,7 +62,8 @@ def measure(name: str, batch: int, repeat: int, threads: int) -> str:
              f"({times[label].median_ms / ort:.2f})" for label in builds]
     mix = ", ".join(f"{n} {s}" for s, n in sorted(sources.items()))
     ort_cell = f"{ort:.2f} [{times['onnxruntime'].p10_ms:.2f}-{times['onnxruntime'].p90_ms:.2f}]"
-    return f"| {name} (batch {batch}), repeat {repeat} | {mix} | " + " | ".join(cells) + f" | {ort_cell} |"
+    tuned = f", generated tuned ({tune_trials} trials)" if tune_trials else ""
+    return f"| {name} (batch {batch}), repeat {repeat}{tuned} | {mix} | " + " | ".join(cells) + f" | {ort_cell} |"
 
 
 def main() -> None:
@@ -62,8 +72,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2, help="onnxruntime threads")
+    parser.add_argument("--tune-trials", type=int, default=0, metavar="N",
+                        help="first `tune` with N trials and tune_generated (the generated "
+                        "candidates then run tuned); default: select with default schedules")
     args = parser.parse_args()
-    rows = [measure(name, args.batch, args.repeat, args.threads) for name in args.models]
+    rows = [measure(name, args.batch, args.repeat, args.threads, args.tune_trials)
+            for name in args.models]
     print("| model | selected sources (op groups) | selected ms (/ORT) | generated only ms (/ORT) | "
           "library only ms (/ORT) | onnxruntime ms |")
     print("|---|---|---|---|---|---|")

@@ -17,6 +17,12 @@ records, so `build(records=DIR)` applies both. A model whose heavy ops are all l
 thus still gets tuned: by measuring which kernel runs each op. Selection reruns only when
 MetaSchedule ran trials or the records lack a choice for one of the model's op groups.
 
+With `tune_generated`, each op group's generated candidate (its matmul TIR with the epilogue
+fused, as `sources.generated` builds it) is a task too, weighted by the group's count, so that
+selection measures it tuned rather than default-scheduled. Off by default: those trials only
+pay off where generated code can beat the library and hand-written kernels, and their tasks
+count in the progress line's estimate although the model runs only the group's winner.
+
 Resuming: `trials` is the total for the model's tasks in the records directory. A rerun counts
 the trials already recorded, warms the XGBoost cost model with them, seeds the evolutionary
 search with the best of them (MetaSchedule draws part of its initial population from the
@@ -39,7 +45,10 @@ from ..compiler import Targets, kernel_tasks, resolve_target
 from ..errors import GimletError
 from ..frontend import InputShapes, ModelLike, import_model, load_model
 from ..runtime.remote import RemoteDevice, parse_address
+from .kernel_selection.apply import rewrite_ops
+from .kernel_selection.candidates import OpSignature
 from .kernel_selection.select import KernelSelection, op_signatures, select_kernels
+from .kernel_selection.sources import generated
 from .records import FAILED_SECONDS, RecordsDB
 
 Duration = float | str
@@ -117,6 +126,19 @@ def extract_tasks(
         workload = ms.database.Workload(kernel).as_json()
         tasks.append(TuningTask(task.task_name, int(task.weight), kernel, workload))
     return tvm_target, tasks, skipped
+
+
+def generated_group_tasks(groups: dict[OpSignature, int], target: Targets) -> list[TuningTask]:
+    """The kernels of each op group's generated candidate as tasks (weight: the group's count)."""
+    tvm_target = resolve_target(target)[1]
+    tasks = []
+    for sig, count in groups.items():
+        (candidate,) = generated(sig, tvm_target, None)
+        mod, _ = rewrite_ops(sig.module(), lambda _: candidate, tvm_target.kind.name)
+        for task in extract_tasks(mod, target)[1]:
+            task.name, task.weight = f"{task.name} ({sig.key}, generated)", count * task.weight
+            tasks.append(task)
+    return tasks
 
 
 def _progress_line(task: TuningTask, tasks: Sequence[TuningTask], done: int, budget: str,
@@ -266,6 +288,7 @@ def tune(
     seed: int | None = None,
     remote: RemoteDevice | None = None,
     select: bool = True,
+    tune_generated: bool = False,
     log: IO[str] = sys.stderr,
 ) -> TuneResult:
     """Tune `model`'s kernels for `target` with MetaSchedule (XGBoost cost model) into `records`.
@@ -278,7 +301,7 @@ def tune(
     `remote`: measure on devices handed out by an RPC tracker (MetaSchedule's RPC runner); a
     server lost during tuning fails its candidates, and the others carry on.
     `select`: then choose each op group's kernel by measurement (module docstring; local only,
-    so off with `remote`).
+    so off with `remote`). `tune_generated`: tune the groups' generated candidates first.
     """
     if trials is None and time_budget is None:
         raise GimletError("give a trial budget (trials) or a time budget (time_budget), or both")
@@ -292,6 +315,9 @@ def tune(
         print(f"[tune] skipping {len(skipped)} kernels with symbolic shapes "
               f"(fix them with input shapes): {', '.join(skipped)}", file=log)
     groups = op_signatures(mod, tvm_target) if select and remote is None else {}
+    if tune_generated:
+        known = {t.shash for t in tasks}
+        tasks += [t for t in generated_group_tasks(groups, target) if t.shash not in known]
     if not tasks and not groups:
         raise GimletError("the model has no tunable kernels (all symbolic, or all library calls "
                           "without other candidates)")

@@ -113,6 +113,24 @@ def test_tuning_also_selects_each_op_groups_kernel(tmp_path):
     assert again.selection.choices[choice.signature.key].winner == choice.winner
 
 
+def test_tune_generated_tunes_each_op_groups_generated_kernel(tmp_path):
+    """With `tune_generated` the matmul group's generated TIR is a task of its own, named after
+    the group; a build that runs the group's generated kernel applies its record, one more
+    than the build that runs the library call."""
+    path = str(tmp_path / "records")
+    result = gimlet_tvm.tune(linear_model(), "llvm", path, trials=12, tune_generated=True,
+                             log=io.StringIO(), **SMALL)
+    (group,) = [t for t in result.tasks if t.name.endswith("generated)")]
+    assert "8x64 @ const 64x96 +96 relu" in group.name and group.trials > 0 and group.best
+    builds = {source: gimlet_tvm.build(linear_model(), "llvm", records=path,
+                                       selection=result.selection.restricted_to(source))
+              for source in ("generated", "library")}
+    applied = {source: model.targets[0]["tuned_tasks"] for source, model in builds.items()}
+    assert applied["generated"] == applied["library"] + 1 >= 2
+    x = np.random.default_rng(1).standard_normal((8, 64), dtype=np.float32)
+    assert_matches(builds["generated"](x), onnxruntime_outputs(linear_model(), {"x": x}))
+
+
 def test_records_are_metaschedule_json_database(tuned_records):
     ours = RecordsDB(tuned_records)
     assert not ours.problems and len(ours.records) >= TRIALS

@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--seed", type=int, default=None, help="search random seed")
     parser.add_argument("--no-select", dest="select", action="store_false",
                         help="skip choosing each op group's kernel by measurement after tuning")
+    parser.add_argument("--tune-generated", action="store_true",
+                        help="also tune each op group's generated TIR, so selection weighs it tuned")
     add_remote_args(parser)
     parser.set_defaults(handler=run)
 
@@ -37,7 +39,7 @@ def run(args) -> int:
         input_shapes=parse_input_shapes(args.input_shape),
         trials_per_round=args.trials_per_round, population_size=args.population,
         runner_timeout=args.runner_timeout, seed=args.seed, remote=remote_device(args),
-        select=args.select,
+        select=args.select, tune_generated=args.tune_generated,
     )
     rows = [
         [t.name, str(t.weight), str(t.trials), f"{t.best * 1e3:.4f}" if t.best else "-"]
