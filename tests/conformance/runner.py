@@ -492,6 +492,8 @@ def write_ops_table(path: str, results: Sequence[Result], target: str) -> None:
     """Write `ops_table` to `path`; in a file with the markers `OPS_TABLE_BEGIN` (for this
     target) and `OPS_TABLE_END`, such as the README, replace just the block between them.
     Any other existing file is left alone (ValueError)."""
+    from gimlet_tvm.files import atomic_path
+
     text = ops_table(results, target)
     if os.path.exists(path):
         with open(path) as f:
@@ -504,10 +506,8 @@ def write_ops_table(path: str, results: Sequence[Result], target: str) -> None:
             text = f"{current[:start]}{begin}\n\n{body}\n\n{current[end:]}"
         elif not current.startswith(text.splitlines()[0]):
             raise ValueError(f"{path} is not an ops table and has no block marked {begin!r}")
-    temporary = f"{path}.tmp"
-    with open(temporary, "w") as f:
+    with atomic_path(path) as temporary, open(temporary, "w") as f:
         f.write(text)
-    os.replace(temporary, path)
 
 
 def read_expected(path: str) -> set[str]:
