@@ -100,6 +100,16 @@ def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list
     return a, b, bool(int(transpose.value)), steps
 
 
+def library_attention(call: relax.Expr) -> tuple[list[relax.Expr], float] | None:
+    """`([query, key, value(, bias)], scale)` of a `gimlet.cpu.attention` call this pass
+    wrote, None for any other expression."""
+    if not (isinstance(call, relax.Call) and call.op == tvm.ir.Op.get("relax.call_dps_packed")
+            and call.args[0].global_symbol == ATTENTION_FUNC):
+        return None
+    *operands, scale = call.args[1].fields
+    return operands, float(scale.value)
+
+
 def _use_counts(func: relax.Function) -> collections.Counter:
     """How often each variable is used in `func`."""
     counts: collections.Counter = collections.Counter()

@@ -23,6 +23,7 @@ from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
 from gimlet_tvm.schedules.kernel_selection.select import SELECTION_FILE, KernelSelection, op_signatures
 from gimlet_tvm.schedules.kernel_selection.sources import candidates, find
 from gimlet_tvm.schedules.kernel_selection.verify import run_candidate
+from gimlet_tvm.schedules.records import target_key
 
 M, K, N = 5, 24, 40
 SIG = OpSignature("matmul", ((M, K), (K, N)), "float32")
@@ -288,3 +289,55 @@ def test_near_equal_candidates_timed_again(monkeypatch):
     select._retime_close(tried, {t.id: {"candidate": t.id} for t in tried}, timeout=1)
     assert calls == ["a", "b"] * select.RETIME_ROUNDS
     assert [t.seconds for t in tried[:3]] == [3.0, 1.1, 5.0]
+
+
+def test_attention_is_an_op_group_with_library_and_generated_candidates():
+    """The encoder's attention (with its padding-mask bias) is an op signature of its own:
+    the CPU library's attention and the generated TIR are both verified against the float64
+    reference (at its shape and the edge-case one), and a build that takes the generated
+    one computes the model as onnxruntime does."""
+    from gimlet_tvm.models import SUITE
+    from gimlet_tvm.peers import check_against_onnxruntime
+    from gimlet_tvm.schedules.kernel_selection.select import OpChoice, Tried
+
+    info = SUITE["transformer_encoder"]
+    proto, inputs = info.build(), info.example_inputs(batch=1)
+    shapes = {name: list(x.shape) for name, x in inputs.items()}
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(proto, shapes)
+    (attention,) = [sig for sig in op_signatures(mod, target) if sig.op == "attention"]
+    assert attention.key == "attention float32 1x64x4x64 1x64x4x64 1x64x4x64 1x1x1x64 scale=0.125"
+    assert OpSignature.from_json(json.loads(json.dumps(attention.to_json()))) == attention
+    assert [c.id for c in candidates(attention, target)] == ["generated:tir", "library:gimlet_attention"]
+    for candidate_id in ("generated:tir", "library:gimlet_attention"):
+        request = dict(_request(candidate_id, target), signature=attention.to_json())
+        outcome = run_candidate(request, timeout=180)
+        assert outcome.verified, outcome.reason
+        assert outcome.checks == [attention.key, attention.edge_case().key]
+
+    generated = find("generated:tir", attention, target)
+    text = rewrite_ops(mod, lambda sig: generated if sig == attention else None, "llvm")[0].script()
+    assert "gimlet.cpu.attention" not in text and "gimlet.cpu.matmul" in text
+    choice = OpChoice(attention, [Tried("generated:tir", generated.provenance, True, seconds=1.0)], "generated:tir")
+    selection = KernelSelection(target_key(target), {attention.key: choice})
+    model = gimlet_tvm.build(proto, "llvm", input_shapes=shapes, selection=selection)
+    ok, diff = check_against_onnxruntime(proto, model, inputs, tolerance=1e-4)
+    assert ok, diff
+
+
+def test_attention_reference_is_softmax_of_scaled_scores():
+    """The reference attention against a per-head loop written out (it is what candidates are
+    checked against, so it is checked itself)."""
+    sig = OpSignature("attention", ((2, 3, 2, 4), (2, 5, 2, 4), (2, 5, 2, 6), (2, 1, 1, 5)), "float32",
+                      attrs=(("scale", 0.5),))
+    rng = np.random.default_rng(6)
+    q, k, v, bias = (rng.standard_normal(s) for s in sig.shapes)
+    want = np.zeros(sig.out_shape)
+    for b in range(2):
+        for h in range(2):
+            scores = q[b, :, h] @ k[b, :, h].T * 0.5 + bias[b, 0]
+            weights = np.exp(scores) / np.exp(scores).sum(axis=1, keepdims=True)
+            want[b, :, h] = weights @ v[b, :, h]
+    np.testing.assert_allclose(sig.reference(q, k, v, bias), want, rtol=1e-12)
+    assert sig.out_shape == (2, 3, 2, 6) and sig.kind.valid(sig.shapes)
+    assert not sig.kind.valid(((2, 3, 2, 4), (2, 5, 2, 4), (2, 5, 2, 6), (2, 2, 3, 3)))

@@ -45,7 +45,7 @@ def run(args) -> int:
     selection = select_kernels(mod, target, external_dir=args.kernels, records=args.records,
                                timeout=args.timeout)
     path = selection.save(args.records)
-    print(format_selection(selection) or "no op in this model has kernel candidates (static-shape matmul)")
+    print(format_selection(selection) or "no op in this model has kernel candidates (static-shape matmul or attention)")
     counts = collections.Counter(selected_sources(selection))
     print(f"\nselected in {time.perf_counter() - start:.0f} s: "
           + (", ".join(f"{n} {source}" for source, n in sorted(counts.items())) or "nothing")

@@ -1,14 +1,13 @@
 """What kernel selection chooses between: `Candidate` implementations of one `OpSignature`.
 
-An op signature is a Relax op at static shapes and one dtype (for now `matmul` of an
-operand of rank >= 2 by a rank-2 operand: every linear layer of the suite) together with the
-elementwise epilogue the target's library call absorbs (bias and residual adds, ReLU, GELU:
-on the CPU exactly what `DispatchCPULibrary` fuses into `gimlet.cpu.matmul`, read back from
-its calls). A candidate rewrites that whole group into its implementation before
-legalization: generated TIR (`call_tir` of the legalized op, the epilogue left as Relax ops
-for FuseOps to fuse, scheduled later by MetaSchedule records or the target's default rules),
-a library call (left as the library pass wrote it), a hand-written or an external PrimFunc
-(`call_tir`, batch axes folded into rows, the epilogue's addends passed after the operands).
+An op signature is an op of `op_kinds.OP_KINDS` (matmul, attention) at static shapes and one
+dtype, together with the elementwise epilogue the target's library call absorbs (on the CPU
+exactly what `DispatchCPULibrary` fuses into its call, read back from it). A candidate
+rewrites that whole group into its implementation before legalization: generated TIR
+(`call_tir` of the legalized op, the epilogue left as Relax ops for FuseOps to fuse,
+scheduled later by MetaSchedule records or the target's default rules), a library call (left
+as the library pass wrote it), a hand-written or an external GEMM PrimFunc (`call_tir`, batch
+axes folded into rows, the epilogue's addends passed after the operands).
 """
 
 from __future__ import annotations
@@ -21,100 +20,75 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ...relax_passes.dispatch_cpu_library import library_matmul
+from .op_kinds import OP_KINDS, Attrs, Group, OpKind, Step, find_group, static_shape
 
 SOURCES = ("generated", "library", "handwritten", "external")
 
 Rewrite = Callable[[relax.BlockBuilder, relax.Call], relax.Expr]
 """Emits the candidate's implementation of `call` (an op group of the candidate's signature)."""
 
-# Dims of the edge-case shape (rows, reduction, columns): no multiple of any tile size.
-EDGE_DIMS = (11, 37, 69)
 ACTIVATIONS = {"relu": relax.op.nn.relu, "gelu": relax.op.nn.gelu}
 
-Step = tuple[str, tuple[int, ...]]
-"""An epilogue step: `("add", addend shape)`, `("relu", ())` or `("gelu", ())`."""
 
-
-def _static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or ty.shape is None or not hasattr(ty.shape, "values"):
-        return None
-    if not all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values):
-        return None
-    return tuple(int(d) for d in ty.shape.values)
-
-
-def group_operands(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, list[relax.Expr], list[Step]] | None:
-    """`(a, b, addends, epilogue)` of a plain `R.matmul(a, b)` (no epilogue) or of a CPU
-    library matmul call with its absorbed epilogue; None for anything else (also a library
-    call with a transposed `b` or a vector added along another than the last axis)."""
-    if isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.matmul":
-        return call.args[0], call.args[1], [], []
-    parts = library_matmul(call)
-    if parts is None or parts[2]:
-        return None
-    a, b, _, steps = parts
-    addends, epilogue = [], []
-    for step in steps:
-        if step[0] == "add":
-            shape = _static_shape(step[1])
-            if shape is None or step[2] != 1:
-                return None
-            addends.append(step[1])
-            epilogue.append(("add", shape))
-        else:
-            epilogue.append((step[0], ()))
-    return a, b, addends, epilogue
+def group_operands(call: relax.Expr) -> Group | None:
+    """The op group `call` is (a plain op, or a library call with its absorbed epilogue)."""
+    found = find_group(call)
+    return None if found is None else found[1]
 
 
 @dataclasses.dataclass(frozen=True)
 class OpSignature:
-    """An op group at static shapes: `shapes` of the op's tensor operands, all of `dtype`,
-    then its `epilogue` steps in order; `weight`: the second operand is a constant (a model
-    weight), so a kernel may take it in its own layout, converted at build time."""
+    """An op group at static shapes: `shapes` of the op's tensor operands, all of `dtype`, its
+    attributes (`attrs`, e.g. attention's scale), then its `epilogue` steps in order;
+    `weight`: the second operand is a constant (a model weight), so a kernel may take it in
+    its own layout, converted at build time."""
 
     op: str
     shapes: tuple[tuple[int, ...], ...]
     dtype: str
     epilogue: tuple[Step, ...] = ()
     weight: bool = False
+    attrs: Attrs = ()
 
     @classmethod
     def of_call(cls, call: relax.Expr) -> OpSignature | None:
         """The signature of `call`, or None when selection does not handle it."""
-        parts = group_operands(call)
-        if parts is None:
+        found = find_group(call)
+        if found is None:
             return None
-        a_var, b_var, addends, epilogue = parts
+        kind, group = found
         shapes, dtypes = [], set()
-        for arg in (a_var, b_var, *addends):
-            shape = _static_shape(arg)
+        for arg in (*group.operands, *group.addends):
+            shape = static_shape(arg)
             if shape is None:
                 return None
             shapes.append(shape)
             dtypes.add(str(arg.ty.dtype))
-        a, b = shapes[:2]
-        if len(a) < 2 or len(b) != 2 or len(dtypes) != 1 or a[-1] != b[0]:
+        operands = tuple(shapes[:len(group.operands)])
+        if len(dtypes) != 1 or not kind.valid(operands):
             return None
-        return cls("matmul", (a, b), dtypes.pop(), tuple(epilogue), isinstance(b_var, tvm.ir.expr.Constant))
+        weight = len(operands) > 1 and isinstance(group.operands[1], tvm.ir.expr.Constant)
+        return cls(kind.name, operands, dtypes.pop(), tuple(group.steps), weight, group.attrs)
+
+    @property
+    def kind(self) -> OpKind:
+        return OP_KINDS[self.op]
 
     @property
     def key(self) -> str:
         """`matmul float32 1x1024 @ const 1024x4096 +4096 relu`: stable, readable, the records'
         key (`const`: a weight)."""
         steps = [f"+{'x'.join(map(str, shape))}" if kind == "add" else kind for kind, shape in self.epilogue]
-        a, b = ("x".join(map(str, s)) for s in self.shapes)
-        return " ".join([f"{self.op} {self.dtype}", a, "@", *(["const"] if self.weight else []), b, *steps])
+        attrs = [f"{name}={value:g}" for name, value in self.attrs]
+        return " ".join([f"{self.op} {self.dtype}", self.kind.describe(self.shapes, self.weight), *steps, *attrs])
 
     @property
     def out_shape(self) -> tuple[int, ...]:
-        a, b = self.shapes
-        return (*a[:-1], b[1])
+        return self.kind.out_shape(self.shapes)
 
     @property
     def gemm(self) -> tuple[int, int, int]:
-        """(M, N, K) with batch axes folded into M."""
+        """(M, N, K) of a matmul, batch axes folded into M."""
         a, b = self.shapes
         return math.prod(a[:-1]), b[1], b[0]
 
@@ -123,8 +97,8 @@ class OpSignature:
         return [shape for kind, shape in self.epilogue if kind == "add"]
 
     def addends_2d(self) -> list[tuple[int, int]] | None:
-        """Each addend as the (rows, columns) it broadcasts over in the (M, N) output: rows 1
-        or M, columns 1 or N; None when one broadcasts otherwise."""
+        """Each addend of a matmul's epilogue as the (rows, columns) it broadcasts over in the
+        (M, N) output: rows 1 or M, columns 1 or N; None when one broadcasts otherwise."""
         m, n, _ = self.gemm
         out = self.out_shape
         found = []
@@ -141,44 +115,62 @@ class OpSignature:
 
     def edge_case(self) -> OpSignature:
         """The same op group at small shapes that are no multiple of any tile (tails everywhere)."""
-        m, k, n = EDGE_DIMS
-        a = (*[1] * (len(self.shapes[0]) - 2), m, k)
-        out, edge_out = self.out_shape, (*a[:-1], n)
+        shapes = self.kind.edge_shapes(self.shapes)
+        out, edge_out = self.out_shape, self.kind.out_shape(shapes)
 
         def edge(shape: tuple[int, ...]) -> tuple[int, ...]:
             offset = len(out) - len(shape)
             return tuple(1 if d == 1 else edge_out[offset + i] for i, d in enumerate(shape))
 
         epilogue = tuple((kind, edge(shape)) for kind, shape in self.epilogue)
-        return OpSignature(self.op, (a, (k, n)), self.dtype, epilogue, self.weight)
+        return dataclasses.replace(self, shapes=shapes, epilogue=epilogue)
 
-    def call(self) -> relax.Call:
-        """The op applied to fresh variables of its operand types (no epilogue)."""
-        args = [relax.Var(f"arg{i}", relax.TensorType(shape, self.dtype)) for i, shape in enumerate(self.shapes)]
-        return relax.op.matmul(*args)
+    def emit(self, operands: Sequence[relax.Expr]) -> relax.Call:
+        """The op (no epilogue) on `operands`."""
+        return self.kind.emit(list(operands), self.attrs)
 
     def module(self, weights: Sequence[np.ndarray] = ()) -> tvm.IRModule:
         """`main(operands..., addends...)` computing the op group as plain Relax ops. With
-        `weights`, B is no parameter: `main(a, addends...)` runs the group once with each of
+        `weights`, the second operand is no parameter: `main` runs the group once with each of
         them as a constant (as a model's weights reach its kernels) and returns a tuple."""
-        call = self.call()
-        a, b = call.args
+        operands = [relax.Var(f"arg{i}", relax.TensorType(shape, self.dtype)) for i, shape in enumerate(self.shapes)]
         addends = [relax.Var(f"addend{i}", relax.TensorType(shape, self.dtype))
                    for i, shape in enumerate(self.addend_shapes)]
-        bs = [relax.const(w.astype(self.dtype)) for w in weights] or [b]
+        variants = [[operands[0], relax.const(w.astype(self.dtype)), *operands[2:]] for w in weights] or [operands]
+        params = [operands[0], *operands[2:]] if weights else operands
         bb = relax.BlockBuilder()
-        with bb.function("main", [a, *([] if weights else [b]), *addends]):
+        with bb.function("main", [*params, *addends]):
             with bb.dataflow():
-                outs = [bb.emit(emit_epilogue(bb, bb.emit(relax.op.matmul(a, w)), addends, self.epilogue))
-                        for w in bs]
+                outs = [bb.emit(emit_epilogue(bb, bb.emit(self.emit(args)), addends, self.epilogue))
+                        for args in variants]
                 out = bb.emit_output(relax.Tuple(outs) if weights else outs[0])
             bb.emit_func_output(out)
         return bb.finalize()
 
+    def input_sets(self, rng: np.random.Generator) -> dict[str, list[np.ndarray]]:
+        """Operands (then epilogue addends) to check with: random normal, small integers
+        (exact sums), large values (where the op's float32 result is meaningful), zeros in
+        the first operand."""
+        shapes = [*self.shapes, *self.addend_shapes]
+        normal = [rng.standard_normal(s) for s in shapes]
+        return {
+            "random": normal,
+            "integers": [rng.integers(-4, 5, s).astype(np.float64) for s in shapes],
+            "large": [x * 1e3 if self.kind.large(i) else x for i, x in enumerate(normal)],
+            "zeros": [np.zeros(shapes[0]), *normal[1:]],
+        }
+
+    def error_scale(self, operands: Sequence[np.ndarray]) -> float:
+        """The magnitude an output's float32 rounding is relative to (at least 1)."""
+        addends = operands[len(self.shapes):]
+        return max(1.0, self.kind.error_scale(list(operands[:len(self.shapes)])),
+                   *(float(np.abs(x).max(initial=0)) for x in addends))
+
     def reference(self, *operands: np.ndarray) -> np.ndarray:
         """What the op group computes, in float64 numpy."""
-        a, b, *addends = (x.astype(np.float64) for x in operands)
-        out, addends = a @ b, iter(addends)
+        values = [x.astype(np.float64) for x in operands]
+        out = self.kind.reference(values[:len(self.shapes)], self.attrs)
+        addends = iter(values[len(self.shapes):])
         for kind, _ in self.epilogue:
             if kind == "add":
                 out = out + next(addends)
@@ -190,13 +182,15 @@ class OpSignature:
 
     def to_json(self) -> dict[str, Any]:
         return {"op": self.op, "shapes": [list(s) for s in self.shapes], "dtype": self.dtype,
-                "epilogue": [[kind, list(shape)] for kind, shape in self.epilogue], "weight": self.weight}
+                "epilogue": [[kind, list(shape)] for kind, shape in self.epilogue], "weight": self.weight,
+                "attrs": dict(self.attrs)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> OpSignature:
         epilogue = tuple((kind, tuple(shape)) for kind, shape in data.get("epilogue", []))
+        attrs = tuple((name, float(value)) for name, value in data.get("attrs", {}).items())
         return cls(data["op"], tuple(tuple(s) for s in data["shapes"]), data["dtype"], epilogue,
-                   data.get("weight", False))
+                   data.get("weight", False), attrs)
 
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -252,7 +246,8 @@ def call_prim_func(bb: relax.BlockBuilder, call: relax.Call, func: tvm.tirx.Prim
     c[M, N])`, b being B[K, N] or, with `packed_b`, `pack_panels(B)`; batch axes of the first
     operand folded into M and unfolded after; each addend reshaped to the (rows, columns) of
     `OpSignature.addends_2d`."""
-    a, b, addends, _ = group_operands(call)
+    group = group_operands(call)
+    (a, b), addends = group.operands, group.addends
     sig = OpSignature.of_call(call)
     m, n, k = sig.gemm
     # Opaque: FuseOps must not fuse into a scheduled kernel; no symbol of its own, so that

@@ -10,7 +10,8 @@ c[M, N])` for exactly those shapes (batch axes of the first operand fold into M)
 `"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kernel of that op group
 (`OpSignature.epilogue`): its PrimFunc takes each addend after b, as the (rows, columns)
 `OpSignature.addends_2d` gives, and applies the steps in order. An entry is a candidate only
-for its op, shapes, epilogue, dtype and target kind. The source is parsed only
+for its op, shapes, epilogue, dtype and target kind; only GEMMs (op "matmul") are taken for
+now, an entry of another op is listed as unavailable. The source is parsed only
 when the candidate is built (in the verification subprocess, or by a build after it was
 verified, when its digest must still match).
 """
@@ -74,7 +75,9 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
             continue
         path = os.path.join(directory, entry["source"])
         unavailable = None
-        if entry["format"] not in FORMATS:
+        if entry["op"] != "matmul":
+            unavailable = "only GEMM kernels (op matmul) are taken from outside for now"
+        elif entry["format"] not in FORMATS:
             unavailable = f"format '{entry['format']}' is not supported (only {', '.join(FORMATS)})"
         elif not os.path.isfile(path):
             unavailable = f"source not found: {path}"

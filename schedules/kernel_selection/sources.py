@@ -3,8 +3,9 @@ candidates it has for an op signature on a target (unavailable ones too, with th
 
 - generated: the op legalized to TIR, its epilogue fused by FuseOps; the build schedules it with MetaSchedule records when
   the records directory has one for it, else with the target's default rules;
-- library: the target's library call (CPU: gimlet's OpenBLAS `gimlet.cpu.matmul` through
-  `DispatchCPULibrary`, epilogue included; CUDA: cuBLAS, when this TVM build has it);
+- library: the target's library call (CPU: gimlet's `gimlet.cpu.matmul` (OpenBLAS) or
+  `gimlet.cpu.attention` through `DispatchCPULibrary`, epilogue included; CUDA: cuBLAS for
+  matmul, when this TVM build has it);
 - handwritten: `handwritten.KERNELS` for the op and target kind;
 - external: kernels in a directory described by `kernels.json` (see `external.py`).
 """
@@ -21,12 +22,11 @@ from .handwritten import KERNELS, MAX_ADDENDS
 
 
 def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
-    legalize = tvm.ir.Op.get(f"relax.{sig.op}").get_attr("FLegalize")
-
     def rewrite(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-        a, b, addends, epilogue = group_operands(call)
-        out = legalize(bb, bb.normalize(relax.op.matmul(a, b)))
-        return emit_epilogue(bb, bb.emit(out) if epilogue else out, addends, epilogue)
+        group = group_operands(call)
+        op = bb.normalize(OpSignature.of_call(call).emit(group.operands))
+        out = op.op.get_attr("FLegalize")(bb, op)
+        return emit_epilogue(bb, bb.emit(out) if group.steps else out, group.addends, group.steps)
 
     return [Candidate("generated", "tir", "LegalizeOps TIR, epilogue fused by FuseOps; MetaSchedule "
                       "record or default schedule", rewrite)]
@@ -36,16 +36,26 @@ def _keep(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     return call
 
 
-def _cpu_library_takes(sig: OpSignature) -> bool:
-    """Whether `DispatchCPULibrary` turns the op into a library call."""
-    mod = DispatchCPULibrary()(sig.module())
-    return "call_dps_packed" in mod.script()
+def _cpu_library_call(sig: OpSignature) -> str | None:
+    """The packed function `DispatchCPULibrary` turns the op into, if it does."""
+    for _, func in DispatchCPULibrary()(sig.module()).functions_items():
+        found = []
+        relax.analysis.post_order_visit(func.body, lambda e: found.append(e.global_symbol)
+                                        if isinstance(e, relax.ExternFunc) else None)
+        if found:
+            return found[0]
+    return None
 
 
-def _openblas(sig: OpSignature) -> Candidate:
-    reason = None if _cpu_library_takes(sig) else "DispatchCPULibrary does not take this op"
-    return Candidate("library", "openblas", "gimlet.cpu.matmul (runtime/ext/cpu_library.cc)",
-                     _keep, unavailable=reason)
+def _cpu_library(name: str):
+    """The CPU library's candidate `name` (its function for the op, as `DispatchCPULibrary`
+    calls it, from runtime/ext/cpu_library.cc)."""
+    def candidate(sig: OpSignature) -> Candidate:
+        func = _cpu_library_call(sig)
+        reason = None if func else "DispatchCPULibrary does not take this op"
+        return Candidate("library", name, f"{func or 'gimlet.cpu'} (runtime/ext/cpu_library.cc)",
+                         _keep, unavailable=reason)
+    return candidate
 
 
 def _cublas(sig: OpSignature) -> Candidate:
@@ -54,12 +64,17 @@ def _cublas(sig: OpSignature) -> Candidate:
     return Candidate("library", "cublas", "cuBLAS via tvm.contrib.cublas", _keep, unavailable=reason)
 
 
-# The GEMM library of each target kind.
-LIBRARIES = {"llvm": _openblas, "cuda": _cublas}
+# The library candidate of each target kind and op: the CPU library's matmul calls OpenBLAS,
+# its attention is its own (blocked scores, softmax, weighted sum).
+LIBRARIES = {
+    ("llvm", "matmul"): _cpu_library("openblas"),
+    ("llvm", "attention"): _cpu_library("gimlet_attention"),
+    ("cuda", "matmul"): _cublas,
+}
 
 
 def library(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
-    library_of = LIBRARIES.get(target.kind.name)
+    library_of = LIBRARIES.get((target.kind.name, sig.op))
     return [library_of(sig)] if library_of else []
 
 

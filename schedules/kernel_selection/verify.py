@@ -30,7 +30,7 @@ RESULT_PREFIX = "GIMLET_RESULT "
 COLD_BYTES = 96 << 20
 MAX_COPIES = 64
 MIN_RUNS = 5
-# |ours - reference| must stay within this fraction of max(|a| @ |b|) (float32 sums).
+# |ours - reference| must stay within this fraction of `OpSignature.error_scale` (float32 sums).
 TOLERANCE = 1e-4
 
 
@@ -61,19 +61,6 @@ def run_candidate(request: dict[str, Any], timeout: float) -> Outcome:
     return Outcome(False, f"child exited with code {proc.returncode}: {tail}")
 
 
-def _input_sets(sig, rng: np.random.Generator) -> dict[str, list[np.ndarray]]:
-    """Operands (then epilogue addends) to check with: random normal, small integers (exact
-    sums), large values, zeros in the first operand."""
-    shapes = [*sig.shapes, *sig.addend_shapes]
-    normal = [rng.standard_normal(s) for s in shapes]
-    return {
-        "random": normal,
-        "integers": [rng.integers(-4, 5, s).astype(np.float64) for s in shapes],
-        "large": [x * 1e3 for x in normal],
-        "zeros": [np.zeros(shapes[0]), *normal[1:]],
-    }
-
-
 def _build(mod, candidate, spec, target, tuned):
     """`mod` with its op group rewritten into `candidate`, built for `target`."""
     import tvm
@@ -102,14 +89,13 @@ def _check(sig, candidate, spec, target, tuned) -> tuple[Any, str | None]:
         return executable, f"compiled; cannot run on this machine: {cannot_run}"
     dev = spec.device()
     vm = relax.VirtualMachine(executable, dev)
-    for label, operands in _input_sets(sig, np.random.default_rng(0)).items():
+    for label, operands in sig.input_sets(np.random.default_rng(0)).items():
         args = [tvm.runtime.tensor(x.astype(sig.dtype), dev) for x in operands]
         got = vm["main"](*args).numpy().astype(np.float64)
         want = sig.reference(*[x.astype(sig.dtype) for x in operands])
         if got.shape != want.shape:
             return executable, f"wrong shape at {sig.key}: {got.shape}, expected {want.shape}"
-        scale = max(1.0, float((np.abs(operands[0]) @ np.abs(operands[1])).max()),
-                    *(float(np.abs(x).max()) for x in operands[2:]))
+        scale = sig.error_scale(operands)
         error = float(np.max(np.abs(got - want))) if got.size else 0.0
         if not np.isfinite(error) or error > TOLERANCE * scale:
             return executable, (f"wrong result at {sig.key} on {label} inputs: max abs error "
@@ -130,7 +116,7 @@ def _time(executable, sig, spec, min_repeat_ms: int, build, hopeless_after: floa
     from tvm import relax
 
     dev = spec.device()
-    operands = [x.astype(sig.dtype) for x in _input_sets(sig, np.random.default_rng(1))["random"]]
+    operands = [x.astype(sig.dtype) for x in sig.input_sets(np.random.default_rng(1))["random"]]
     if hopeless_after is not None:
         warm = relax.VirtualMachine(executable, dev)
         args = [tvm.runtime.tensor(x, dev) for x in operands]

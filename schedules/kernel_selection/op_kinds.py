@@ -1,0 +1,214 @@
+"""The ops kernel selection chooses kernels for, one `OpKind` each in `OP_KINDS`: how to find
+the op's group in a module (the plain Relax op, or the CPU library call that took it with its
+epilogue), the op itself as Relax, what it computes (float64 numpy), the shapes it is checked
+at besides its own and the inputs it is checked on.
+
+- matmul: an operand of rank >= 2 by a rank-2 one (every linear layer), with the epilogue
+  `DispatchCPULibrary` absorbs (bias and residual adds, ReLU, GELU);
+- attention: `R.nn.attention` over BSNH query, key and value with an optional 4-D additive
+  bias (a padding mask), no causal mask or window; no epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ...relax_passes.dispatch_cpu_library import library_attention, library_matmul
+
+Shape = tuple[int, ...]
+Step = tuple[str, Shape]
+"""An epilogue step: `("add", addend shape)`, `("relu", ())` or `("gelu", ())`."""
+Attrs = tuple[tuple[str, float], ...]
+
+
+@dataclasses.dataclass
+class Group:
+    """An op group as found in a module: the op's tensor operands and attributes, then its
+    epilogue (`steps`) with the addends of its adds in order."""
+
+    operands: list[relax.Expr]
+    attrs: Attrs
+    addends: list[relax.Expr]
+    steps: list[Step]
+
+
+def static_shape(expr: relax.Expr) -> Shape | None:
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None or not hasattr(ty.shape, "values"):
+        return None
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values):
+        return None
+    return tuple(int(d) for d in ty.shape.values)
+
+
+def _is_op(call: relax.Expr, *names: str) -> bool:
+    return isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and call.op.name in names
+
+
+class OpKind:
+    """One op. `find` reads its groups; the rest works on static shapes."""
+
+    name = ""
+
+    def find(self, call: relax.Expr) -> Group | None:
+        """The op group `call` is, or None."""
+        raise NotImplementedError
+
+    def valid(self, shapes: tuple[Shape, ...]) -> bool:
+        """Whether selection handles the op at these operand shapes."""
+        raise NotImplementedError
+
+    def emit(self, operands: list[relax.Expr], attrs: Attrs) -> relax.Call:
+        """The op on `operands` as a Relax call (no epilogue)."""
+        raise NotImplementedError
+
+    def out_shape(self, shapes: tuple[Shape, ...]) -> Shape:
+        raise NotImplementedError
+
+    def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
+        """What the op computes on float64 operands."""
+        raise NotImplementedError
+
+    def edge_shapes(self, shapes: tuple[Shape, ...]) -> tuple[Shape, ...]:
+        """Operand shapes of the same rank that are no multiple of any tile (tails everywhere)."""
+        raise NotImplementedError
+
+    def describe(self, shapes: tuple[Shape, ...], weight: bool) -> str:
+        """The operands in the signature's key."""
+        return " ".join("x".join(map(str, s)) for s in shapes)
+
+    def large(self, operand: int) -> bool:
+        """Whether the "large" input set scales this operand (by 1e3)."""
+        return True
+
+    def error_scale(self, operands: list[np.ndarray]) -> float:
+        """The magnitude the op's float32 rounding error is relative to."""
+        raise NotImplementedError
+
+
+class Matmul(OpKind):
+    name = "matmul"
+    EDGE_DIMS = (11, 37, 69)  # rows, reduction, columns
+
+    def find(self, call: relax.Expr) -> Group | None:
+        if _is_op(call, "relax.matmul"):
+            return Group(list(call.args), (), [], [])
+        parts = library_matmul(call)
+        if parts is None or parts[2]:  # a transposed b: not a candidate's input
+            return None
+        a, b, _, library_steps = parts
+        addends, steps = [], []
+        for step in library_steps:
+            if step[0] == "add":
+                shape = static_shape(step[1])
+                if shape is None or step[2] != 1:
+                    return None
+                addends.append(step[1])
+                steps.append(("add", shape))
+            else:
+                steps.append((step[0], ()))
+        return Group([a, b], (), addends, steps)
+
+    def valid(self, shapes: tuple[Shape, ...]) -> bool:
+        a, b = shapes
+        return len(a) >= 2 and len(b) == 2 and a[-1] == b[0]
+
+    def emit(self, operands: list[relax.Expr], attrs: Attrs) -> relax.Call:
+        return relax.op.matmul(*operands)
+
+    def out_shape(self, shapes: tuple[Shape, ...]) -> Shape:
+        a, b = shapes
+        return (*a[:-1], b[1])
+
+    def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
+        return operands[0] @ operands[1]
+
+    def edge_shapes(self, shapes: tuple[Shape, ...]) -> tuple[Shape, ...]:
+        m, k, n = self.EDGE_DIMS
+        return (*[1] * (len(shapes[0]) - 2), m, k), (k, n)
+
+    def describe(self, shapes: tuple[Shape, ...], weight: bool) -> str:
+        a, b = ("x".join(map(str, s)) for s in shapes)
+        return " ".join([a, "@", *(["const"] if weight else []), b])
+
+    def error_scale(self, operands: list[np.ndarray]) -> float:
+        return float((np.abs(operands[0]) @ np.abs(operands[1])).max(initial=0))
+
+
+class Attention(OpKind):
+    name = "attention"
+    EDGE = (11, 13, 3, 37)  # query rows, key rows, heads, head size
+
+    def find(self, call: relax.Expr) -> Group | None:
+        if _is_op(call, "relax.nn.attention", "relax.nn.attention_bias"):
+            if call.attrs.causal_mask is not None or call.attrs.window_size is not None:
+                return None
+            operands = list(call.args)
+            scale = call.attrs.scale
+            if scale is None:
+                depth = static_shape(operands[0])
+                if depth is None:
+                    return None
+                return Group(operands, (("scale", 1 / math.sqrt(depth[3])),), [], [])
+            return Group(operands, (("scale", float(scale.value)),), [], [])
+        parts = library_attention(call)
+        if parts is None:
+            return None
+        operands, scale = parts
+        return Group(operands, (("scale", scale),), [], [])
+
+    def valid(self, shapes: tuple[Shape, ...]) -> bool:
+        if len(shapes) not in (3, 4) or any(len(s) != 4 for s in shapes):
+            return False
+        (b, s, n, h), (kb, t, kn, kh), (vb, vt, vn, _) = shapes[:3]
+        full_bias = (b, n, s, t)
+        return ((kb, kn, kh) == (b, n, h) and (vb, vt, vn) == (b, t, n)
+                and all(d in (1, full) for d, full in zip(shapes[3] if len(shapes) == 4 else (), full_bias)))
+
+    def emit(self, operands: list[relax.Expr], attrs: Attrs) -> relax.Call:
+        return relax.op.nn.attention(*operands, scale=dict(attrs)["scale"])
+
+    def out_shape(self, shapes: tuple[Shape, ...]) -> Shape:
+        (b, s, n, _), _, v = shapes[:3]
+        return (b, s, n, v[3])
+
+    def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
+        q, k, v = operands[:3]
+        scores = np.einsum("bsnh,btnh->bnst", q, k) * dict(attrs)["scale"]
+        if len(operands) == 4:
+            scores = scores + operands[3]
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        weights /= weights.sum(axis=-1, keepdims=True)
+        return np.einsum("bnst,btnv->bsnv", weights, v)
+
+    def edge_shapes(self, shapes: tuple[Shape, ...]) -> tuple[Shape, ...]:
+        s, t, n, h = self.EDGE
+        edge = ((1, s, n, h), (1, t, n, h), (1, t, n, h))
+        if len(shapes) == 3:
+            return edge
+        return (*edge, tuple(1 if d == 1 else full for d, full in zip(shapes[3], (1, n, s, t))))
+
+    def large(self, operand: int) -> bool:
+        # Scores of 1e3-scaled queries and keys differ by more than float32 resolves: softmax
+        # of those is rounding, not the op; values and bias may be large.
+        return operand >= 2
+
+    def error_scale(self, operands: list[np.ndarray]) -> float:
+        return float(np.abs(operands[2]).max(initial=0))  # outputs are convex sums of values
+
+
+OP_KINDS: dict[str, OpKind] = {kind.name: kind for kind in (Matmul(), Attention())}
+
+
+def find_group(call: relax.Expr) -> tuple[OpKind, Group] | None:
+    """The op kind and group `call` is, or None."""
+    for kind in OP_KINDS.values():
+        group = kind.find(call)
+        if group is not None:
+            return kind, group
+    return None
