@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import sys
 import tempfile
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
@@ -168,8 +169,29 @@ class RemoteModel:
         return BenchmarkResult.from_samples(list(result.results))
 
 
-def load_all_extensions() -> None:
-    """Server start-up hook: load our runtime extensions so remote artifacts find them."""
+def init_server() -> None:
+    """RPC server start-up hook (in the server's process): load our runtime extensions so
+    remote artifacts find them, and keep serving after a session whose process died.
+
+    TVM's server runs each session in a child process and stops listening for good when that
+    child exits with an error (its `_serving` raises on the exit code): one kernel that
+    crashes (a candidate being checked, a bad tuning trial) would take the device away from
+    every later client. The session's client gets its error; the server serves the next one."""
+    from tvm.rpc import server
+
     from .extensions import load_extensions
 
     load_extensions()
+    serving = server._serving  # pylint: disable=protected-access
+
+    def serve_one_session(sock, addr, opts, load_library) -> None:
+        cwd = os.getcwd()
+        try:
+            serving(sock, addr, opts, load_library)
+        except RuntimeError as err:  # "Child process N exited unsuccessfully ..."
+            os.chdir(cwd)
+            sock.close()
+            print(f"gimlet-tvm rpc server: session from {addr[0]} failed ({err}); serving on",
+                  file=sys.stderr, flush=True)
+
+    server._serving = serve_one_session  # pylint: disable=protected-access

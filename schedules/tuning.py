@@ -300,8 +300,8 @@ def tune(
     or runs past `runner_timeout` seconds is recorded as failed and tuning goes on. Progress goes to `log`, one line a round.
     `remote`: measure on devices handed out by an RPC tracker (MetaSchedule's RPC runner); a
     server lost during tuning fails its candidates, and the others carry on.
-    `select`: then choose each op group's kernel by measurement (module docstring; local only,
-    so off with `remote`). `tune_generated`: tune the groups' generated candidates first.
+    `select`: then choose each op group's kernel by measurement (module docstring), on the
+    same device. `tune_generated`: tune the groups' generated candidates first.
     """
     if trials is None and time_budget is None:
         raise GimletError("give a trial budget (trials) or a time budget (time_budget), or both")
@@ -314,7 +314,7 @@ def tune(
     if skipped:
         print(f"[tune] skipping {len(skipped)} kernels with symbolic shapes "
               f"(fix them with input shapes): {', '.join(skipped)}", file=log)
-    groups = op_signatures(mod, tvm_target) if select and remote is None else {}
+    groups = op_signatures(mod, tvm_target) if select else {}
     if tune_generated:
         known = {t.shash for t in tasks}
         tasks += [t for t in generated_group_tasks(groups, target) if t.shash not in known]
@@ -328,7 +328,8 @@ def tune(
     selection = KernelSelection.load(db.path, tvm_target)
     if groups and (trials_run or selection is None or any(sig.key not in selection.choices for sig in groups)):
         print(f"[select] {len(groups)} op groups: verifying and timing their candidates", file=log)
-        selection = select_kernels(mod, tvm_target, records=db.path, progress=_selection_progress(log))
+        selection = select_kernels(mod, tvm_target, records=db.path, remote=remote,
+                                   progress=_selection_progress(log))
         selection.save(db.path)
     return TuneResult(records, tasks, skipped, trials_run, time.monotonic() - start,
                       selection if groups else None)

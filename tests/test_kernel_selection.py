@@ -59,16 +59,21 @@ def _matmul_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def write_external_kernels(directory):
+    """The good, the wrong and the crashing kernel in `directory`, with their manifest."""
+    entries = []
+    for name, (offset, crash) in EXTERNAL.items():
+        (directory / f"{name}.py").write_text(KERNEL.format(m=M, k=K, n=N, offset=offset, crash=crash))
+        entries.append({"name": name, "op": "matmul", "dtype": "float32", "shapes": [[M, K], [K, N]],
+                        "target": "llvm", "format": "tvmscript", "source": f"{name}.py"})
+    (directory / "kernels.json").write_text(json.dumps({"kernels": entries}))
+    return directory
+
+
 @pytest.fixture
 def kernels(tmp_path):
     """An external kernel directory with the good, the wrong and the crashing kernel."""
-    entries = []
-    for name, (offset, crash) in EXTERNAL.items():
-        (tmp_path / f"{name}.py").write_text(KERNEL.format(m=M, k=K, n=N, offset=offset, crash=crash))
-        entries.append({"name": name, "op": "matmul", "dtype": "float32", "shapes": [[M, K], [K, N]],
-                        "target": "llvm", "format": "tvmscript", "source": f"{name}.py"})
-    (tmp_path / "kernels.json").write_text(json.dumps({"kernels": entries}))
-    return tmp_path
+    return write_external_kernels(tmp_path)
 
 
 def _request(candidate_id: str, target, external_dir=None) -> dict:

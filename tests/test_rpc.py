@@ -207,3 +207,47 @@ def test_tuning_survives_losing_one_of_two_servers(tmp_path) -> None:
     assert outcome and outcome[0].trials_run >= 12
     db = RecordsDB(str(records))
     assert not db.problems and sum(r.seconds is not None for r in db.records) >= 4
+
+
+def test_select_on_a_remote_server(server, cli, tmp_path) -> None:
+    """Kernel selection over RPC: candidates built here, checked and timed on the server; the
+    wrong external kernel is rejected by its result, the crashing one by the session it broke
+    (the server lives on), and the model builds with the remote choice."""
+    import json
+    import re
+
+    import onnx
+
+    from .test_kernel_selection import K, M, _matmul_model, write_external_kernels
+
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    write_external_kernels(kernels)
+    model_path = tmp_path / "matmul.onnx"
+    onnx.save(_matmul_model(), model_path)
+    code, out, err = cli("select", str(model_path), "--records", str(tmp_path / "records"), "--kernels",
+                         str(kernels), "--input-shape", f"x={M},{K}", "--rpc", server.address,
+                         "--rpc-timeout", "30")
+    assert code == 0, err
+    assert re.search(r"external:wrong +no: wrong result at matmul", out), out
+    assert re.search(rf"external:crash +no: broke its remote session: RPC server {server.address}", out), out
+    assert re.search(r"handwritten:cpu_gemm_6x2v +yes +\d", out), out
+    assert re.search(r"generated:tir +yes +\d", out), out  # checked after the crash: the server serves on
+    assert "model builds with the selection" in out
+    assert server.proc.poll() is None
+    stored = json.loads((tmp_path / "records" / "gimlet_kernel_selection.json").read_text())
+    assert [entry["device"] for entry in stored["targets"].values()] == [f"RPC server {server.address}"]
+
+
+def test_select_stops_when_the_remote_device_is_lost(server) -> None:
+    from gimlet_tvm.compiler import resolve_target
+    from gimlet_tvm.frontend import import_model
+    from gimlet_tvm.schedules.kernel_selection.select import select_kernels
+
+    from .test_kernel_selection import K, M, _matmul_model
+
+    mod, _ = import_model(_matmul_model(), {"x": [M, K]})
+    _, target = resolve_target("llvm")
+    server.stop()
+    with pytest.raises(RemoteDeviceError, match=f"RPC server {server.address} was lost during kernel selection"):
+        select_kernels(mod, target, remote=RemoteDevice(server=server.address, timeout=10))

@@ -12,7 +12,7 @@ import sys
 from tvm import rpc
 from tvm.rpc.tracker import Tracker
 
-from ..runtime.remote import load_all_extensions, parse_address
+from ..runtime.remote import init_server, parse_address
 
 _ALL_INTERFACES = ("0.0.0.0", "::", "")
 
@@ -64,7 +64,7 @@ def run_server(args) -> int:
     tracker = parse_address(args.tracker, "--tracker") if args.tracker else None
     server = rpc.Server(
         host=args.host, port=args.port, port_end=_port_end(args), tracker_addr=tracker,
-        key=args.key, server_init_callback=load_all_extensions, silent=True,
+        key=args.key, server_init_callback=init_server, silent=True,
     )
     return _serve_until_stopped("RPC server", args.host, server.port, server.terminate)
 

@@ -1,6 +1,7 @@
 """`gimlet-tvm select MODEL -t TARGET --records DIR`: choose each op's kernel by verified
-measurement (generated, library, hand-written, external) and store the choice in DIR, where
-`compile --records DIR` applies it."""
+measurement (generated, library, hand-written, external), on this machine or on a remote
+device (`--rpc HOST:PORT`, or `--tracker HOST:PORT --key KEY`), and store the choice in DIR,
+where `compile --records DIR` applies it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import time
 from ..compiler import resolve_target
 from ..frontend import import_model, load_model
 from ..schedules.kernel_selection.select import KernelSelection, select_kernels, selected_sources
-from .common import add_target_args, build_from_args, format_table, parse_input_shapes
+from .common import (add_remote_args, add_target_args, build_from_args, format_table, parse_input_shapes,
+                     remote_device)
 
 
 def add_parser(sub) -> None:
@@ -23,6 +25,7 @@ def add_parser(sub) -> None:
                         help="external kernel directory (with kernels.json) to take candidates from")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds one candidate's compile, check and timing may take (default 120)")
+    add_remote_args(parser)
     parser.set_defaults(handler=run)
 
 
@@ -43,11 +46,11 @@ def run(args) -> int:
     _, target = resolve_target(args.target)
     mod, _ = import_model(load_model(args.model), parse_input_shapes(args.input_shape))
     selection = select_kernels(mod, target, external_dir=args.kernels, records=args.records,
-                               timeout=args.timeout)
+                               timeout=args.timeout, remote=remote_device(args))
     path = selection.save(args.records)
     print(format_selection(selection) or "no op in this model has kernel candidates (static-shape matmul or attention)")
     counts = collections.Counter(selected_sources(selection))
-    print(f"\nselected in {time.perf_counter() - start:.0f} s: "
+    print(f"\nselected in {time.perf_counter() - start:.0f} s on {selection.device}: "
           + (", ".join(f"{n} {source}" for source, n in sorted(counts.items())) or "nothing")
           + f"; stored in {path}")
     build_from_args(args.model, args, records=args.records, selection=selection)

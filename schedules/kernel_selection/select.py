@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -21,8 +22,9 @@ from typing import Any, Iterable
 import tvm
 from tvm import relax
 
-from ...errors import GimletError
+from ...errors import GimletError, RemoteDeviceError
 from ...files import atomic_path
+from ...runtime.remote import RemoteDevice
 from ..records import RecordsDB, target_key
 from .apply import ApplyKernelSelection, grouping_passes
 from .candidates import Candidate, OpSignature
@@ -80,6 +82,7 @@ class KernelSelection:
     choices: dict[str, OpChoice]
     external_dir: str | None = None
     measured: str = ""
+    device: str = "local"  # where the times were measured: "local", or the remote device
 
     def restricted_to(self, source: str) -> KernelSelection:
         """The same ops, each with its fastest verified candidate of `source` (none: default)."""
@@ -104,13 +107,14 @@ class KernelSelection:
         return candidate
 
     def to_json(self) -> dict[str, Any]:
-        return {"external_dir": self.external_dir, "measured": self.measured,
+        return {"external_dir": self.external_dir, "measured": self.measured, "device": self.device,
                 "ops": {key: c.to_json() for key, c in self.choices.items()}}
 
     @classmethod
     def from_json(cls, target: str, data: dict[str, Any]) -> KernelSelection:
         choices = {key: OpChoice.from_json(c) for key, c in data["ops"].items()}
-        return cls(target, choices, data.get("external_dir"), data.get("measured", ""))
+        return cls(target, choices, data.get("external_dir"), data.get("measured", ""),
+                   data.get("device", "local"))
 
     @classmethod
     def load(cls, records: str | os.PathLike, target: tvm.target.Target) -> KernelSelection | None:
@@ -163,7 +167,24 @@ def op_signatures(mod: tvm.IRModule, target: tvm.target.Target) -> dict[OpSignat
     return counts
 
 
-def _retime_close(tried: list[Tried], requests: dict[str, dict[str, Any]], timeout: float) -> None:
+def _run(request: dict[str, Any], timeout: float, remote: RemoteDevice | None) -> Outcome:
+    """`run_candidate`; where a remote step failed, the device must still answer (else
+    selection stops with a `RemoteDeviceError`): then the candidate broke its session."""
+    outcome = run_candidate(request, timeout)
+    if not outcome.remote_failed:
+        return outcome
+    try:
+        remote.connect()
+    except RemoteDeviceError as err:
+        raise RemoteDeviceError(f"{remote.describe()} was lost during kernel selection "
+                                f"({request['candidate']} for {request['signature']['op']}): {err}") from None
+    finally:
+        gc.collect()  # ends the probe's session (TVM's RPC objects form cycles)
+    return Outcome(False, f"broke its remote session: {outcome.reason}")
+
+
+def _retime_close(tried: list[Tried], requests: dict[str, dict[str, Any]], timeout: float,
+                  remote: RemoteDevice | None = None) -> None:
     """Time the verified candidates within `RETIME_MARGIN` of the fastest again, in
     `RETIME_ROUNDS` interleaved rounds; each keeps the median of its times (one noisy first
     measurement must not decide between near equals)."""
@@ -177,7 +198,7 @@ def _retime_close(tried: list[Tried], requests: dict[str, dict[str, Any]], timeo
     samples = {t.id: [t.seconds] for t in close}
     for _ in range(RETIME_ROUNDS):
         for t in close:
-            outcome = run_candidate(requests[t.id], timeout)
+            outcome = _run(requests[t.id], timeout, remote)
             if outcome.verified:
                 samples[t.id].append(outcome.seconds)
     for t in close:
@@ -192,10 +213,11 @@ def select_kernels(
     records: str | None = None,
     timeout: float = 120.0,
     min_repeat_ms: int = 20,
+    remote: RemoteDevice | None = None,
     progress=None,
 ) -> KernelSelection:
-    """Verify and time every candidate of every op signature in `mod` on `target`; pick each
-    op's fastest verified one."""
+    """Verify and time every candidate of every op signature in `mod` on `target` (on this
+    machine, or on the `remote` device over TVM RPC); pick each op's fastest verified one."""
     if external_dir is not None:
         external_dir = os.path.abspath(external_dir)
     if records is not None:
@@ -213,18 +235,20 @@ def select_kernels(
                 requests[candidate.id] = {
                     "signature": sig.to_json(), "candidate": candidate.id, "target": target_json,
                     "external_dir": external_dir, "records": records, "min_repeat_ms": min_repeat_ms,
+                    "remote": dataclasses.asdict(remote) if remote else None,
                     "hopeless_after": HOPELESS * fastest if fastest and candidate.source == "generated" else None}
-                outcome = run_candidate(requests[candidate.id], timeout)
+                outcome = _run(requests[candidate.id], timeout, remote)
             tried.append(Tried(candidate.id, candidate.provenance, outcome.verified, outcome.reason,
                                outcome.seconds, candidate.digest))
             if progress is not None:
                 progress(sig, tried[-1])
-        _retime_close(tried, requests, timeout)
+        _retime_close(tried, requests, timeout, remote)
         verified = [t for t in tried if t.verified]
         winner = min(verified, key=lambda t: t.seconds).id if verified else None
         choices[sig.key] = OpChoice(sig, tried, winner, count)
     measured = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return KernelSelection(target_key(target), choices, external_dir, measured)
+    return KernelSelection(target_key(target), choices, external_dir, measured,
+                           remote.describe() if remote else "local")
 
 
 def selected_sources(selection: KernelSelection) -> Iterable[str]:

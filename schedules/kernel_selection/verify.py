@@ -3,10 +3,13 @@
 The child builds the candidate alone (the op group, epilogue included, rewritten into it, then
 the target's whole pipeline), runs it on random and edge-value inputs (epilogue addends too)
 at the group's shapes and, for shape-generic candidates, at the edge-case shape (no
-dimension a multiple of any tile), checks every output against the reference group (matmul
-and epilogue in float64 numpy), and only then times the whole group on the device, caches
-cold (`_time`). A compile error, a wrong result, a crash (signal), a hang (timeout) or a
-device this machine lacks becomes the `reason` it is not verified.
+dimension a multiple of any tile), checks every output against the reference group (the op
+and its epilogue in float64 numpy), and only then times the whole group on the device, caches
+cold (`_time`). The device is this machine's, or with a `remote` in the request the target's
+device on a TVM RPC server (built here, uploaded, checked and timed there). A compile error, a
+wrong result, a crash (signal), a hang (timeout) or a device this machine lacks becomes the
+`reason` it is not verified; a failing remote step gives `remote_failed` (the candidate may
+have crashed the server's session, or the device is gone: the caller tells which).
 
     python -m gimlet_tvm.schedules.kernel_selection.verify < request.json
 """
@@ -15,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -42,6 +47,7 @@ class Outcome:
     reason: str = ""
     seconds: float | None = None
     checks: list[str] = dataclasses.field(default_factory=list)
+    remote_failed: bool = False  # a step on the remote device failed (the candidate, or the device?)
 
 
 def run_candidate(request: dict[str, Any], timeout: float) -> Outcome:
@@ -73,25 +79,83 @@ def _build(mod, candidate, spec, target, tuned):
         return tvm.compile(mod, target, relax_pipeline=relax_pipeline(spec, target, tuned))
 
 
-def _check(sig, candidate, spec, target, tuned) -> tuple[Any, str | None]:
-    """Build `candidate` for `sig` and compare it with the reference; (executable, failure)."""
-    import tvm
-    from tvm import relax
+class _Machine:
+    """Where the candidate runs: this machine's device for the target, or (`remote`) that
+    device on a TVM RPC server, each remote step under the device's deadline."""
 
+    def __init__(self, spec, remote=None) -> None:
+        self.spec, self.remote = spec, remote
+        self.loaded = 0
+        if remote is None:
+            self.device = spec.device()
+        else:
+            self.session = remote.connect()
+            self.device = self.session.device(spec.device().dlpack_device_type(), 0)
+
+    def cannot_run(self) -> str | None:
+        """Why this machine cannot run the target's code (a remote device is asked by running)."""
+        return self.spec.can_run() if self.remote is None else None
+
+    def load(self, executable):
+        """A VM of `executable` on the device (uploaded first when it is remote)."""
+        from tvm import relax
+
+        if self.remote is None:
+            return relax.VirtualMachine(executable, self.device)
+        self.loaded += 1
+        name = f"candidate{self.loaded}.so"
+        with tempfile.TemporaryDirectory(prefix="gimlet-select-") as folder:
+            path = os.path.join(folder, name)
+            executable.export_library(path)
+            self.remote.call("upload", lambda: self.session.upload(path))
+        module = self.remote.call("load", lambda: self.session.load_module(name))
+        return self.remote.call("load", lambda: relax.VirtualMachine(module, self.device))
+
+    def step(self, what: str, func):
+        return func() if self.remote is None else self.remote.call(what, func)
+
+    def tensors(self, arrays: list[np.ndarray]) -> list:
+        import tvm
+
+        return self.step("copy inputs", lambda: [tvm.runtime.tensor(x, self.device) for x in arrays])
+
+    def run(self, vm, args: list) -> np.ndarray:
+        return self.step("run", lambda: vm["main"](*args).numpy())
+
+    def seconds(self, vm, copies: list[list], runs: int, min_repeat_ms: int) -> list[float]:
+        """Times of runs of `main`: here at least `runs`, and `runs` x `min_repeat_ms` ms in all,
+        each run taking the next set of `copies`; remotely `runs` times measured by the device
+        itself (TVM's time evaluator: no network in them; each one the mean over at least
+        `min_repeat_ms` ms of runs) on the first set."""
+        times: list[float] = []
+        if self.remote is not None:
+            evaluator = vm.time_evaluator("main", self.device, number=1, repeat=runs,
+                                          min_repeat_ms=min_repeat_ms)
+            return list(self.step("time", lambda: evaluator(*copies[0])).results)
+        start = time.perf_counter()
+        while len(times) < runs or time.perf_counter() - start < min_repeat_ms * runs / 1e3:
+            args = copies[len(times) % len(copies)]
+            begin = time.perf_counter()
+            vm["main"](*args)
+            self.device.sync()
+            times.append(time.perf_counter() - begin)
+        return times
+
+
+def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, str | None]:
+    """Build `candidate` for `sig` and compare it with the reference; (executable, failure)."""
     from ...errors import summary
 
     try:
-        executable = _build(sig.module(), candidate, spec, target, tuned)
+        executable = _build(sig.module(), candidate, machine.spec, target, tuned)
     except Exception as err:  # any error of the candidate's code or of TVM building it
         return None, f"compile failed at {sig.key}: {summary(err)}"
-    cannot_run = spec.can_run()
+    cannot_run = machine.cannot_run()
     if cannot_run is not None:
         return executable, f"compiled; cannot run on this machine: {cannot_run}"
-    dev = spec.device()
-    vm = relax.VirtualMachine(executable, dev)
+    vm = machine.load(executable)
     for label, operands in sig.input_sets(np.random.default_rng(0)).items():
-        args = [tvm.runtime.tensor(x.astype(sig.dtype), dev) for x in operands]
-        got = vm["main"](*args).numpy().astype(np.float64)
+        got = machine.run(vm, machine.tensors([x.astype(sig.dtype) for x in operands])).astype(np.float64)
         want = sig.reference(*[x.astype(sig.dtype) for x in operands])
         if got.shape != want.shape:
             return executable, f"wrong shape at {sig.key}: {got.shape}, expected {want.shape}"
@@ -103,52 +167,40 @@ def _check(sig, candidate, spec, target, tuned) -> tuple[Any, str | None]:
     return executable, None
 
 
-def _time(executable, sig, spec, min_repeat_ms: int, build, hopeless_after: float | None) -> float:
+def _time(executable, sig, machine: _Machine, min_repeat_ms: int, build, hopeless_after: float | None) -> float:
     """Median seconds of one run of the op group, caches cold: the runs rotate through copies
     of its operands that together exceed `COLD_BYTES` (up to `MAX_COPIES`), as in a model
     whose other layers evict this group's weights. Where B is a weight, the copies of B are
     constants of one executable (`build(module)` builds it) whose run computes the group once
-    with each, so a kernel that takes B in its own layout finds it converted at build time.
+    with each, so a kernel that takes B in its own layout finds it converted at build time
+    (on a remote device only these rotate: the other operands are timed warm).
     With `hopeless_after` (given to generated code), a warm second run of `executable` slower
     than that many seconds is the answer: the candidate cannot win, and a default-scheduled
     GEMM would take minutes to time cold."""
-    import tvm
-    from tvm import relax
-
-    dev = spec.device()
     operands = [x.astype(sig.dtype) for x in sig.input_sets(np.random.default_rng(1))["random"]]
     if hopeless_after is not None:
-        warm = relax.VirtualMachine(executable, dev)
-        args = [tvm.runtime.tensor(x, dev) for x in operands]
-        warm["main"](*args)  # first touch of the tensors, thread pool
-        begin = time.perf_counter()
-        warm["main"](*args)
-        dev.sync()
-        if time.perf_counter() - begin > hopeless_after:
-            return time.perf_counter() - begin
+        warm, args = machine.load(executable), machine.tensors(operands)
+        machine.run(warm, args)  # first touch of the tensors, thread pool
+        (seconds,) = machine.seconds(warm, [args], 1, 0)
+        if seconds > hopeless_after:
+            return seconds
     count = min(MAX_COPIES, -(-COLD_BYTES // sum(x.nbytes for x in operands)))
     per_run = 1
     if sig.weight:
         weights = [operands[1] + np.float32(i) for i in range(count)]
         executable, operands, per_run = build(sig.module(weights)), [operands[0], *operands[2:]], count
         count = 1
-    vm = relax.VirtualMachine(executable, dev)
-    copies = [[tvm.runtime.tensor(x, dev) for x in operands] for _ in range(count)]
-    vm["main"](*copies[0])  # warm-up: code, thread pool
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < MIN_RUNS or time.perf_counter() - start < min_repeat_ms * MIN_RUNS / 1e3:
-        args = copies[len(times) % len(copies)]
-        begin = time.perf_counter()
-        vm["main"](*args)
-        dev.sync()
-        times.append((time.perf_counter() - begin) / per_run)
-    return statistics.median(times)
+    vm = machine.load(executable)
+    copies = [machine.tensors(operands) for _ in range(count if machine.remote is None else 1)]
+    machine.step("run", lambda: vm["main"](*copies[0]))  # warm-up: code, thread pool
+    return statistics.median(machine.seconds(vm, copies, MIN_RUNS, min_repeat_ms)) / per_run
 
 
 def _child(request: dict[str, Any]) -> Outcome:
     import tvm
 
+    from ...errors import RemoteDeviceError
+    from ...runtime.remote import RemoteDevice
     from ...schedules.records import ApplyRecords, RecordsDB
     from ...targets import lookup
     from .candidates import OpSignature
@@ -160,17 +212,23 @@ def _child(request: dict[str, Any]) -> Outcome:
     candidate = find(request["candidate"], sig, target, request.get("external_dir"))
     tuned = ApplyRecords(RecordsDB(request["records"]), target) if request.get("records") else None
     checks = [sig] + ([sig.edge_case()] if candidate.shape_generic else [])
-    executable = None
-    for checked in checks:
-        built, failure = _check(checked, candidate, spec, target, tuned)
-        if failure is not None:
-            return Outcome(False, failure)
-        executable = built if checked is sig else executable
     try:
-        seconds = _time(executable, sig, spec, request["min_repeat_ms"],
-                        lambda mod: _build(mod, candidate, spec, target, tuned), request.get("hopeless_after"))
-    except Exception as err:  # pylint: disable=broad-except  # a run-time failure of the candidate
-        return Outcome(False, f"verified but timing failed: {str(err).strip().splitlines()[-1][:200]}")
+        machine = _Machine(spec, RemoteDevice(**request["remote"]) if request.get("remote") else None)
+        executable = None
+        for checked in checks:
+            built, failure = _check(checked, candidate, machine, target, tuned)
+            if failure is not None:
+                return Outcome(False, failure)
+            executable = built if checked is sig else executable
+        try:
+            seconds = _time(executable, sig, machine, request["min_repeat_ms"],
+                            lambda mod: _build(mod, candidate, spec, target, tuned), request.get("hopeless_after"))
+        except RemoteDeviceError:
+            raise
+        except Exception as err:  # pylint: disable=broad-except  # a run-time failure of the candidate
+            return Outcome(False, f"verified but timing failed: {str(err).strip().splitlines()[-1][:200]}")
+    except RemoteDeviceError as err:
+        return Outcome(False, str(err), remote_failed=True)
     return Outcome(True, "", seconds, [c.key for c in checks])
 
 
