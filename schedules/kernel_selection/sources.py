@@ -16,15 +16,16 @@ import tvm
 from tvm import relax
 
 from ...relax_passes.dispatch_cpu_library import DispatchCPULibrary
-from .candidates import Candidate, OpSignature, call_prim_func, emit_epilogue, group_operands
+from .candidates import Candidate, OpSignature, call_prim_func, emit_epilogue
 from .external import external_candidates
 from .handwritten import KERNELS, MAX_ADDENDS
+from .op_kinds import find_group
 
 
 def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
     def rewrite(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-        group = group_operands(call)
-        op = bb.normalize(OpSignature.of_call(call).emit(group.operands))
+        kind, group = find_group(call)
+        op = bb.normalize(kind.emit(group.operands, group.attrs))
         out = op.op.get_attr("FLegalize")(bb, op)
         return emit_epilogue(bb, bb.emit(out) if group.steps else out, group.addends, group.steps)
 
