@@ -2,10 +2,11 @@
 "generated only" and "library only" (each op group's best verified candidate of that source),
 each as a ratio against onnxruntime timed in the same run, interleaved. Input shapes are fixed
 (the suite's example inputs at `--batch`). Prints each op group's winner, then one table row:
-median ms [p10-p90] (median / onnxruntime median).
+median ms [p10-p90] (median / onnxruntime median), and selected's time over each single-source
+build's within the same round (median [p10-p90] of those per-round ratios).
 
     python benchmarks/kernel_selection.py [--models mlp bert_base_like] [--batch 1] [--repeat 10]
-        [--tune-trials N]
+        [--tune-trials N] [--records DIR]
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ import gimlet_tvm
 from gimlet_tvm.compiler import resolve_target
 from gimlet_tvm.frontend import import_model
 from gimlet_tvm.models import SUITE
-from gimlet_tvm.peers import check_against_onnxruntime, onnxruntime_session, time_interleaved
+from gimlet_tvm.peers import PairedRatio, check_against_onnxruntime, onnxruntime_session, time_interleaved
 from gimlet_tvm.schedules.kernel_selection.select import select_kernels, selected_sources
 
 MODELS = ["mlp", "bert_base_like"]
 
 
-def measure(name: str, batch: int, repeat: int, threads: int, tune_trials: int) -> str:
-    with tempfile.TemporaryDirectory() as records:
+def measure(name: str, batch: int, repeat: int, threads: int, tune_trials: int, records: str | None) -> str:
+    if records:
         return _measure(name, batch, repeat, threads, tune_trials, records)
+    with tempfile.TemporaryDirectory() as scratch:
+        return _measure(name, batch, repeat, threads, tune_trials, scratch)
 
 
 def _measure(name: str, batch: int, repeat: int, threads: int, tune_trials: int, records: str) -> str:
@@ -60,10 +63,11 @@ def _measure(name: str, batch: int, repeat: int, threads: int, tune_trials: int,
     ort = times["onnxruntime"].median_ms
     cells = [f"{times[label].median_ms:.2f} [{times[label].p10_ms:.2f}-{times[label].p90_ms:.2f}] "
              f"({times[label].median_ms / ort:.2f})" for label in builds]
+    paired = [str(PairedRatio.of(times["selected"], times[label])) for label in ("generated only", "library only")]
     mix = ", ".join(f"{n} {s}" for s, n in sorted(sources.items()))
     ort_cell = f"{ort:.2f} [{times['onnxruntime'].p10_ms:.2f}-{times['onnxruntime'].p90_ms:.2f}]"
     tuned = f", generated tuned ({tune_trials} trials)" if tune_trials else ""
-    return f"| {name} (batch {batch}), repeat {repeat}{tuned} | {mix} | " + " | ".join(cells) + f" | {ort_cell} |"
+    return f"| {name} (batch {batch}), repeat {repeat}{tuned} | {mix} | " + " | ".join(cells + paired) + f" | {ort_cell} |"
 
 
 def main() -> None:
@@ -75,12 +79,15 @@ def main() -> None:
     parser.add_argument("--tune-trials", type=int, default=0, metavar="N",
                         help="first `tune` with N trials and tune_generated (the generated "
                         "candidates then run tuned); default: select with default schedules")
+    parser.add_argument("--records", metavar="DIR",
+                        help="tuning records to use and keep (a run without --tune-trials then "
+                        "selects over the generated code tuned there); default: a scratch folder")
     args = parser.parse_args()
-    rows = [measure(name, args.batch, args.repeat, args.threads, args.tune_trials)
+    rows = [measure(name, args.batch, args.repeat, args.threads, args.tune_trials, args.records)
             for name in args.models]
     print("| model | selected sources (op groups) | selected ms (/ORT) | generated only ms (/ORT) | "
-          "library only ms (/ORT) | onnxruntime ms |")
-    print("|---|---|---|---|---|---|")
+          "library only ms (/ORT) | selected / generated only | selected / library only | onnxruntime ms |")
+    print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -33,18 +35,42 @@ def time_interleaved(
 ) -> dict[str, BenchmarkResult]:
     """Time each engine's call `repeat` times, alternating engines within each round.
 
-    Interleaving spreads any slow phase of the machine over all engines alike.
+    Interleaving spreads any slow phase of the machine over all engines alike; each round
+    starts one engine further on, so that no engine always runs right after the same other one
+    (whose threads or cache traffic may still be winding down).
     """
     for _ in range(warmup):
         for call in engines.values():
             call()
-    samples: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(repeat):
-        for name, call in engines.items():
+    names = list(engines)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(repeat):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
-            call()
+            engines[name]()
             samples[name].append(time.perf_counter() - start)
     return {name: BenchmarkResult.from_samples(s) for name, s in samples.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedRatio:
+    """Per-round ratio of two engines timed by `time_interleaved`: median [p10-p90]. Pairing
+    the runs of one round cancels the machine's slow phases, which widen each engine's own
+    spread; a p90 below 1 says the first engine was faster in 9 rounds out of 10."""
+
+    median: float
+    p10: float
+    p90: float
+
+    @classmethod
+    def of(cls, first: BenchmarkResult, second: BenchmarkResult) -> "PairedRatio":
+        ratios = [a / b for a, b in zip(first.samples_ms, second.samples_ms, strict=True)]
+        deciles = statistics.quantiles(ratios, n=10, method="inclusive") if len(ratios) > 1 else ratios * 9
+        return cls(statistics.median(ratios), deciles[0], deciles[-1])
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f} [{self.p10:.2f}-{self.p90:.2f}]"
 
 
 def max_abs_diff(ours: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class BenchmarkResult:
-    """Latency of repeated runs, in milliseconds."""
+    """Latency of repeated runs, in milliseconds; `samples_ms` in the order they ran."""
 
     median_ms: float
     p10_ms: float
@@ -37,12 +37,14 @@ class BenchmarkResult:
     min_ms: float
     max_ms: float
     runs: int
+    samples_ms: tuple[float, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
     @classmethod
     def from_samples(cls, seconds: Sequence[float]) -> "BenchmarkResult":
-        ms = sorted(s * 1e3 for s in seconds)
+        in_order = tuple(s * 1e3 for s in seconds)
+        ms = sorted(in_order)
         deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
-        return cls(statistics.median(ms), deciles[0], deciles[-1], ms[0], ms[-1], len(ms))
+        return cls(statistics.median(ms), deciles[0], deciles[-1], ms[0], ms[-1], len(ms), in_order)
 
     def __str__(self) -> str:
         return (
