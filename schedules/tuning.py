@@ -10,6 +10,11 @@ round goes to the task with the largest share of the estimated model latency per
 tasks in proportion to their share of the kernels' end-to-end time. A task whose candidates
 all failed counts with the slowest measured latency.
 
+Measurement: on targets whose spec `tunes_cache_cold` (the CPU), each candidate is timed one
+run at a time with its operands but the first flushed from the caches, as kernel selection
+times them and as a model's weights arrive (another layer's have evicted them); timed warm, a
+memory-bound kernel whose weight fits in the cache would be tuned for reading it from there.
+
 Kernel selection: after the MetaSchedule rounds, each op group with several implementations
 (a matmul and its epilogue: library, hand-written, generated with the records just tuned) is
 verified and timed (`kernel_selection.select_kernels`) and the winners stored beside the
@@ -45,6 +50,7 @@ from ..compiler import Targets, kernel_tasks, resolve_target
 from ..errors import GimletError
 from ..frontend import InputShapes, ModelLike, import_model, load_model
 from ..runtime.remote import RemoteDevice, parse_address
+from ..targets import lookup
 from .kernel_selection.apply import rewrite_ops
 from .kernel_selection.candidates import OpSignature
 from .kernel_selection.select import KernelSelection, op_signatures, select_kernels
@@ -259,9 +265,19 @@ def _warm_cost_model(cost_model: ms.cost_model.CostModel, contexts: list[ms.Tune
 BUILD_TIMEOUT_S = 60.0
 
 
-def _runner(remote: RemoteDevice | None, timeout: float) -> ms.runner.Runner:
-    """Where candidates are measured: locally, or on devices from an RPC tracker."""
-    evaluator = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=40)
+# Cache-cold timing: one run per repeat, each after the flush (more runs per repeat would find
+# the operands cached again).
+COLD_REPEATS = 5
+
+
+def _runner(remote: RemoteDevice | None, timeout: float, cache_cold: bool) -> ms.runner.Runner:
+    """Where candidates are measured: locally, or on devices from an RPC tracker; with
+    `cache_cold`, each run after flushing its operands but the first from the CPU caches."""
+    if cache_cold:
+        evaluator = ms.runner.EvaluatorConfig(number=1, repeat=COLD_REPEATS, min_repeat_ms=0,
+                                              enable_cpu_cache_flush=True)
+    else:
+        evaluator = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=40)
     if remote is None:
         return ms.runner.LocalRunner(timeout_sec=timeout, evaluator_config=evaluator)
     if remote.tracker is None:
@@ -373,7 +389,7 @@ def _tune_tasks(tasks: list[TuningTask], tvm_target: tvm.target.Target, db: Reco
     cost_model = ms.cost_model.XGBModel(num_tuning_cores=cores)
     _warm_cost_model(cost_model, contexts, tasks, db)
     report = RecordAndReport(db, tasks, tvm_target, str(trials) if trials else "time", log)
-    runner = _runner(remote, runner_timeout)
+    runner = _runner(remote, runner_timeout, lookup(tvm_target.kind.name)[0].tunes_cache_cold)
     # TaskScheduler.tune itself (PyTaskScheduler.tune passes one argument too few in 0.27).
     ms.task_scheduler.task_scheduler._ffi_api.TaskSchedulerTune(
         WeightedScheduler(tasks, deadline),
