@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from typing import Callable, Mapping, Sequence
@@ -55,22 +56,30 @@ def time_interleaved(
 
 @dataclasses.dataclass(frozen=True)
 class PairedRatio:
-    """Per-round ratio of two engines timed by `time_interleaved`: median [p10-p90]. Pairing
-    the runs of one round cancels the machine's slow phases, which widen each engine's own
-    spread; a p90 below 1 says the first engine was faster in 9 rounds out of 10."""
+    """Per-round ratio of two engines timed by `time_interleaved`: median, p10-p90, and a 95%
+    confidence interval of the median (distribution-free: order statistics around n/2).
+    Pairing the runs of one round cancels the machine's slow phases, which widen each
+    engine's own spread; an interval below 1 says the first engine is the faster one."""
 
     median: float
     p10: float
     p90: float
+    median_low: float
+    median_high: float
 
     @classmethod
     def of(cls, first: BenchmarkResult, second: BenchmarkResult) -> "PairedRatio":
-        ratios = [a / b for a, b in zip(first.samples_ms, second.samples_ms, strict=True)]
-        deciles = statistics.quantiles(ratios, n=10, method="inclusive") if len(ratios) > 1 else ratios * 9
-        return cls(statistics.median(ratios), deciles[0], deciles[-1])
+        ratios = sorted(a / b for a, b in zip(first.samples_ms, second.samples_ms, strict=True))
+        n = len(ratios)
+        deciles = statistics.quantiles(ratios, n=10, method="inclusive") if n > 1 else ratios * 9
+        half_width = 0.98 * math.sqrt(n)  # 1.96 standard deviations of Binomial(n, 1/2)
+        low = max(0, math.floor(n / 2 - half_width))
+        high = min(n - 1, math.ceil(n / 2 + half_width) - 1)
+        return cls(statistics.median(ratios), deciles[0], deciles[-1], ratios[low], ratios[high])
 
     def __str__(self) -> str:
-        return f"{self.median:.2f} [{self.p10:.2f}-{self.p90:.2f}]"
+        return (f"{self.median:.2f} [{self.p10:.2f}-{self.p90:.2f}] "
+                f"(median {self.median_low:.2f}-{self.median_high:.2f})")
 
 
 def max_abs_diff(ours: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:
