@@ -3,7 +3,8 @@
 each as a ratio against onnxruntime timed in the same run, interleaved. Input shapes are fixed
 (the suite's example inputs at `--batch`). Prints each op group's winner, then one table row:
 median ms [p10-p90] (median / onnxruntime median), and selected's time over each single-source
-build's within the same round (median [p10-p90] of those per-round ratios).
+build's within the same round (median [p10-p90] of those per-round ratios, and the 95%
+confidence interval of that median).
 
     python benchmarks/kernel_selection.py [--models mlp bert_base_like] [--batch 1] [--repeat 10]
         [--tune-trials N] [--records DIR]

@@ -79,5 +79,4 @@ LLVM_CPU = TargetSpec(
     schedule_rules=lambda target: tuple(rule() for rule in CPU_SCHEDULE_RULES),
     can_run=lambda: None,
     perf_facts=host_perf,
-    tunes_cache_cold=True,
 )

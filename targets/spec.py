@@ -98,9 +98,6 @@ class TargetSpec:
     can_compile / can_run: whether this machine can generate code for / execute on it; each
       returns None when it can, else the reason it can't.
     perf_facts: the device's roofline, for cross-device placement.
-    tunes_cache_cold: MetaSchedule times each candidate once per run with its operands (all but
-      the first) flushed from the CPU caches, as kernel selection does; for host targets,
-      whose repeated runs would otherwise keep a weight in the cache that a model evicts.
     """
 
     name: str
@@ -119,7 +116,14 @@ class TargetSpec:
     can_compile: Callable[[], str | None] = lambda: None
     can_run: Callable[[], str | None] = lambda: "no runtime for this target in this build"
     perf_facts: Callable[[], PerfFacts] = lambda: DISCRETE_GPU
-    tunes_cache_cold: bool = False
+
+    @property
+    def tunes_cache_cold(self) -> bool:
+        """Whether MetaSchedule times each candidate once per run with its operands (all but
+        the first) flushed from the CPU caches, as kernel selection does: for host targets,
+        whose repeated runs would otherwise keep a weight in the cache that a model evicts. Not
+        for device targets: the flush runs on the CPU over the operands' addresses."""
+        return self.host is None
 
     def make_target(self, overrides: Mapping[str, Any] | None = None) -> tvm.target.Target:
         """The TVM target: this machine's defaults with `overrides` on top."""

@@ -91,13 +91,6 @@ def test_facts_come_from_the_target() -> None:
     assert rocm.name == "rocm" and rocm.facts()["warp_size"] == 64
 
 
-def test_only_host_targets_tune_cache_cold() -> None:
-    # The flush runs on the CPU over the operands' memory: for a device target's operands that
-    # would be device addresses.
-    for spec in targets.registered():
-        assert spec.tunes_cache_cold == (spec.host is None), spec.name
-
-
 def test_duplicate_registration_refused() -> None:
     llvm, _ = targets.lookup("llvm")
     with pytest.raises(ValueError, match="already registered"):
