@@ -276,24 +276,45 @@ def test_wrong_epilogue_rejected(tmp_path):
     assert outcomes["no_bias"].reason.startswith(f"wrong result at {BIAS_RELU.key} on random"), outcomes["no_bias"].reason
 
 
-def test_near_equal_candidates_timed_again(monkeypatch):
-    """Candidates within the margin of the fastest are re-timed (median decides); others not."""
+def test_close_candidates_raced_together_and_median_decides(monkeypatch):
+    """Candidates within the margin of the fastest are timed again together; the median of
+    their rounds is their time. A failed race leaves the first timings (and says why)."""
     from gimlet_tvm.schedules.kernel_selection import select
-    from gimlet_tvm.schedules.kernel_selection.verify import Outcome
+    from gimlet_tvm.schedules.kernel_selection.verify import Race
 
-    later = {"a": [3.0, 3.0], "b": [1.1, 1.1]}  # the first measurement of "a" was lucky
-    calls = []
+    rounds = {"a": [3.0, 2.0, 3.0], "b": [1.1, 1.3, 1.2]}  # the first measurement of "a" was lucky
+    raced = []
 
-    def fake_run(request, timeout):
-        calls.append(request["candidate"])
-        return Outcome(True, "", later[request["candidate"]].pop())
+    def fake_race(request, timeout):
+        raced.append(request["candidates"])
+        return Race({cid: rounds[cid] for cid in request["candidates"]})
 
-    monkeypatch.setattr(select, "run_candidate", fake_run)
-    tried = [select.Tried("a", "", True, seconds=1.0), select.Tried("b", "", True, seconds=1.05),
-             select.Tried("c", "", True, seconds=5.0), select.Tried("d", "", False, "wrong")]
-    select._retime_close(tried, {t.id: {"candidate": t.id} for t in tried}, timeout=1)
-    assert calls == ["a", "b"] * select.RETIME_ROUNDS
-    assert [t.seconds for t in tried[:3]] == [3.0, 1.1, 5.0]
+    monkeypatch.setattr(select, "race_candidates", fake_race)
+    tried = [select.Tried("a", "", True, seconds=1.0), select.Tried("b", "", True, seconds=1.45),
+             select.Tried("c", "", True, seconds=1.6), select.Tried("d", "", False, "wrong")]
+    assert select._race_close(tried, {"signature": SIG.to_json()}, timeout=1) is None
+    assert raced == [["a", "b"]]
+    assert [t.seconds for t in tried[:3]] == [3.0, 1.2, 1.6] and tried[1].rounds == rounds["b"]
+
+    monkeypatch.setattr(select, "race_candidates", lambda request, timeout: Race({}, "crashed (SIGSEGV)"))
+    tried = [select.Tried("a", "", True, seconds=1.0), select.Tried("b", "", True, seconds=1.2)]
+    assert select._race_close(tried, {"signature": SIG.to_json()}, timeout=1) == "crashed (SIGSEGV)"
+    assert [t.seconds for t in tried] == [1.0, 1.2] and not tried[0].rounds
+
+
+def test_race_times_every_candidate_in_every_round(kernels):
+    """The race child builds each candidate once and times all of them in each round; one
+    that crashes when run fails the race with the signal named, not the caller."""
+    from gimlet_tvm.schedules.kernel_selection.verify import race_candidates
+
+    _, target = resolve_target("llvm")
+    request = dict(_request("", target, str(kernels)), rounds=3)
+    ids = ["library:openblas", "handwritten:cpu_gemm_6x2v", "external:good"]
+    race = race_candidates(dict(request, candidates=ids), timeout=300)
+    assert race.failure == "" and sorted(race.samples) == sorted(ids)
+    assert all(len(times) == 3 and all(0 < t < 0.1 for t in times) for times in race.samples.values())
+    race = race_candidates(dict(request, candidates=["external:good", "external:crash"]), timeout=300)
+    assert race.failure.startswith("crashed (SIGSEGV)") and race.samples == {}
 
 
 def test_attention_is_an_op_group_with_library_and_generated_candidates():

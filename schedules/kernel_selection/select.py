@@ -3,8 +3,9 @@
 `select_kernels` finds the model's op signatures (after graph fusion, op groups formed with
 the epilogues the library would absorb: what the build's `ApplyKernelSelection` sees), lists
 every source's candidates, verifies and times each in a subprocess (`verify.run_candidate`),
-times the ones close to the fastest again (interleaved, median) and picks the fastest
-verified one. The results, every candidate's included, are stored with provenance in the
+times the ones within `RACE_MARGIN` of the fastest again side by side in one subprocess
+(`verify.race_candidates`: rounds, each timing every one of them once) and picks the one with
+the lowest median over those rounds. The results, every candidate's included, are stored with provenance in the
 records directory as `gimlet_kernel_selection.json` (beside MetaSchedule's files, under the
 same lock, written atomically), per target key; `build(records=DIR)` applies the winners.
 """
@@ -17,6 +18,7 @@ import gc
 import json
 import os
 import statistics
+import warnings
 from typing import Any, Iterable
 
 import tvm
@@ -29,11 +31,11 @@ from ..records import RecordsDB, target_key
 from .apply import ApplyKernelSelection, grouping_passes
 from .candidates import Candidate, OpSignature
 from .sources import candidates, find
-from .verify import Outcome, run_candidate
+from .verify import Outcome, race_candidates, run_candidate
 
 SELECTION_FILE = "gimlet_kernel_selection.json"
-RETIME_MARGIN = 0.15  # candidates this close to the fastest are timed again ...
-RETIME_ROUNDS = 2     # ... this many more times each, interleaved
+RACE_MARGIN = 0.5  # verified candidates this close to the fastest are timed again together ...
+RACE_ROUNDS = 9    # ... in this many rounds (a first timing alone varies by more on a shared host)
 HOPELESS = 10.0       # generated code this many times slower than the fastest so far is timed once
 FORMAT = "gimlet-tvm-kernel-selection/1"
 
@@ -46,8 +48,9 @@ class Tried:
     provenance: str
     verified: bool
     reason: str = ""
-    seconds: float | None = None
+    seconds: float | None = None  # raced: the median of `rounds`
     digest: str = ""
+    rounds: list[float] = dataclasses.field(default_factory=list)  # seconds in each round of the race
 
 
 @dataclasses.dataclass
@@ -167,42 +170,46 @@ def op_signatures(mod: tvm.IRModule, target: tvm.target.Target) -> dict[OpSignat
     return counts
 
 
-def _run(request: dict[str, Any], timeout: float, remote: RemoteDevice | None) -> Outcome:
-    """`run_candidate`; where a remote step failed, the device must still answer (else
-    selection stops with a `RemoteDeviceError`): then the candidate broke its session."""
-    outcome = run_candidate(request, timeout)
-    if not outcome.remote_failed:
-        return outcome
+def _check_remote(remote: RemoteDevice, what: str) -> None:
+    """After a remote step failed in `what`: the device must still answer (else selection
+    stops with a `RemoteDeviceError`); then the candidate broke its session."""
     try:
         remote.connect()
     except RemoteDeviceError as err:
-        raise RemoteDeviceError(f"{remote.describe()} was lost during kernel selection "
-                                f"({request['candidate']} for {request['signature']['op']}): {err}") from None
+        raise RemoteDeviceError(f"{remote.describe()} was lost during kernel selection ({what}): {err}") from None
     finally:
         gc.collect()  # ends the probe's session (TVM's RPC objects form cycles)
+
+
+def _run(request: dict[str, Any], timeout: float, remote: RemoteDevice | None) -> Outcome:
+    """`run_candidate`, the remote device checked where a remote step failed."""
+    outcome = run_candidate(request, timeout)
+    if not outcome.remote_failed:
+        return outcome
+    _check_remote(remote, f"{request['candidate']} for {request['signature']['op']}")
     return Outcome(False, f"broke its remote session: {outcome.reason}")
 
 
-def _retime_close(tried: list[Tried], requests: dict[str, dict[str, Any]], timeout: float,
-                  remote: RemoteDevice | None = None) -> None:
-    """Time the verified candidates within `RETIME_MARGIN` of the fastest again, in
-    `RETIME_ROUNDS` interleaved rounds; each keeps the median of its times (one noisy first
-    measurement must not decide between near equals)."""
+def _race_close(tried: list[Tried], request: dict[str, Any], timeout: float,
+                remote: RemoteDevice | None = None) -> str | None:
+    """Time the verified candidates within `RACE_MARGIN` of the fastest against each other
+    (`race_candidates`, `RACE_ROUNDS` rounds); each then has the median of its rounds as its
+    time. Returns why the race failed (the first timings then stand), or None."""
     verified = [t for t in tried if t.verified]
-    if not verified:
-        return
-    best = min(t.seconds for t in verified)
-    close = [t for t in verified if t.seconds <= best * (1 + RETIME_MARGIN)]
+    best = min((t.seconds for t in verified), default=None)
+    close = [t for t in verified if t.seconds <= best * (1 + RACE_MARGIN)]
     if len(close) < 2:
-        return
-    samples = {t.id: [t.seconds] for t in close}
-    for _ in range(RETIME_ROUNDS):
-        for t in close:
-            outcome = _run(requests[t.id], timeout, remote)
-            if outcome.verified:
-                samples[t.id].append(outcome.seconds)
+        return None
+    race = race_candidates(dict(request, candidates=[t.id for t in close], rounds=RACE_ROUNDS),
+                           timeout * len(close))
+    if race.remote_failed:
+        _check_remote(remote, f"timing {len(close)} candidates for {request['signature']['op']} together")
+    if race.failure:
+        return race.failure
     for t in close:
-        t.seconds = statistics.median(samples[t.id])
+        t.rounds = race.samples[t.id]
+        t.seconds = statistics.median(t.rounds)
+    return None
 
 
 def select_kernels(
@@ -225,24 +232,26 @@ def select_kernels(
     target_json = json.loads(str(target))
     choices = {}
     for sig, count in op_signatures(mod, target).items():
-        tried, requests = [], {}
+        tried = []
+        request = {"signature": sig.to_json(), "target": target_json, "external_dir": external_dir,
+                   "records": records, "min_repeat_ms": min_repeat_ms,
+                   "remote": dataclasses.asdict(remote) if remote else None}
         # Generated code last: an untuned schedule is often far behind, and then timed once.
         for candidate in sorted(candidates(sig, target, external_dir), key=lambda c: c.source == "generated"):
             if candidate.unavailable is not None:
                 outcome = Outcome(False, f"unavailable: {candidate.unavailable}")
             else:
                 fastest = min((t.seconds for t in tried if t.verified), default=None)
-                requests[candidate.id] = {
-                    "signature": sig.to_json(), "candidate": candidate.id, "target": target_json,
-                    "external_dir": external_dir, "records": records, "min_repeat_ms": min_repeat_ms,
-                    "remote": dataclasses.asdict(remote) if remote else None,
-                    "hopeless_after": HOPELESS * fastest if fastest and candidate.source == "generated" else None}
-                outcome = _run(requests[candidate.id], timeout, remote)
+                hopeless = HOPELESS * fastest if fastest and candidate.source == "generated" else None
+                outcome = _run(dict(request, candidate=candidate.id, hopeless_after=hopeless), timeout, remote)
             tried.append(Tried(candidate.id, candidate.provenance, outcome.verified, outcome.reason,
                                outcome.seconds, candidate.digest))
             if progress is not None:
                 progress(sig, tried[-1])
-        _retime_close(tried, requests, timeout, remote)
+        failure = _race_close(tried, request, timeout, remote)
+        if failure is not None:
+            warnings.warn(f"{sig.key}: the close candidates could not be timed together ({failure}); "
+                          "their first timings decide")
         verified = [t for t in tried if t.verified]
         winner = min(verified, key=lambda t: t.seconds).id if verified else None
         choices[sig.key] = OpChoice(sig, tried, winner, count)

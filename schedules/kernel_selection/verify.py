@@ -11,6 +11,10 @@ wrong result, a crash (signal), a hang (timeout) or a device this machine lacks 
 `reason` it is not verified; a failing remote step gives `remote_failed` (the candidate may
 have crashed the server's session, or the device is gone: the caller tells which).
 
+A request naming several `candidates` (verified before) is a race instead: one child builds
+each for timing, then times them in turn, round after round (`race_candidates`), so near
+equals are compared under the same load and not by one timing each, minutes apart.
+
     python -m gimlet_tvm.schedules.kernel_selection.verify < request.json
 """
 
@@ -50,21 +54,43 @@ class Outcome:
     remote_failed: bool = False  # a step on the remote device failed (the candidate, or the device?)
 
 
+@dataclasses.dataclass
+class Race:
+    """Verified candidates timed against each other: id -> seconds per round, or why not."""
+
+    samples: dict[str, list[float]]
+    failure: str = ""
+    remote_failed: bool = False
+
+
 def run_candidate(request: dict[str, Any], timeout: float) -> Outcome:
     """Verify and time the candidate `request` names, in a child process."""
+    result = _spawn(request, timeout)
+    return Outcome(False, result) if isinstance(result, str) else Outcome(**result)
+
+
+def race_candidates(request: dict[str, Any], timeout: float) -> Race:
+    """Time the verified candidates `request["candidates"]` of one op group against each other
+    in one child process: `request["rounds"]` rounds, each timing every candidate once (caches
+    cold, as `_time`), each round starting one candidate further on."""
+    result = _spawn(request, timeout)
+    return Race({}, result) if isinstance(result, str) else Race(**result)
+
+
+def _spawn(request: dict[str, Any], timeout: float) -> dict[str, Any] | str:
+    """The child's result for `request`, or why there is none."""
     try:
         proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(request),
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return Outcome(False, f"timed out after {timeout:g} s (compile, run or check)")
+        return f"timed out after {timeout:g} s (compile, run or check)"
     for line in proc.stdout.splitlines()[::-1]:
         if line.startswith(RESULT_PREFIX):
-            return Outcome(**json.loads(line[len(RESULT_PREFIX):]))
+            return json.loads(line[len(RESULT_PREFIX):])
     if proc.returncode < 0:
-        name = signal.Signals(-proc.returncode).name
-        return Outcome(False, f"crashed ({name}) while compiling, running or checking")
+        return f"crashed ({signal.Signals(-proc.returncode).name}) while compiling, running or checking"
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
-    return Outcome(False, f"child exited with code {proc.returncode}: {tail}")
+    return f"child exited with code {proc.returncode}: {tail}"
 
 
 def _build(mod, candidate, spec, target, tuned):
@@ -167,53 +193,76 @@ def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, str |
     return executable, None
 
 
+class _ColdTiming:
+    """One candidate of an op group, ready to be timed caches cold: its runs rotate through
+    copies of the group's operands that together exceed `COLD_BYTES` (up to `MAX_COPIES`), as
+    in a model whose other layers evict this group's weights. Where B is a weight, the copies
+    of B are constants of one executable (`build(module)` builds it) whose run computes the
+    group once with each, so a kernel that takes B in its own layout finds it converted at
+    build time (on a remote device only these rotate: the other operands are timed warm).
+    Otherwise `executable` (built by `build` when not given) is timed."""
+
+    def __init__(self, sig, machine: _Machine, build, executable=None) -> None:
+        operands = [x.astype(sig.dtype) for x in sig.input_sets(np.random.default_rng(1))["random"]]
+        count = min(MAX_COPIES, -(-COLD_BYTES // sum(x.nbytes for x in operands)))
+        self.machine, self.per_run = machine, 1
+        if sig.weight:
+            weights = [operands[1] + np.float32(i) for i in range(count)]
+            executable, operands, self.per_run = build(sig.module(weights)), [operands[0], *operands[2:]], count
+            count = 1
+        elif executable is None:
+            executable = build(sig.module())
+        self.vm = machine.load(executable)
+        self.copies = [machine.tensors(operands) for _ in range(count if machine.remote is None else 1)]
+        machine.step("run", lambda: self.vm["main"](*self.copies[0]))  # warm-up: code, thread pool
+
+    def seconds(self, min_repeat_ms: int) -> float:
+        """Median seconds of one run of the group."""
+        times = self.machine.seconds(self.vm, self.copies, MIN_RUNS, min_repeat_ms)
+        return statistics.median(times) / self.per_run
+
+
 def _time(executable, sig, machine: _Machine, min_repeat_ms: int, build, hopeless_after: float | None) -> float:
-    """Median seconds of one run of the op group, caches cold: the runs rotate through copies
-    of its operands that together exceed `COLD_BYTES` (up to `MAX_COPIES`), as in a model
-    whose other layers evict this group's weights. Where B is a weight, the copies of B are
-    constants of one executable (`build(module)` builds it) whose run computes the group once
-    with each, so a kernel that takes B in its own layout finds it converted at build time
-    (on a remote device only these rotate: the other operands are timed warm).
+    """Median seconds of one run of the op group, caches cold (`_ColdTiming`).
     With `hopeless_after` (given to generated code), a warm second run of `executable` slower
     than that many seconds is the answer: the candidate cannot win, and a default-scheduled
     GEMM would take minutes to time cold."""
-    operands = [x.astype(sig.dtype) for x in sig.input_sets(np.random.default_rng(1))["random"]]
     if hopeless_after is not None:
+        operands = [x.astype(sig.dtype) for x in sig.input_sets(np.random.default_rng(1))["random"]]
         warm, args = machine.load(executable), machine.tensors(operands)
         machine.run(warm, args)  # first touch of the tensors, thread pool
         (seconds,) = machine.seconds(warm, [args], 1, 0)
         if seconds > hopeless_after:
             return seconds
-    count = min(MAX_COPIES, -(-COLD_BYTES // sum(x.nbytes for x in operands)))
-    per_run = 1
-    if sig.weight:
-        weights = [operands[1] + np.float32(i) for i in range(count)]
-        executable, operands, per_run = build(sig.module(weights)), [operands[0], *operands[2:]], count
-        count = 1
-    vm = machine.load(executable)
-    copies = [machine.tensors(operands) for _ in range(count if machine.remote is None else 1)]
-    machine.step("run", lambda: vm["main"](*copies[0]))  # warm-up: code, thread pool
-    return statistics.median(machine.seconds(vm, copies, MIN_RUNS, min_repeat_ms)) / per_run
+    return _ColdTiming(sig, machine, build, executable).seconds(min_repeat_ms)
 
 
-def _child(request: dict[str, Any]) -> Outcome:
+def _setup(request: dict[str, Any]):
+    """The request's target, its spec, the op signature, the tuning records and the machine."""
     import tvm
 
-    from ...errors import RemoteDeviceError
     from ...runtime.remote import RemoteDevice
     from ...schedules.records import ApplyRecords, RecordsDB
     from ...targets import lookup
     from .candidates import OpSignature
-    from .sources import find
 
     target = tvm.target.Target(request["target"])
     spec, _ = lookup(target.kind.name)
     sig = OpSignature.from_json(request["signature"])
-    candidate = find(request["candidate"], sig, target, request.get("external_dir"))
     tuned = ApplyRecords(RecordsDB(request["records"]), target) if request.get("records") else None
+    remote = RemoteDevice(**request["remote"]) if request.get("remote") else None
+    return target, spec, sig, tuned, lambda: _Machine(spec, remote)
+
+
+def _child(request: dict[str, Any]) -> Outcome:
+    from ...errors import RemoteDeviceError
+    from .sources import find
+
+    target, spec, sig, tuned, machine = _setup(request)
+    candidate = find(request["candidate"], sig, target, request.get("external_dir"))
     checks = [sig] + ([sig.edge_case()] if candidate.shape_generic else [])
     try:
-        machine = _Machine(spec, RemoteDevice(**request["remote"]) if request.get("remote") else None)
+        machine = machine()
         executable = None
         for checked in checks:
             built, failure = _check(checked, candidate, machine, target, tuned)
@@ -232,6 +281,30 @@ def _child(request: dict[str, Any]) -> Outcome:
     return Outcome(True, "", seconds, [c.key for c in checks])
 
 
+def _race_child(request: dict[str, Any]) -> Race:
+    from ...errors import RemoteDeviceError, summary
+    from .sources import find
+
+    target, spec, sig, tuned, machine = _setup(request)
+    ids = request["candidates"]
+    try:
+        machine = machine()
+        timings = {}
+        for cid in ids:
+            candidate = find(cid, sig, target, request.get("external_dir"))
+            timings[cid] = _ColdTiming(sig, machine, lambda mod, c=candidate: _build(mod, c, spec, target, tuned))
+        samples: dict[str, list[float]] = {cid: [] for cid in ids}
+        for first in range(request["rounds"]):
+            for cid in ids[first % len(ids):] + ids[:first % len(ids)]:
+                samples[cid].append(timings[cid].seconds(request["min_repeat_ms"]))
+    except RemoteDeviceError as err:
+        return Race({}, str(err), remote_failed=True)
+    except Exception as err:  # pylint: disable=broad-except  # a candidate's build or run
+        return Race({}, f"timing together failed: {summary(err)}")
+    return Race(samples)
+
+
 if __name__ == "__main__":
-    outcome = _child(json.loads(sys.stdin.read()))
-    print(RESULT_PREFIX + json.dumps(dataclasses.asdict(outcome)), flush=True)
+    job = json.loads(sys.stdin.read())
+    result = _race_child(job) if "candidates" in job else _child(job)
+    print(RESULT_PREFIX + json.dumps(dataclasses.asdict(result)), flush=True)
