@@ -69,7 +69,12 @@ class PairedRatio:
 
     @classmethod
     def of(cls, first: BenchmarkResult, second: BenchmarkResult) -> "PairedRatio":
-        ratios = sorted(a / b for a, b in zip(first.samples_ms, second.samples_ms, strict=True))
+        return cls.of_rounds(first.samples_ms, second.samples_ms)
+
+    @classmethod
+    def of_rounds(cls, first: Sequence[float], second: Sequence[float]) -> "PairedRatio":
+        """The ratio of two engines' times given round by round."""
+        ratios = sorted(a / b for a, b in zip(first, second, strict=True))
         n = len(ratios)
         deciles = statistics.quantiles(ratios, n=10, method="inclusive") if n > 1 else ratios * 9
         half_width = 0.98 * math.sqrt(n)  # 1.96 standard deviations of Binomial(n, 1/2)

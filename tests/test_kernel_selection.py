@@ -156,6 +156,8 @@ def test_handwritten_cuda_gemm_compiles_with_nvcc():
 
 
 def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_path):
+    from gimlet_tvm.schedules.kernel_selection import select
+
     model_path = tmp_path / "matmul.onnx"
     onnx.save(_matmul_model(), model_path)
     records = tmp_path / "records"
@@ -172,8 +174,8 @@ def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_
     assert all(tried[i]["verified"] for i in ("generated:tir", "library:openblas", "handwritten:cpu_gemm_6x2v",
                                               "handwritten:cpu_gemm_packed_6x2v", "external:good"))
     assert choice["winner"] not in ("external:wrong", "external:crash")
-    verified = [t for t in tried.values() if t["verified"]]
-    assert tried[choice["winner"]]["seconds"] == min(t["seconds"] for t in verified)
+    verified = [select.Tried(**t) for t in tried.values() if t["verified"]]
+    assert choice["winner"] == select._winner(verified)
 
     # The build applies the stored winner, and every restriction to one source runs right.
     _, target = resolve_target("llvm")
@@ -300,6 +302,28 @@ def test_close_candidates_raced_together_and_median_decides(monkeypatch):
     tried = [select.Tried("a", "", True, seconds=1.0), select.Tried("b", "", True, seconds=1.2)]
     assert select._race_close(tried, {"signature": SIG.to_json()}, timeout=1) == "crashed (SIGSEGV)"
     assert [t.seconds for t in tried] == [1.0, 1.2] and not tried[0].rounds
+
+
+def test_race_ties_go_to_the_preferred_source():
+    """The fastest wins unless the race cannot tell it from another: then the first source of
+    SOURCE_PREFERENCE (generated code before hand-written kernels before library calls)."""
+    from gimlet_tvm.schedules.kernel_selection import select
+
+    def tried(cid: str, rounds: list[float]):
+        return select.Tried(cid, "", True, seconds=sorted(rounds)[len(rounds) // 2], rounds=rounds)
+
+    noise = [1.0, 1.08, 0.95, 1.02, 0.97, 1.06, 0.93, 1.01, 1.04]
+    base = [2.0] * 9
+    handwritten = tried("handwritten:k", base)
+    equal = tried("generated:tir", [b * x for b, x in zip(base, noise)])  # median 1.01x, spread both ways
+    slower = tried("generated:tir", [b * 1.03 * x / min(noise) for b, x in zip(base, noise)])  # every round slower
+    library = tried("library:blas", [b * 0.98 * x for b, x in zip(base, noise)])  # fastest median, within noise
+    assert select._winner([handwritten, equal]) == "generated:tir"
+    assert select._winner([handwritten, slower]) == "handwritten:k"
+    assert select._winner([library, handwritten]) == "handwritten:k"
+    assert select._winner([select.Tried("library:blas", "", True, seconds=1.0),
+                           select.Tried("generated:tir", "", True, seconds=1.01)]) == "library:blas"  # not raced
+    assert select._winner([select.Tried("generated:tir", "", False, "wrong")]) is None
 
 
 def test_race_times_every_candidate_in_every_round(kernels):

@@ -31,13 +31,15 @@ def add_parser(sub) -> None:
 
 def format_selection(selection: KernelSelection) -> str:
     """A table per op: candidates, verified or why not, latency (the candidates raced
-    together: median and range of their rounds), winner."""
+    together: median and range of their rounds), winner (a tie: see `SOURCE_PREFERENCE`)."""
     blocks = []
     for key, choice in selection.choices.items():
+        fastest = min((t.seconds for t in choice.tried if t.verified), default=None)
         rows = [[t.id, "yes" if t.verified else f"no: {t.reason}",
                  f"{t.seconds * 1e3:.3f}" if t.seconds is not None else "-",
                  f"{min(t.rounds) * 1e3:.3f}-{max(t.rounds) * 1e3:.3f} ({len(t.rounds)})" if t.rounds else "",
-                 "<- winner" if t.id == choice.winner else ""] for t in choice.tried]
+                 ("<- winner" + (" (ties the fastest)" if t.seconds > fastest else "")) if t.id == choice.winner
+                 else ""] for t in choice.tried]
         header = f"{key}  (x{choice.count})  winner: {choice.winner or 'none verified: default'}"
         blocks.append(header + "\n" + format_table(["candidate", "verified", "ms", "raced: range (rounds)", ""],
                                                    rows))

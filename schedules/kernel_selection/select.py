@@ -5,7 +5,9 @@ the epilogues the library would absorb: what the build's `ApplyKernelSelection` 
 every source's candidates, verifies and times each in a subprocess (`verify.run_candidate`),
 times the ones within `RACE_MARGIN` of the fastest again side by side in one subprocess
 (`verify.race_candidates`: rounds, each timing every one of them once) and picks the one with
-the lowest median over those rounds. The results, every candidate's included, are stored with provenance in the
+the lowest median over those rounds, unless the race cannot tell it from others: among such
+ties the first source in `SOURCE_PREFERENCE` wins, so that selecting again does not flip
+between equals on a timing's noise. The results, every candidate's included, are stored with provenance in the
 records directory as `gimlet_kernel_selection.json` (beside MetaSchedule's files, under the
 same lock, written atomically), per target key; `build(records=DIR)` applies the winners.
 """
@@ -26,6 +28,7 @@ from tvm import relax
 
 from ...errors import GimletError, RemoteDeviceError
 from ...files import atomic_path
+from ...peers import PairedRatio
 from ...runtime.remote import RemoteDevice
 from ..records import RecordsDB, target_key
 from .apply import ApplyKernelSelection, grouping_passes
@@ -36,6 +39,10 @@ from .verify import Outcome, race_candidates, run_candidate
 SELECTION_FILE = "gimlet_kernel_selection.json"
 RACE_MARGIN = 0.5  # verified candidates this close to the fastest are timed again together ...
 RACE_ROUNDS = 9    # ... in this many rounds (a first timing alone varies by more on a shared host)
+# Between candidates the race cannot tell apart (the 95% confidence interval of their per-round
+# time ratio holds 1): the compiler's own code tuned for the shape, then kernels kept in this
+# repository, then library calls (a runtime extension), then kernels from outside.
+SOURCE_PREFERENCE = ("generated", "handwritten", "library", "external")
 HOPELESS = 10.0       # generated code this many times slower than the fastest so far is timed once
 FORMAT = "gimlet-tvm-kernel-selection/1"
 
@@ -212,6 +219,18 @@ def _race_close(tried: list[Tried], request: dict[str, Any], timeout: float,
     return None
 
 
+def _winner(tried: list[Tried]) -> str | None:
+    """The fastest verified candidate, or the first in `SOURCE_PREFERENCE` of those its race
+    cannot tell from it (None: none verified)."""
+    verified = [t for t in tried if t.verified]
+    if not verified:
+        return None
+    fastest = min(verified, key=lambda t: t.seconds)
+    ties = [t for t in verified if t.rounds and fastest.rounds
+            and PairedRatio.of_rounds(t.rounds, fastest.rounds).median_low <= 1.0]
+    return min(ties or [fastest], key=lambda t: (SOURCE_PREFERENCE.index(t.id.split(":")[0]), t.seconds)).id
+
+
 def select_kernels(
     mod: tvm.IRModule,
     target: tvm.target.Target,
@@ -252,9 +271,7 @@ def select_kernels(
         if failure is not None:
             warnings.warn(f"{sig.key}: the close candidates could not be timed together ({failure}); "
                           "their first timings decide")
-        verified = [t for t in tried if t.verified]
-        winner = min(verified, key=lambda t: t.seconds).id if verified else None
-        choices[sig.key] = OpChoice(sig, tried, winner, count)
+        choices[sig.key] = OpChoice(sig, tried, _winner(tried), count)
     measured = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return KernelSelection(target_key(target), choices, external_dir, measured,
                            remote.describe() if remote else "local")
