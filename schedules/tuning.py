@@ -352,10 +352,7 @@ def tune(
 
 
 def _selection_progress(log: IO[str]):
-    def report(sig, tried) -> None:
-        outcome = f"{tried.seconds * 1e3:.3f} ms" if tried.verified else f"no: {tried.reason}"
-        print(f"[select] {sig.key}: {tried.id} {outcome}", file=log, flush=True)
-    return report
+    return lambda line: print(f"[select] {line}", file=log, flush=True)
 
 
 def _tune_tasks(tasks: list[TuningTask], tvm_target: tvm.target.Target, db: RecordsDB, *,

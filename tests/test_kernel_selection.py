@@ -166,6 +166,7 @@ def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_
     assert code == 0, err
     assert re.search(r"external:wrong +no: wrong result at matmul float32 5x24 @ const 24x40 on random", out), out
     assert re.search(r"external:crash +no: crashed \(SIGSEGV\)", out), out
+    assert f"{WEIGHT_SIG.key}: external:crash no: crashed (SIGSEGV)" in err  # progress, as it goes
     assert "model builds with the selection" in out
     stored = json.loads((records / SELECTION_FILE).read_text())
     (choice,) = next(iter(stored["targets"].values()))["ops"].values()

@@ -6,6 +6,7 @@ where `compile --records DIR` applies it."""
 from __future__ import annotations
 
 import collections
+import sys
 import time
 
 from ..compiler import resolve_target
@@ -51,7 +52,8 @@ def run(args) -> int:
     _, target = resolve_target(args.target)
     mod, _ = import_model(load_model(args.model), parse_input_shapes(args.input_shape))
     selection = select_kernels(mod, target, external_dir=args.kernels, records=args.records,
-                               timeout=args.timeout, remote=remote_device(args))
+                               timeout=args.timeout, remote=remote_device(args),
+                               progress=lambda line: print(line, file=sys.stderr, flush=True))
     path = selection.save(args.records)
     print(format_selection(selection) or "no op in this model has kernel candidates (static-shape matmul or attention)")
     counts = collections.Counter(selected_sources(selection))

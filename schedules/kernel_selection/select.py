@@ -21,7 +21,7 @@ import json
 import os
 import statistics
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import tvm
 from tvm import relax
@@ -240,10 +240,12 @@ def select_kernels(
     timeout: float = 120.0,
     min_repeat_ms: int = 20,
     remote: RemoteDevice | None = None,
-    progress=None,
+    progress: Callable[[str], None] | None = None,
 ) -> KernelSelection:
     """Verify and time every candidate of every op signature in `mod` on `target` (on this
-    machine, or on the `remote` device over TVM RPC); pick each op's fastest verified one."""
+    machine, or on the `remote` device over TVM RPC); pick each op's fastest verified one.
+    `progress` gets a line per candidate tried and per race."""
+    report = progress or (lambda line: None)
     if external_dir is not None:
         external_dir = os.path.abspath(external_dir)
     if records is not None:
@@ -265,13 +267,17 @@ def select_kernels(
                 outcome = _run(dict(request, candidate=candidate.id, hopeless_after=hopeless), timeout, remote)
             tried.append(Tried(candidate.id, candidate.provenance, outcome.verified, outcome.reason,
                                outcome.seconds, candidate.digest))
-            if progress is not None:
-                progress(sig, tried[-1])
+            report(f"{sig.key}: {candidate.id} " + (f"{outcome.seconds * 1e3:.3f} ms" if outcome.verified
+                                                     else f"no: {outcome.reason}"))
         failure = _race_close(tried, request, timeout, remote)
         if failure is not None:
             warnings.warn(f"{sig.key}: the close candidates could not be timed together ({failure}); "
                           "their first timings decide")
         choices[sig.key] = OpChoice(sig, tried, _winner(tried), count)
+        raced = [t for t in tried if t.rounds]
+        if raced:
+            report(f"{sig.key}: raced {len(raced)} in {RACE_ROUNDS} rounds: " + ", ".join(
+                f"{t.id} {t.seconds * 1e3:.3f} ms" for t in raced) + f"; winner {choices[sig.key].winner}")
     measured = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return KernelSelection(target_key(target), choices, external_dir, measured,
                            remote.describe() if remote else "local")
