@@ -293,11 +293,11 @@ def test_close_candidates_raced_together_and_median_decides(monkeypatch):
         return Race({cid: rounds[cid] for cid in request["candidates"]})
 
     monkeypatch.setattr(select, "race_candidates", fake_race)
-    tried = [select.Tried("a", "", True, seconds=1.0), select.Tried("b", "", True, seconds=1.45),
-             select.Tried("c", "", True, seconds=1.6), select.Tried("d", "", False, "wrong")]
+    tried = [select.Tried("a", "", True, seconds=1.0), select.Tried("b", "", True, seconds=2.9),
+             select.Tried("c", "", True, seconds=3.1), select.Tried("d", "", False, "wrong")]
     assert select._race_close(tried, {"signature": SIG.to_json()}, timeout=1) is None
     assert raced == [["a", "b"]]
-    assert [t.seconds for t in tried[:3]] == [3.0, 1.2, 1.6] and tried[1].rounds == rounds["b"]
+    assert [t.seconds for t in tried[:3]] == [3.0, 1.2, 3.1] and tried[1].rounds == rounds["b"]
 
     monkeypatch.setattr(select, "race_candidates", lambda request, timeout: Race({}, "crashed (SIGSEGV)"))
     tried = [select.Tried("a", "", True, seconds=1.0), select.Tried("b", "", True, seconds=1.2)]

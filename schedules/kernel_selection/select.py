@@ -3,7 +3,7 @@
 `select_kernels` finds the model's op signatures (after graph fusion, op groups formed with
 the epilogues the library would absorb: what the build's `ApplyKernelSelection` sees), lists
 every source's candidates, verifies and times each in a subprocess (`verify.run_candidate`),
-times the ones within `RACE_MARGIN` of the fastest again side by side in one subprocess
+times the ones within `RACE_WITHIN` times the fastest again side by side in one subprocess
 (`verify.race_candidates`: rounds, each timing every one of them once) and picks the one with
 the lowest median over those rounds, unless the race cannot tell it from others: among such
 ties the first source in `SOURCE_PREFERENCE` wins, so that selecting again does not flip
@@ -37,8 +37,10 @@ from .sources import candidates, find
 from .verify import Outcome, race_candidates, run_candidate
 
 SELECTION_FILE = "gimlet_kernel_selection.json"
-RACE_MARGIN = 0.5  # verified candidates this close to the fastest are timed again together ...
-RACE_ROUNDS = 9    # ... in this many rounds (a first timing alone varies by more on a shared host)
+# Verified candidates whose first timing is within this factor of the fastest are timed again
+# together, in RACE_ROUNDS rounds: on a shared host one timing alone was seen 2.6x off.
+RACE_WITHIN = 3.0
+RACE_ROUNDS = 9
 # Between candidates the race cannot tell apart (the 95% confidence interval of their per-round
 # time ratio holds 1): the compiler's own code tuned for the shape, then kernels kept in this
 # repository, then library calls (a runtime extension), then kernels from outside.
@@ -199,12 +201,12 @@ def _run(request: dict[str, Any], timeout: float, remote: RemoteDevice | None) -
 
 def _race_close(tried: list[Tried], request: dict[str, Any], timeout: float,
                 remote: RemoteDevice | None = None) -> str | None:
-    """Time the verified candidates within `RACE_MARGIN` of the fastest against each other
+    """Time the verified candidates within `RACE_WITHIN` times the fastest against each other
     (`race_candidates`, `RACE_ROUNDS` rounds); each then has the median of its rounds as its
     time. Returns why the race failed (the first timings then stand), or None."""
     verified = [t for t in tried if t.verified]
     best = min((t.seconds for t in verified), default=None)
-    close = [t for t in verified if t.seconds <= best * (1 + RACE_MARGIN)]
+    close = [t for t in verified if t.seconds <= best * RACE_WITHIN]
     if len(close) < 2:
         return None
     race = race_candidates(dict(request, candidates=[t.id for t in close], rounds=RACE_ROUNDS),
