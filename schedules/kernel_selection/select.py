@@ -7,9 +7,10 @@ times the ones within `RACE_WITHIN` times the fastest again side by side in one 
 (`verify.race_candidates`: rounds, each timing every one of them once) and picks the one with
 the lowest median over those rounds, unless the race cannot tell it from others: among such
 ties the first source in `SOURCE_PREFERENCE` wins, so that selecting again does not flip
-between equals on a timing's noise. The results, every candidate's included, are stored with provenance in the
-records directory as `gimlet_kernel_selection.json` (beside MetaSchedule's files, under the
-same lock, written atomically), per target key; `build(records=DIR)` applies the winners.
+between equals on a timing's noise. The results, every candidate's included, are stored with
+provenance in the records directory as `gimlet_kernel_selection.json` (beside MetaSchedule's
+files, under the same lock, written atomically), per target key; `build(records=DIR)` applies
+the winners.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ def select_kernels(
     progress: Callable[[str], None] | None = None,
 ) -> KernelSelection:
     """Verify and time every candidate of every op signature in `mod` on `target` (on this
-    machine, or on the `remote` device over TVM RPC); pick each op's fastest verified one.
+    machine, or on the `remote` device over TVM RPC); pick each op's winner (`_winner`).
     `progress` gets a line per candidate tried and per race."""
     report = progress or (lambda line: None)
     if external_dir is not None:
