@@ -31,26 +31,38 @@ def onnxruntime_session(model: onnx.ModelProto, threads: int):
     )
 
 
+def balanced_orders(count: int) -> list[list[int]]:
+    """Orders of `count` items (a Williams design): each order holds every item once, and over
+    all of them every item runs right after every other equally often (once for an even count,
+    twice for an odd one). Timing engines in these orders, round after round, spreads whatever
+    one engine leaves behind (its threads winding down, its cache traffic) over all the others
+    alike; rotating one fixed order does not, since it keeps each engine's predecessor fixed."""
+    first = [0]
+    for step in range(1, count):
+        first.append((step + 1) // 2 if step % 2 else count - step // 2)
+    orders = [[(item + shift) % count for item in first] for shift in range(count)]
+    return orders + [order[::-1] for order in orders] if count % 2 else orders
+
+
 def time_interleaved(
     engines: Mapping[str, Callable[[], object]], *, repeat: int, warmup: int = 3
 ) -> dict[str, BenchmarkResult]:
     """Time each engine's call `repeat` times, alternating engines within each round.
 
-    Interleaving spreads any slow phase of the machine over all engines alike; each round
-    starts one engine further on, so that no engine always runs right after the same other one
-    (whose threads or cache traffic may still be winding down).
+    Interleaving spreads any slow phase of the machine over all engines alike; the rounds go
+    through `balanced_orders`, so that each engine runs right after each other one equally often.
     """
     for _ in range(warmup):
         for call in engines.values():
             call()
     names = list(engines)
+    orders = balanced_orders(len(names))
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(repeat):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
+        for index in orders[round_index % len(orders)]:
             start = time.perf_counter()
-            engines[name]()
-            samples[name].append(time.perf_counter() - start)
+            engines[names[index]]()
+            samples[names[index]].append(time.perf_counter() - start)
     return {name: BenchmarkResult.from_samples(s) for name, s in samples.items()}
 
 

@@ -1,18 +1,29 @@
 """Interleaved timing shared by `bench` and benchmarks/: the order engines run in, and the
 per-round ratio between two of them."""
 
+import collections
+
 import pytest
 
-from gimlet_tvm.peers import PairedRatio, time_interleaved
+from gimlet_tvm.peers import PairedRatio, balanced_orders, time_interleaved
 from gimlet_tvm.runtime import BenchmarkResult
 
 
-def test_each_round_starts_one_engine_further_on():
+def test_rounds_go_through_balanced_orders():
     ran: list[str] = []
-    engines = {name: (lambda n=name: ran.append(n)) for name in "abc"}
-    times = time_interleaved(engines, repeat=4, warmup=1)
-    assert ran == list("abc" + "abc" + "bca" + "cab" + "abc")
-    assert all(result.runs == 4 and len(result.samples_ms) == 4 for result in times.values())
+    engines = {name: (lambda n=name: ran.append(n)) for name in "abcd"}
+    times = time_interleaved(engines, repeat=5, warmup=1)
+    rounds = ["".join(ran[i:i + 4]) for i in range(0, len(ran), 4)]
+    assert rounds == ["abcd", "abdc", "bcad", "cdba", "dacb", "abdc"]
+    assert all(result.runs == 5 and len(result.samples_ms) == 5 for result in times.values())
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 6, 7])
+def test_balanced_orders_give_every_engine_every_predecessor_equally_often(count):
+    orders = balanced_orders(count)
+    assert all(sorted(order) == list(range(count)) for order in orders)
+    pairs = collections.Counter(pair for order in orders for pair in zip(order, order[1:]))
+    assert len(pairs) == count * (count - 1) and len(set(pairs.values())) == 1
 
 
 def test_paired_ratio_pairs_the_runs_of_one_round():
