@@ -15,17 +15,15 @@ from .runtime import BenchmarkResult
 
 
 def onnxruntime_session(model: onnx.ModelProto, threads: int):
-    """An onnxruntime CPU session with all graph optimizations and `threads` threads.
-
-    Spinning is off: with interleaved runs on few cores, spinning workers slow both engines.
-    """
+    """An onnxruntime CPU session with all graph optimizations and `threads` threads, its
+    workers spinning between calls as by default (with spinning off it ran up to 2x slower on
+    two cores; `time_interleaved` lets each engine settle instead)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(
         model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
@@ -45,12 +43,16 @@ def balanced_orders(count: int) -> list[list[int]]:
 
 
 def time_interleaved(
-    engines: Mapping[str, Callable[[], object]], *, repeat: int, warmup: int = 3
+    engines: Mapping[str, Callable[[], object]], *, repeat: int, warmup: int = 3, settle: int = 3
 ) -> dict[str, BenchmarkResult]:
     """Time each engine's call `repeat` times, alternating engines within each round.
 
     Interleaving spreads any slow phase of the machine over all engines alike; the rounds go
     through `balanced_orders`, so that each engine runs right after each other one equally often.
+    In its turn each engine first runs `settle` untimed calls, so that the timed call finds the
+    machine as a loop of that engine's inferences leaves it, not as another engine left it:
+    onnxruntime's, OpenBLAS's and TVM's workers spin a while after a call, and on two cores the
+    next engine then ran up to 2x slower (one settling call was not enough, three were).
     """
     for _ in range(warmup):
         for call in engines.values():
@@ -60,8 +62,11 @@ def time_interleaved(
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(repeat):
         for index in orders[round_index % len(orders)]:
+            call = engines[names[index]]
+            for _ in range(settle):
+                call()
             start = time.perf_counter()
-            engines[names[index]]()
+            call()
             samples[names[index]].append(time.perf_counter() - start)
     return {name: BenchmarkResult.from_samples(s) for name, s in samples.items()}
 

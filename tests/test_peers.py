@@ -12,10 +12,18 @@ from gimlet_tvm.runtime import BenchmarkResult
 def test_rounds_go_through_balanced_orders():
     ran: list[str] = []
     engines = {name: (lambda n=name: ran.append(n)) for name in "abcd"}
-    times = time_interleaved(engines, repeat=5, warmup=1)
+    times = time_interleaved(engines, repeat=5, warmup=1, settle=0)
     rounds = ["".join(ran[i:i + 4]) for i in range(0, len(ran), 4)]
     assert rounds == ["abcd", "abdc", "bcad", "cdba", "dacb", "abdc"]
     assert all(result.runs == 5 and len(result.samples_ms) == 5 for result in times.values())
+
+
+def test_each_engine_settles_before_its_timed_call():
+    ran: list[str] = []
+    engines = {name: (lambda n=name: ran.append(n)) for name in "ab"}
+    times = time_interleaved(engines, repeat=2, warmup=0, settle=2)
+    assert "".join(ran) == "aaabbb" + "bbbaaa"
+    assert all(result.runs == 2 for result in times.values())
 
 
 @pytest.mark.parametrize("count", [2, 3, 4, 5, 6, 7])
