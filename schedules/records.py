@@ -5,7 +5,7 @@ A records directory holds MetaSchedule's own two JSON-lines files, so upstream T
 
 - `database_workload.json`: one workload a line, `[structural hash, base64 IRModule]`;
 - `database_tuning_record.json`: one measurement a line, `[workload line index, record]`,
-  the record being `TuningRecord.as_json()`: `[trace, run seconds, target, args info]`.
+  the record being `record_json(record)`: `[trace, run seconds, target, args info]`.
 
 Next to them, `gimlet_tasks.json` (ignored by upstream) names each workload's task and its
 weight (calls per model run), which the CLI shows and the model-latency estimate uses.
@@ -96,6 +96,29 @@ def _mean_seconds(run_secs: Any) -> float | None:
     if any(not math.isfinite(v) or v <= 0 or v >= FAILED_SECONDS / 10 for v in values):
         return None
     return sum(values) / len(values)
+
+
+def record_json(record: ms.database.TuningRecord) -> Any:
+    """A tuning record as JSON, as MetaSchedule's `JSONDatabase` writes it. Not
+    `TuningRecord.as_json()`: that fails on a trace holding an index map (a layout transform),
+    which the database stores as its `tvm.ir.save_json` text."""
+
+    def plain(obj: Any) -> Any:
+        if isinstance(obj, (tvm.tirx.IntImm, tvm.tirx.FloatImm)):
+            return obj.value
+        if isinstance(obj, tvm.tirx.IndexMap):
+            return tvm.ir.save_json(obj)
+        if isinstance(obj, tvm.ir.Array):
+            return [plain(item) for item in obj]
+        if isinstance(obj, tvm.ir.Map):
+            return {plain(key): plain(value) for key, value in obj.items()}
+        if isinstance(obj, str):
+            return str(obj)
+        if obj is None or isinstance(obj, (int, float)):
+            return obj
+        raise TypeError(f"a tuning record holds {type(obj).__name__}, which has no JSON form")
+
+    return plain(tvm.get_global_func("s_tir.meta_schedule.TuningRecordAsJSON")(record))
 
 
 def _line(obj: Any) -> str:

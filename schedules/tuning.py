@@ -55,7 +55,7 @@ from .kernel_selection.apply import rewrite_ops
 from .kernel_selection.candidates import OpSignature
 from .kernel_selection.select import KernelSelection, op_signatures, select_kernels
 from .kernel_selection.sources import generated
-from .records import FAILED_SECONDS, RecordsDB
+from .records import FAILED_SECONDS, RecordsDB, record_json
 
 Duration = float | str
 
@@ -189,7 +189,7 @@ class RecordAndReport(ms.measure_callback.PyMeasureCallback):
             record = ms.database.TuningRecord(
                 candidate.sch.trace, workload, run_secs, self.target, candidate.args_info
             )
-            lines.append((task.workload, record.as_json()))
+            lines.append((task.workload, record_json(record)))
             if ok:
                 seconds = sum(run_secs) / len(run_secs)
                 task.best = seconds if task.best is None else min(task.best, seconds)

@@ -125,3 +125,28 @@ def test_plot_writes_a_png(cli, tuned_records, tmp_path):
     code, out, err = cli("records", "plot", tuned_records, "-o", "curve.png")
     assert code == 0, err
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_layout_transform_record_is_stored_and_read_back(tmp_path):
+    """A trace with an index map (MetaSchedule's layout rewrites) is stored as JSONDatabase
+    stores it, and both our reader and upstream's replay it to the same schedule."""
+    import tvm
+    from tvm import s_tir, te
+    from tvm.s_tir import meta_schedule as ms
+
+    from gimlet_tvm.schedules.records import record_json
+
+    a = te.placeholder((16, 16), name="A")
+    mod = tvm.IRModule({"main": te.create_prim_func([a, te.compute((16, 16), lambda i, j: a[i, j] + 1.0)])})
+    sch = s_tir.Schedule(mod)
+    sch.transform_layout(sch.get_sblock("compute"), ("read", 0), lambda i, j: (j, i))
+    target = tvm.target.Target({"kind": "llvm"})
+    record = ms.database.TuningRecord(sch.trace, ms.database.Workload(mod), [1e-3], target,
+                                      ms.arg_info.ArgInfo.from_prim_func(mod["main"]))
+    db = RecordsDB(tmp_path, create=True)
+    assert db.add([(ms.database.Workload(mod), record_json(record))]) == 1
+    for database in (RecordsDB(tmp_path).database(target), ms.database.JSONDatabase(work_dir=str(tmp_path))):
+        (best,) = database.get_top_k(database.commit_workload(mod), 1)
+        replayed = s_tir.Schedule(mod)
+        best.trace.apply_to_schedule(replayed, remove_postproc=False)
+        tvm.ir.assert_structural_equal(replayed.mod, sch.mod)
