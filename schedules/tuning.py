@@ -8,7 +8,10 @@ Trial allocation (`WeightedScheduler`): each task is first given one round; afte
 round goes to the task with the largest share of the estimated model latency per trial spent,
 `weight * best_latency / trials` (weight: calls per model run). Over a run, trials thus go to
 tasks in proportion to their share of the kernels' end-to-end time. A task whose candidates
-all failed counts with the slowest measured latency.
+all failed counts with the slowest measured latency, until `GIVE_UP_AFTER` rounds of it failed
+with nothing ever measured: then it gets no more trials (MetaSchedule cannot schedule that
+kernel, e.g. legalized attention in this TVM, "T_reshape_global is used before its
+definition"; 96 trials of a 384-trial BERT run went to it) and keeps its default schedule.
 
 Measurement: on targets whose spec `tunes_cache_cold` (the CPU), each candidate is timed one
 run at a time with its operands but the first flushed from the caches, as kernel selection
@@ -58,6 +61,7 @@ from .kernel_selection.sources import generated
 from .records import FAILED_SECONDS, RecordsDB, record_json
 
 Duration = float | str
+GIVE_UP_AFTER = 2  # rounds of a task in which every candidate failed, none ever measured
 
 
 @dataclass
@@ -71,6 +75,12 @@ class TuningTask:
     trials: int = 0
     best: float | None = None  # seconds
     exhausted: bool = False  # the search found no new candidate in its last round
+    failed_rounds: int = 0  # rounds in which every candidate failed, while none ever ran
+
+    @property
+    def open(self) -> bool:
+        """Whether the task may get another round."""
+        return not self.exhausted and (self.best is not None or self.failed_rounds < GIVE_UP_AFTER)
 
     @property
     def shash(self) -> str:
@@ -201,6 +211,11 @@ class RecordAndReport(ms.measure_callback.PyMeasureCallback):
             first = errors[0].splitlines()
             print(f"[tune] {task.name}: {len(errors)} of {len(lines)} candidates failed; first: "
                   f"{first[-1][:200] if first else '?'}", file=self.log)
+        if task.best is None and len(errors) == len(lines):
+            task.failed_rounds += 1
+            if not task.open:
+                print(f"[tune] {task.name}: every candidate of {task.failed_rounds} rounds failed; "
+                      "no more trials for it (it keeps its default schedule)", file=self.log)
         print(_progress_line(task, self.tasks, self.done, self.budget, elapsed), file=self.log,
               flush=True)
 
@@ -221,7 +236,7 @@ class WeightedScheduler(ms.task_scheduler.PyTaskScheduler):
         self.running = None
         live = [
             i for i, record in enumerate(records)
-            if not record.is_terminated and not self.tasks[i].exhausted
+            if not record.is_terminated and self.tasks[i].open
         ]
         if not live or time.monotonic() >= self.deadline:
             return -1

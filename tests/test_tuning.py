@@ -16,7 +16,7 @@ from tvm.s_tir import meta_schedule as ms
 import gimlet_tvm
 from gimlet_tvm.schedules.kernel_selection.select import SELECTION_FILE
 from gimlet_tvm.schedules.records import RecordsDB
-from gimlet_tvm.schedules.tuning import extract_tasks, parse_duration
+from gimlet_tvm.schedules.tuning import GIVE_UP_AFTER, extract_tasks, parse_duration
 
 from .conftest import assert_matches, onnxruntime_outputs
 
@@ -161,15 +161,21 @@ def test_rerun_resumes_from_the_records(records_copy):
     assert sum(t.trials for t in more.tasks) == len(db.records)
 
 
-def test_failing_candidates_are_recorded_and_tuning_goes_on(tmp_path):
-    # A run timeout no candidate can meet: every candidate fails, and tuning still finishes.
-    path = str(tmp_path / "records")
-    result = gimlet_tvm.tune(tiny_model(), "llvm", path, trials=4, runner_timeout=1e-3,
+def test_failing_candidates_are_recorded_and_a_task_that_always_fails_is_given_up(tmp_path):
+    # A run timeout no candidate can meet: every candidate fails; each task gets GIVE_UP_AFTER
+    # rounds (or fewer, where its search runs out), then no more: tuning ends far within budget.
+    path, log = str(tmp_path / "records"), io.StringIO()
+    result = gimlet_tvm.tune(tiny_model(), "llvm", path, trials=1000, runner_timeout=1e-3, log=log,
                              **SMALL)
     db = RecordsDB(path)
-    assert result.trials_run >= 4 and len(db.records) == result.trials_run
+    rounds = GIVE_UP_AFTER * len(result.tasks)
+    assert result.trials_run <= rounds * SMALL["trials_per_round"] and len(db.records) == result.trials_run
     assert all(r.seconds is None for r in db.records) and not db.problems
     assert result.estimated_latency is None
+    given_up = [t for t in result.tasks if t.failed_rounds == GIVE_UP_AFTER]
+    assert given_up and all(t in given_up or t.exhausted for t in result.tasks)  # a 1-schedule task runs out
+    assert log.getvalue().count(f"every candidate of {GIVE_UP_AFTER} rounds failed; no more trials") \
+        == len(given_up)
 
 
 def test_budgets_are_checked():
