@@ -6,12 +6,14 @@ import dataclasses
 import math
 import statistics
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 import onnx
 
 from .runtime import BenchmarkResult
+
+T = TypeVar("T")
 
 
 def onnxruntime_session(model: onnx.ModelProto, threads: int):
@@ -42,6 +44,14 @@ def balanced_orders(count: int) -> list[list[int]]:
     return orders + [order[::-1] for order in orders] if count % 2 else orders
 
 
+def interleaved(items: Sequence[T], rounds: int) -> Iterator[T]:
+    """`items`, `rounds` times over, each round in the next of the `balanced_orders`."""
+    orders = balanced_orders(len(items))
+    for round_index in range(rounds):
+        for index in orders[round_index % len(orders)]:
+            yield items[index]
+
+
 def time_interleaved(
     engines: Mapping[str, Callable[[], object]], *, repeat: int, warmup: int = 3, settle: int = 3
 ) -> dict[str, BenchmarkResult]:
@@ -57,17 +67,13 @@ def time_interleaved(
     for _ in range(warmup):
         for call in engines.values():
             call()
-    names = list(engines)
-    orders = balanced_orders(len(names))
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(repeat):
-        for index in orders[round_index % len(orders)]:
-            call = engines[names[index]]
-            for _ in range(settle):
-                call()
-            start = time.perf_counter()
-            call()
-            samples[names[index]].append(time.perf_counter() - start)
+    samples: dict[str, list[float]] = {name: [] for name in engines}
+    for name in interleaved(list(engines), repeat):
+        for _ in range(settle):
+            engines[name]()
+        start = time.perf_counter()
+        engines[name]()
+        samples[name].append(time.perf_counter() - start)
     return {name: BenchmarkResult.from_samples(s) for name, s in samples.items()}
 
 

@@ -72,7 +72,7 @@ def run_candidate(request: dict[str, Any], timeout: float) -> Outcome:
 def race_candidates(request: dict[str, Any], timeout: float) -> Race:
     """Time the verified candidates `request["candidates"]` of one op group against each other
     in one child process: `request["rounds"]` rounds, each timing every candidate once (caches
-    cold, as `_time`), in the orders of `balanced_orders`."""
+    cold, as `_time`), in balanced orders (`peers.interleaved`)."""
     result = _spawn(request, timeout)
     return Race({}, result) if isinstance(result, str) else Race(**result)
 
@@ -283,7 +283,7 @@ def _child(request: dict[str, Any]) -> Outcome:
 
 def _race_child(request: dict[str, Any]) -> Race:
     from ...errors import RemoteDeviceError, summary
-    from ...peers import balanced_orders
+    from ...peers import interleaved
     from .sources import find
 
     target, spec, sig, tuned, machine = _setup(request)
@@ -295,11 +295,8 @@ def _race_child(request: dict[str, Any]) -> Race:
             candidate = find(cid, sig, target, request.get("external_dir"))
             timings[cid] = _ColdTiming(sig, machine, lambda mod, c=candidate: _build(mod, c, spec, target, tuned))
         samples: dict[str, list[float]] = {cid: [] for cid in ids}
-        orders = balanced_orders(len(ids))
-        for round_index in range(request["rounds"]):
-            for index in orders[round_index % len(orders)]:
-                cid = ids[index]
-                samples[cid].append(timings[cid].seconds(request["min_repeat_ms"]))
+        for cid in interleaved(ids, request["rounds"]):
+            samples[cid].append(timings[cid].seconds(request["min_repeat_ms"]))
     except RemoteDeviceError as err:
         return Race({}, str(err), remote_failed=True)
     except Exception as err:  # pylint: disable=broad-except  # a candidate's build or run
