@@ -235,7 +235,8 @@ def report(
     lines = [
         f"Date: {datetime.date.today().isoformat()}. Machine: {_cpu_name()}, "
         f"{os.cpu_count()} logical cores, {platform.system()} {platform.machine()}. "
-        f"Threads: {threads} per engine, spinning as by default, interleaved rounds (each engine settling 3 calls before its timed one) after warm-up. "
+        f"Threads: {threads} per engine, spinning as by default, interleaved rounds (each engine "
+        "settling 3 calls before its timed one) after warm-up. "
         f"Load average at the end: {os.getloadavg()[0]:.2f}.",
         f"Versions: {_versions()}.",
         "Times: median (p10–p90) in ms over the timed rounds; a ratio below 1 means "

@@ -7,8 +7,8 @@ Models: each suite model at the batch benchmarks/run.py uses, tuned into
 `--records/<model>` with `gimlet_tvm.tune` (MetaSchedule over the TIR kernels, then kernel
 selection over each matmul group's candidates; resumable: a rerun reuses the records), then
 built untuned and tuned and timed against onnxruntime in interleaved rounds (`--threads`,
-`gimlet_tvm.peers.time_interleaved`). Reported as ratios of medians (below 1: faster than onnxruntime) with the trial
-budget, the tuning time and the kernels selection chose.
+`gimlet_tvm.peers.time_interleaved`). Reported as ratios of medians (below 1: faster than
+onnxruntime) with the trial budget, the tuning time and the kernels selection chose.
 
 GEMM: C = A @ W in fp32, square sizes, W a weight. numpy/OpenBLAS runs in its own process
 with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (they can slow OpenBLAS on this machine)
