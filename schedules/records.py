@@ -234,13 +234,18 @@ class RecordsDB:
         return entry
 
     def find_task(self, key: str) -> Workload:
-        """A workload by index, task name or structural-hash prefix."""
+        """A workload by index or task name, else by a prefix of one structural hash alone
+        (an index such as "1" is also the prefix of many hashes: the index wins)."""
         entries = [w for w in self.workloads if w is not None]
         for entry in entries:
-            if key in (str(entry.index), entry.name) or entry.shash.startswith(key):
+            if key in (str(entry.index), entry.name):
                 return entry
-        names = ", ".join(f"{w.index}:{w.name}" for w in entries) or "none"
-        raise GimletError(f"no task '{key}' in {self.path} (tasks: {names})")
+        by_hash = [w for w in entries if w.shash.startswith(key)]
+        if len(by_hash) == 1:
+            return by_hash[0]
+        names = ", ".join(f"{w.index}:{w.name}" for w in (by_hash or entries)) or "none"
+        problem = "more than one task's hash starts with" if by_hash else "no task"
+        raise GimletError(f"{problem} '{key}' in {self.path} (tasks: {names})")
 
     def records_of(self, workload: int) -> list[Record]:
         return [r for r in self.records if r.workload == workload]

@@ -30,11 +30,30 @@ def test_list_show_best_stats(cli, tuned_records):
     assert f"best {best.seconds * 1e3:.4f} ms" in out and "sch.get_sblock" in out
     code, out, err = cli("records", "show", tuned_records, "no_such_task")
     assert code == 2 and "no task 'no_such_task'" in err
+    entry = db.workload(best.workload)
+    code, out, err = cli("records", "show", tuned_records, entry.shash[:12])
+    assert code == 0 and out.startswith(f"task {entry.index} "), err
     code, out, err = cli("records", "best", tuned_records)
     assert code == 0 and len(out.strip().splitlines()) == 2 + len(db.best())
     code, out, err = cli("records", "stats", tuned_records, "--json")
     stats = json.loads(out)
     assert code == 0 and stats["records"] == len(db.records) and stats["corrupt_lines"] == 0
+
+
+def test_task_index_before_hash_prefix(records_copy):
+    """"1" names task 1, though task 0's structural hash starts with 1 too."""
+    path = os.path.join(records_copy, WORKLOAD_FILE)
+    with open(path) as f:
+        lines = f.read().splitlines()
+    assert len(lines) >= 2
+    first = json.loads(lines[0])
+    first[0] = "1" + str(first[0])
+    lines[0] = json.dumps(first)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    db = RecordsDB(records_copy)
+    assert db.find_task("1").index == 1 and db.find_task("0").index == 0
+    assert db.find_task(str(first[0])[:12]).index == 0
 
 
 def test_best_merge_prune(cli, records_copy, tmp_path):
