@@ -16,8 +16,10 @@ from .spec import PerfFacts, TargetSpec
 HOST_MEMORY_GBPS = 20.0
 DEFAULT_CLOCK_GHZ = 2.5
 
-# Vector register width (bits) implied by the LLVM CPU features we recognise, widest first.
-_VECTOR_BITS = (("avx512f", 512), ("avx2", 256), ("avx", 256), ("sse2", 128), ("neon", 128))
+# Vector register width (bits) and count implied by the LLVM CPU features we recognise, widest
+# first.
+_VECTOR_REGISTERS = (("avx512f", 512, 32), ("avx2", 256, 16), ("avx", 256, 16), ("sse2", 128, 16),
+                     ("neon", 128, 32))
 
 
 def _num_cores() -> int:
@@ -32,11 +34,22 @@ def _host_cpu() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def vector_bits(mcpu: str) -> int:
-    """Widest vector width the CPU model supports, from LLVM's own feature table."""
+def _vector_registers(mcpu: str) -> tuple[int, int]:
+    """(bits, count) of the widest vector registers the CPU model has, from LLVM's own feature
+    table (128-bit, 16 when none is recognised)."""
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
     features = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target)}
-    return next((bits for feature, bits in _VECTOR_BITS if feature in features), 128)
+    return next(((bits, count) for feature, bits, count in _VECTOR_REGISTERS if feature in features), (128, 16))
+
+
+def vector_bits(mcpu: str) -> int:
+    """Widest vector width the CPU model supports."""
+    return _vector_registers(mcpu)[0]
+
+
+def vector_registers(mcpu: str) -> int:
+    """How many of those vector registers it has (AVX-512 and NEON 32, AVX2 16)."""
+    return _vector_registers(mcpu)[1]
 
 
 def host_target() -> dict[str, Any]:

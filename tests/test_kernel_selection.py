@@ -20,7 +20,7 @@ from gimlet_tvm.errors import GimletError
 from gimlet_tvm.frontend import import_model
 from gimlet_tvm.schedules.kernel_selection.apply import rewrite_ops
 from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
-from gimlet_tvm.schedules.kernel_selection.select import SELECTION_FILE, KernelSelection, op_signatures
+from gimlet_tvm.schedules.kernel_selection.select import SELECTION_FILE, KernelSelection, OpChoice, Tried, op_signatures
 from gimlet_tvm.schedules.kernel_selection.sources import candidates, find
 from gimlet_tvm.schedules.kernel_selection.verify import run_candidate
 from gimlet_tvm.schedules.records import target_key
@@ -85,7 +85,7 @@ def test_candidates_from_every_source(kernels):
     _, target = resolve_target("llvm")
     ids = [c.id for c in candidates(SIG, target, str(kernels))]
     assert ids == ["generated:tir", "library:openblas", "handwritten:cpu_gemm_6x2v",
-                   "handwritten:cpu_gemm_packed_4x2v", "handwritten:cpu_gemm_packed_6x2v",
+                   "handwritten:cpu_gemm_packed_4x2v", "handwritten:cpu_gemm_packed_tallx2v",
                    "handwritten:cpu_gemv_k4", "external:good", "external:wrong", "external:crash"]
     other_shape = OpSignature("matmul", ((M + 1, K), (K, N)), "float32")
     assert not [c for c in candidates(other_shape, target, str(kernels)) if c.source == "external"]
@@ -119,13 +119,41 @@ def test_handwritten_cpu_gemm_verified_at_edge_case_shape():
     assert outcome.checks == [SIG.key, SIG.edge_case().key] and outcome.seconds > 0
 
 
+@pytest.mark.parametrize("mr, packed, m, n, k", [
+    (14, True, 32, 100, 600),  # tiles 11, 11, 10 (accumulators in two arrays); K blocks 256, 256, 88; N tail
+    (14, False, 15, 33, 513),  # tiles 8, 7; K blocks with a 1-deep tail; a 1-column tail panel
+    (4, True, 1, 64, 256),  # one row, one K block
+])
+def test_cpu_gemm_tiles_blocks_and_tails(mr, packed, m, n, k):
+    """`cpu_gemm` against numpy where its row tiles, K blocks and column tails all come into
+    play, with a bias + ReLU epilogue, at AVX-512's panel width (32) whatever this CPU is."""
+    import tvm
+
+    from gimlet_tvm.schedules.kernel_selection.handwritten.cpu_gemm import cpu_gemm, packed_shape
+
+    nr = 32
+    func = cpu_gemm(mr, nr, packed, m, n, k, (("add", (n,)), ("relu", ())), [(1, n)])
+    built = tvm.compile(tvm.IRModule({"main": func}), resolve_target("llvm")[1])
+    rng = np.random.default_rng(7)
+    a, b, bias = (rng.standard_normal(shape).astype(np.float32) for shape in ((m, k), (k, n), (1, n)))
+    b_arg = b
+    if packed:
+        panels = packed_shape(n, k, nr)
+        padded = np.zeros((k, panels[0] * nr), np.float32)
+        padded[:, :n] = b
+        b_arg = np.ascontiguousarray(padded.reshape(k, panels[0], nr).transpose(1, 0, 2))
+    c = runtime.tensor(np.full((m, n), np.nan, np.float32))
+    built["main"](*(runtime.tensor(x) for x in (a, b_arg, bias)), c)
+    np.testing.assert_allclose(c.numpy(), np.maximum(a @ b + bias, 0), rtol=1e-4, atol=1e-4)
+
+
 def test_packed_gemm_only_for_weights_and_packs_at_build_time():
     """The packed GEMM takes B in panels: offered only where B is a constant, whose packing
     is then a constant of the build (no packing left in the model's code); verified with B
     packed at run time and timed with packed constant copies of B."""
     _, target = resolve_target("llvm")
-    assert "constant weight" in find("handwritten:cpu_gemm_packed_6x2v", SIG, target).unavailable
-    packed = find("handwritten:cpu_gemm_packed_6x2v", WEIGHT_SIG, target)
+    assert "constant weight" in find("handwritten:cpu_gemm_packed_tallx2v", SIG, target).unavailable
+    packed = find("handwritten:cpu_gemm_packed_tallx2v", WEIGHT_SIG, target)
     assert packed.unavailable is None
     weight = np.random.default_rng(3).standard_normal((K, N)).astype(np.float32)
     mod, rewritten = rewrite_ops(WEIGHT_SIG.module([weight]), lambda sig: packed, "llvm")
@@ -136,7 +164,7 @@ def test_packed_gemm_only_for_weights_and_packs_at_build_time():
     x = np.random.default_rng(4).standard_normal((M, K)).astype(np.float32)
     (got,) = relax.VirtualMachine(executable, runtime.cpu())["main"](runtime.tensor(x))
     np.testing.assert_allclose(got.numpy(), x @ weight, rtol=1e-5, atol=1e-5)
-    request = dict(_request("handwritten:cpu_gemm_packed_6x2v", target), signature=WEIGHT_SIG.to_json())
+    request = dict(_request("handwritten:cpu_gemm_packed_tallx2v", target), signature=WEIGHT_SIG.to_json())
     outcome = run_candidate(request, timeout=120)
     assert outcome.verified, outcome.reason
     assert outcome.checks == [WEIGHT_SIG.key, WEIGHT_SIG.edge_case().key] and outcome.seconds > 0
@@ -173,7 +201,7 @@ def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_
     tried = {t["id"]: t for t in choice["tried"]}
     assert not tried["external:wrong"]["verified"] and not tried["external:crash"]["verified"]
     assert all(tried[i]["verified"] for i in ("generated:tir", "library:openblas", "handwritten:cpu_gemm_6x2v",
-                                              "handwritten:cpu_gemm_packed_6x2v", "external:good"))
+                                              "handwritten:cpu_gemm_packed_tallx2v", "external:good"))
     assert choice["winner"] not in ("external:wrong", "external:crash")
     verified = [select.Tried(**t) for t in tried.values() if t["verified"]]
     assert choice["winner"] == select._winner(verified)
@@ -244,7 +272,8 @@ def test_op_group_is_what_the_library_absorbs():
 
 
 @pytest.mark.parametrize("candidate_id", ["generated:tir", "library:openblas", "handwritten:cpu_gemm_6x2v",
-                                          "handwritten:cpu_gemm_packed_4x2v", "handwritten:cpu_gemv_k4"])
+                                          "handwritten:cpu_gemm_packed_4x2v", "handwritten:cpu_gemm_packed_tallx2v",
+                                          "handwritten:cpu_gemv_k4"])
 def test_every_source_fuses_the_epilogue(candidate_id):
     """Each source computes matmul + bias + GELU + residual, checked against the reference
     group at its shapes and the edge-case ones."""
@@ -349,7 +378,6 @@ def test_attention_is_an_op_group_with_library_and_generated_candidates():
     one computes the model as onnxruntime does."""
     from gimlet_tvm.models import SUITE
     from gimlet_tvm.peers import check_against_onnxruntime
-    from gimlet_tvm.schedules.kernel_selection.select import OpChoice, Tried
 
     info = SUITE["transformer_encoder"]
     proto, inputs = info.build(), info.example_inputs(batch=1)
@@ -375,6 +403,17 @@ def test_attention_is_an_op_group_with_library_and_generated_candidates():
     ok, diff = check_against_onnxruntime(proto, model, inputs, tolerance=1e-4)
     assert ok, diff
 
+
+
+def test_selection_of_a_kernel_no_longer_offered_is_refused():
+    """A stored winner that the repo has since dropped (here a hand-written kernel's old name)
+    stops the build with a message naming it, not a KeyError."""
+    _, target = resolve_target("llvm")
+    gone = "handwritten:cpu_gemm_packed_6x2v"
+    choice = OpChoice(WEIGHT_SIG, [Tried(gone, "cpu_gemm.py", True, seconds=1.0)], gone)
+    selection = KernelSelection(target_key(target), {WEIGHT_SIG.key: choice})
+    with pytest.raises(GimletError, match=f"kernel {gone}, selected for .* no longer offered"):
+        selection.winner(WEIGHT_SIG, target)
 
 def test_attention_reference_is_softmax_of_scaled_scores():
     """The reference attention against a per-head loop written out (it is what candidates are

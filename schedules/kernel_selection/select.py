@@ -112,7 +112,11 @@ class KernelSelection:
         choice = self.choices.get(sig.key)
         if choice is None or choice.winner is None:
             return None
-        candidate = find(choice.winner, sig, target, self.external_dir)
+        try:
+            candidate = find(choice.winner, sig, target, self.external_dir)
+        except KeyError:
+            raise GimletError(f"kernel {choice.winner}, selected for {sig.key}, is no longer offered; "
+                              "run `gimlet-tvm select` again") from None
         tried = next(t for t in choice.tried if t.id == choice.winner)
         if candidate.digest != tried.digest:
             raise GimletError(f"kernel {candidate.provenance} changed since it was verified for "

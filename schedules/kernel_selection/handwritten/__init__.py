@@ -8,7 +8,7 @@ from typing import Callable
 
 import tvm
 
-from ....targets.llvm import vector_bits
+from ....targets.llvm import vector_bits, vector_registers
 from .cpu_gemm import MAX_ADDENDS, cpu_gemm, cpu_gemv, packed_shape
 from .cuda_gemm import cuda_gemm
 
@@ -45,11 +45,18 @@ def _two_vectors(target: tvm.target.Target) -> int:
     return 2 * vector_bits(str(target.attrs.get("mcpu", ""))) // 32
 
 
-def _cpu_gemm(mr: int, packed: bool) -> HandwrittenKernel:
-    """`cpu_gemm[_packed]_{mr}x2v`: an mr x (2 vectors) register tile (`cpu_gemm.cpu_gemm`)."""
+def _tallest_tile(target: tvm.target.Target) -> int:
+    """Rows of the tallest mr x 2-vector tile the vector registers hold: 2 per row, plus 2 for
+    B's vectors and 1 for the broadcast of A."""
+    return (vector_registers(str(target.attrs.get("mcpu", ""))) - 3) // 2
+
+
+def _cpu_gemm(mr: int | None, packed: bool) -> HandwrittenKernel:
+    """`cpu_gemm[_packed]_{mr}x2v`: tiles of at most mr x (2 vectors) (`cpu_gemm.cpu_gemm`);
+    mr None: `_tallest_tile` (`cpu_gemm_packed_tallx2v`)."""
     return HandwrittenKernel(
-        f"cpu_gemm{'_packed' if packed else ''}_{mr}x2v", "matmul", "llvm",
-        lambda target, *group: cpu_gemm(mr, _two_vectors(target), packed, *group),
+        f"cpu_gemm{'_packed' if packed else ''}_{mr or 'tall'}x2v", "matmul", "llvm",
+        lambda target, *group: cpu_gemm(mr or _tallest_tile(target), _two_vectors(target), packed, *group),
         str(_HERE / "cpu_gemm.py"), fuses_epilogue=True,
         packed_b=(lambda target, n, k: packed_shape(n, k, _two_vectors(target))) if packed else None,
     )
@@ -58,7 +65,7 @@ def _cpu_gemm(mr: int, packed: bool) -> HandwrittenKernel:
 KERNELS = (
     _cpu_gemm(6, packed=False),
     _cpu_gemm(4, packed=True),
-    _cpu_gemm(6, packed=True),
+    _cpu_gemm(None, packed=True),
     HandwrittenKernel("cpu_gemv_k4", "matmul", "llvm",
                       lambda target, *group: cpu_gemv(4, _cores(target), *group),
                       str(_HERE / "cpu_gemm.py"), fuses_epilogue=True),
