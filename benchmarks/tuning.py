@@ -81,7 +81,7 @@ def matmul_model(n: int) -> onnx.ModelProto:
 
 
 def _selected(selection) -> str:
-    """`2 handwritten:cpu_gemm_packed_6x2v, 1 library:openblas`: the selection's winners."""
+    """`2 handwritten:cpu_gemm_packed_tallx2v, 1 library:openblas`: the selection's winners."""
     counts = collections.Counter(c.winner for c in selection.choices.values() if c.winner) if selection else {}
     return ", ".join(f"{n} {w}" for w, n in sorted(counts.items())) or "-"
 

@@ -35,7 +35,9 @@ import numpy as np
 
 RESULT_PREFIX = "GIMLET_RESULT "
 # Timing rotates through operand copies of at least this many bytes in all (the 32 MiB L3 of
-# the benchmark machine, three times over), at most MAX_COPIES, for MIN_RUNS runs or more.
+# the AMD benchmark machine, three times over; the Intel one reports a 480 MiB L3 shared with
+# the host's other guests, so there "cold" is at best cooler), at most MAX_COPIES, for
+# MIN_RUNS runs or more.
 COLD_BYTES = 96 << 20
 MAX_COPIES = 64
 MIN_RUNS = 5
