@@ -33,7 +33,8 @@ VECTOR = 32  # lanes of the GEMV's vector loops (4 AVX2 registers)
 KC = 256
 # How far ahead (steps of K) the GEMM prefetches B, and into which cache (LLVM's locality 2:
 # L2). Without it one stream per core reads B at a third less bandwidth than MetaSchedule's
-# many-row schedules (8 x 4096 @ 4096 x 4096 on a Xeon: 3.7 ms, with it 1.7; tuned TIR 2.1).
+# many-row schedules (8 x 4096 @ 4096 x 4096 on a Xeon, 8-row tiles: 3.7 ms, 1.7 with it and
+# the accumulators in registers; tuned TIR 2.1).
 PREFETCH_AHEAD = 64
 PREFETCH_LOCALITY = 2
 CACHE_LINE = 64
