@@ -165,21 +165,20 @@ def cpu_gemm(mr: int, nr: int, packed: bool, m: int, n: int, k: int, epilogue: t
             for i, j in T.grid(rows, cols):
                 acc[i, j] = c[row0 + i, col0 + j]
 
+    def finished(acc, i, j, row0, col0, extra, last: bool) -> tvm.tirx.PrimExpr:
+        """Accumulator [i, j] as C takes it: through the epilogue after the last block of K,
+        as it is before."""
+        return _epilogue(acc[i, j], row0 + i, col0 + j, epilogue, extra) if last else acc[i, j]
+
     @T.macro
     def store(acc, c, extra, row0, rows, col0, cols, last):
         if cols == nr:
             for i in T.unroll(rows):
                 for j in T.vectorized(nr):
-                    if last:
-                        c[row0 + i, col0 + j] = _epilogue(acc[i, j], row0 + i, col0 + j, epilogue, extra)
-                    else:
-                        c[row0 + i, col0 + j] = acc[i, j]
+                    c[row0 + i, col0 + j] = finished(acc, i, j, row0, col0, extra, last)
         else:
             for i, j in T.grid(rows, cols):
-                if last:
-                    c[row0 + i, col0 + j] = _epilogue(acc[i, j], row0 + i, col0 + j, epilogue, extra)
-                else:
-                    c[row0 + i, col0 + j] = acc[i, j]
+                c[row0 + i, col0 + j] = finished(acc, i, j, row0, col0, extra, last)
 
     def tile_of(rows: int):
         """The macro for tiles of `rows` rows. Its accumulators are one stack array, or two
