@@ -79,6 +79,8 @@ def rand(*shape: int, seed: int = 0) -> np.ndarray:
         ((4, 17, 8), (4, 8, 5)),  # batched
         ((2, 1, 6, 8), (3, 8, 5)),  # batch axes broadcast both ways
         ((1, 6, 8), (3, 2, 8, 5)),  # b has more batch axes
+        ((1, 512), (512, 1000)),  # one row (a GEMV), its columns split across threads
+        ((3, 1, 40), (3, 40, 9)),  # batched one-row products
     ],
 )
 def test_matmul_against_numpy(a_shape: tuple, b_shape: tuple) -> None:
@@ -96,12 +98,14 @@ def test_matmul_against_numpy(a_shape: tuple, b_shape: tuple) -> None:
     np.testing.assert_allclose(out, a_np @ b_np, rtol=1e-4, atol=1e-4)
 
 
-def test_transposed_weight_matmul_with_symbolic_batch() -> None:
-    """x @ permute_dims(w) becomes one call with transpose_b; the batch axis stays symbolic."""
+@pytest.mark.parametrize("rows, k, n", [(7, 33, 19), (1, 600, 900)])
+def test_transposed_weight_matmul_with_symbolic_batch(rows: int, k: int, n: int) -> None:
+    """x @ permute_dims(w) becomes one call with transpose_b; the batch axis stays symbolic.
+    One row at batch 1 is a GEMV over w's rows (600 x 900: split across threads)."""
     batch = tvm.tirx.Var("batch", "int64")
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((batch, 7, 33), "float32"))
-    w_np = rand(19, 33, seed=3)
+    x = relax.Var("x", relax.TensorType((batch, rows, k), "float32"))
+    w_np = rand(n, k, seed=3)
     with bb.function("main", [x]):
         with bb.dataflow():
             w_t = bb.emit(relax.op.permute_dims(relax.const(w_np)))
@@ -112,8 +116,8 @@ def test_transposed_weight_matmul_with_symbolic_batch() -> None:
     assert "permute_dims" not in dispatched.script()
     assert packed_calls(mod) == [MATMUL_FUNC]
     vm = build(mod)
-    for n in (1, 8):
-        x_np = rand(n, 7, 33, seed=n)
+    for batch_size in (1, 8):
+        x_np = rand(batch_size, rows, k, seed=batch_size)
         out = vm["main"](tvm.runtime.tensor(x_np)).numpy()
         np.testing.assert_allclose(out, x_np @ w_np.T, rtol=1e-4, atol=1e-4)
 
