@@ -84,7 +84,7 @@ def handwritten(sig: OpSignature, target: tvm.target.Target, external_dir: str |
         def emit(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
             call_sig = OpSignature.of_call(call)
             m, n, k = call_sig.gemm
-            func = kernel.make(target, m, n, k, call_sig.epilogue, call_sig.addends_2d())
+            func = kernel.prim_func(target, m, n, k, call_sig.epilogue, call_sig.addends_2d())
             packed = kernel.packed_b(target, n, k) if kernel.packed_b else None
             return call_prim_func(bb, call, func, kernel.name, packed)
         return emit

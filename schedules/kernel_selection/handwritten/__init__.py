@@ -9,6 +9,7 @@ from typing import Callable
 import tvm
 
 from ....targets.llvm import vector_bits, vector_registers
+from ..candidates import Step
 from .cpu_gemm import MAX_ADDENDS, cpu_gemm, cpu_gemv, packed_shape
 from .cuda_gemm import cuda_gemm
 
@@ -31,6 +32,19 @@ class HandwrittenKernel:
     file: str
     fuses_epilogue: bool
     packed_b: Callable[[tvm.target.Target, int, int], tuple[int, int, int]] | None = None
+
+    def prim_func(self, target: tvm.target.Target, m: int, n: int, k: int,
+                  epilogue: tuple[Step, ...], addends: list[tuple[int, int]]) -> tvm.tirx.PrimFunc:
+        """`make`'s PrimFunc, made once per target, shape and epilogue in a process: parsing
+        the TVMScript takes about half a second, and a model repeats its layers' shapes (a
+        cold timing builds 64 copies of one group)."""
+        key = (self.name, str(target), m, n, k, tuple(epilogue), tuple(addends))
+        if key not in _MADE:
+            _MADE[key] = self.make(target, m, n, k, epilogue, addends)
+        return _MADE[key]
+
+
+_MADE: dict[tuple, tvm.tirx.PrimFunc] = {}
 
 
 _HERE = Path(__file__).resolve().parent
