@@ -237,6 +237,17 @@ def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_
         gimlet_tvm.build(model_path, "llvm", input_shapes={"x": [M, K]}, selection=external)
 
 
+def test_select_on_symbolic_shapes_says_how_to_fix_them(cli, tmp_path):
+    """A model whose batch is symbolic has no static-shape op group: select says which input
+    is symbolic and how to fix it, and the model still builds."""
+    model_path = tmp_path / "matmul.onnx"
+    onnx.save(_matmul_model(), model_path)
+    code, out, err = cli("select", str(model_path), "--records", str(tmp_path / "records"))
+    assert code == 0, err
+    assert f"inputs with symbolic dims: x [batch, {K}]: fix them with --input-shape" in out, out
+    assert "selected in" in out and "nothing" in out and "model builds with the selection" in out
+
+
 def test_selection_rewrites_only_into_the_chosen_kernel():
     _, target = resolve_target("llvm")
     handwritten = find("handwritten:cpu_gemm_6x2v", SIG, target)

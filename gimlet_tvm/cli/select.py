@@ -9,6 +9,8 @@ import collections
 import sys
 import time
 
+import tvm
+
 from ..compiler import resolve_target
 from ..frontend import import_model, load_model
 from ..schedules.kernel_selection.select import KernelSelection, select_kernels, selected_sources
@@ -47,6 +49,28 @@ def format_selection(selection: KernelSelection) -> str:
     return "\n\n".join(blocks)
 
 
+def _symbolic_inputs(mod) -> list[str]:
+    """`main`'s inputs with a symbolic dim, as "name [batch, 1024]"."""
+    found = []
+    for param in mod["main"].params:
+        shape = getattr(param.ty, "shape", None)
+        dims = [str(d.value) if isinstance(d, tvm.tirx.IntImm) else str(d)
+                for d in getattr(shape, "values", None) or []]
+        if any(not d.isdigit() for d in dims):
+            found.append(f"{param.name} [{', '.join(dims)}]")
+    return found
+
+
+def nothing_to_select(mod) -> str:
+    """Why the selection is empty, and how to fix the shapes when that is why."""
+    message = "no op in this model has kernel candidates (static-shape matmul or attention)"
+    symbolic = _symbolic_inputs(mod)
+    if symbolic:
+        message += (f"; inputs with symbolic dims: {', '.join(symbolic)}: fix them with "
+                    "--input-shape NAME=D0,D1,... to select kernels at those shapes")
+    return message
+
+
 def run(args) -> int:
     start = time.perf_counter()
     _, target = resolve_target(args.target)
@@ -55,7 +79,7 @@ def run(args) -> int:
                                timeout=args.timeout, remote=remote_device(args),
                                progress=lambda line: print(line, file=sys.stderr, flush=True))
     path = selection.save(args.records)
-    print(format_selection(selection) or "no op in this model has kernel candidates (static-shape matmul or attention)")
+    print(format_selection(selection) or nothing_to_select(mod))
     counts = collections.Counter(selected_sources(selection))
     print(f"\nselected in {time.perf_counter() - start:.0f} s on {selection.device}: "
           + (", ".join(f"{n} {source}" for source, n in sorted(counts.items())) or "nothing")
