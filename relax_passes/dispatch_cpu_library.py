@@ -80,10 +80,30 @@ def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list
     any other expression. `epilogue`: its steps in order, `("add", addend, divisor)` (an
     addend broadcast along the output, one element per `divisor` consecutive outputs for a
     vector, divisor 1 for an output-shaped tensor), `("relu",)` or `("gelu",)`."""
-    if not (isinstance(call, relax.Call) and call.op == tvm.ir.Op.get("relax.call_dps_packed")
-            and call.args[0].global_symbol == MATMUL_FUNC):
+    if not _calls(call, MATMUL_FUNC):
         return None
-    a, b, transpose, *args = call.args[1].fields
+    a, b, transpose, *epilogue = call.args[1].fields
+    return a, b, bool(int(transpose.value)), _epilogue_steps(epilogue)
+
+
+def library_conv2d(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, list[int], list] | None:
+    """`(data, weight, params, epilogue)` of a `gimlet.cpu.conv2d_nchw` call this pass wrote,
+    None for any other expression. `params`: strides (h, w), top and left padding, dilations
+    (h, w) and groups; `epilogue` as `library_matmul`'s."""
+    if not _calls(call, CONV2D_FUNC):
+        return None
+    data, weight, *args = call.args[1].fields
+    return data, weight, [int(p.value) for p in args[:7]], _epilogue_steps(args[7:])
+
+
+def _calls(call: relax.Expr, func: str) -> bool:
+    """`call` is a `call_dps_packed` of the packed function `func`."""
+    return (isinstance(call, relax.Call) and call.op == tvm.ir.Op.get("relax.call_dps_packed")
+            and call.args[0].global_symbol == func)
+
+
+def _epilogue_steps(args: list[relax.Expr]) -> list:
+    """A library call's epilogue arguments as steps (see `library_matmul`)."""
     names = {code: name for name, code in ACTIVATIONS.items()}
     steps, index = [], 0
     while index < len(args):
@@ -97,14 +117,13 @@ def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list
         else:
             steps.append((names[kind].rsplit(".", 1)[1],))
             index += 1
-    return a, b, bool(int(transpose.value)), steps
+    return steps
 
 
 def library_attention(call: relax.Expr) -> tuple[list[relax.Expr], float] | None:
     """`([query, key, value(, bias)], scale)` of a `gimlet.cpu.attention` call this pass
     wrote, None for any other expression."""
-    if not (isinstance(call, relax.Call) and call.op == tvm.ir.Op.get("relax.call_dps_packed")
-            and call.args[0].global_symbol == ATTENTION_FUNC):
+    if not _calls(call, ATTENTION_FUNC):
         return None
     *operands, scale = call.args[1].fields
     return operands, float(scale.value)

@@ -19,8 +19,8 @@ times them and as a model's weights arrive (another layer's have evicted them); 
 memory-bound kernel whose weight fits in the cache would be tuned for reading it from there.
 
 Kernel selection: after the MetaSchedule rounds, each op group with several implementations
-(a matmul and its epilogue: library, hand-written, generated with the records just tuned) is
-verified and timed (`kernel_selection.select_kernels`) and the winners stored beside the
+(a matmul or conv2d and its epilogue, attention: library, hand-written, generated with the
+records just tuned) is verified and timed (`kernel_selection.select_kernels`) and the winners stored beside the
 records, so `build(records=DIR)` applies both. A model whose heavy ops are all library calls
 thus still gets tuned: by measuring which kernel runs each op. Selection reruns only when
 MetaSchedule ran trials or the records lack a choice for one of the model's op groups.

@@ -455,3 +455,60 @@ def test_attention_reference_is_softmax_of_scaled_scores():
     np.testing.assert_allclose(sig.reference(q, k, v, bias), want, rtol=1e-12)
     assert sig.out_shape == (2, 3, 2, 6) and sig.kind.valid(sig.shapes)
     assert not sig.kind.valid(((2, 3, 2, 4), (2, 5, 2, 4), (2, 5, 2, 6), (2, 2, 3, 3)))
+
+
+def _conv_model() -> onnx.ModelProto:
+    """Conv + bias + ReLU (padded), a strided conv with bias, a grouped and dilated one with
+    asymmetric padding: NCHW, batch 2, odd sizes."""
+    rng = np.random.default_rng(7)
+    weights = {"w1": (8, 3, 3, 3), "b1": (8,), "w2": (6, 8, 3, 3), "b2": (6,), "w3": (4, 3, 3, 3)}
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.3, n)
+             for n, s in weights.items()]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Conv", ["c2", "w3"], ["y"], pads=[2, 1, 1, 2], dilations=[2, 2], group=2)]
+    graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 15, 13])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 6, 7])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_conv2d_groups_with_library_and_generated_candidates(tmp_path):
+    """Each conv2d with its epilogue is an op group: the CPU library's conv2d and the generated
+    TIR are both verified against the float64 reference (at its shape and the edge-case one),
+    selection stores a winner for each, and builds taking either source compute the model
+    as onnxruntime does."""
+    from gimlet_tvm.peers import check_against_onnxruntime
+    from gimlet_tvm.relax_passes.dispatch_cpu_library import CONV2D_FUNC
+    from gimlet_tvm.schedules.kernel_selection.select import select_kernels
+
+    proto = _conv_model()
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(proto, {})
+    keys = [sig.key for sig in op_signatures(mod, target)]
+    assert keys == [
+        "conv2d float32 2x3x15x13 * const 8x3x3x3 +1x8x1x1 relu stride 1x1 pad 1,1,1,1 dilation 1x1 groups 1",
+        "conv2d float32 2x8x15x13 * const 6x8x3x3 +1x6x1x1 stride 2x2 pad 1,1,1,1 dilation 1x1 groups 1",
+        "conv2d float32 2x6x8x7 * const 4x3x3x3 stride 1x1 pad 2,1,1,2 dilation 2x2 groups 2",
+    ]
+    sigs = list(op_signatures(mod, target))
+    for sig in sigs:
+        assert OpSignature.from_json(json.loads(json.dumps(sig.to_json()))) == sig
+        assert [c.id for c in candidates(sig, target)] == ["generated:tir", "library:openblas"]
+    grouped = sigs[-1]
+    assert grouped.edge_case().key == ("conv2d float32 1x6x13x11 * const 10x3x3x3 stride 1x1 pad 2,1,1,2 "
+                                       "dilation 2x2 groups 2")
+    for candidate_id in ("generated:tir", "library:openblas"):
+        outcome = run_candidate(dict(_request(candidate_id, target), signature=grouped.to_json()), timeout=180)
+        assert outcome.verified, outcome.reason
+        assert outcome.checks == [grouped.key, grouped.edge_case().key]
+    selection = select_kernels(mod, target, records=str(tmp_path), timeout=180)
+    assert len(selection.choices) == 3
+    assert all(t.verified for choice in selection.choices.values() for t in choice.tried)
+    generated, rewritten = rewrite_ops(mod, lambda sig: find("generated:tir", sig, target), "llvm")
+    assert rewritten == 3 and CONV2D_FUNC not in generated.script()
+    x = {"x": np.random.default_rng(3).standard_normal((2, 3, 15, 13)).astype(np.float32)}
+    for source in ("generated", "library"):
+        model = gimlet_tvm.build(proto, "llvm", records=str(tmp_path), selection=selection.restricted_to(source))
+        ok, diff = check_against_onnxruntime(proto, model, x, tolerance=1e-4)
+        assert ok, f"{source}: {diff}"

@@ -63,7 +63,7 @@ def _symbolic_inputs(mod) -> list[str]:
 
 def nothing_to_select(mod) -> str:
     """Why the selection is empty, and how to fix the shapes when that is why."""
-    message = "no op in this model has kernel candidates (static-shape matmul or attention)"
+    message = "no op in this model has kernel candidates (static-shape matmul, conv2d or attention)"
     symbolic = _symbolic_inputs(mod)
     if symbolic:
         message += (f"; inputs with symbolic dims: {', '.join(symbolic)}: fix them with "

@@ -1,6 +1,6 @@
 """What kernel selection chooses between: `Candidate` implementations of one `OpSignature`.
 
-An op signature is an op of `op_kinds.OP_KINDS` (matmul, attention) at static shapes and one
+An op signature is an op of `op_kinds.OP_KINDS` (matmul, attention, conv2d) at static shapes and one
 dtype, together with the elementwise epilogue the target's library call absorbs (on the CPU
 exactly what `DispatchCPULibrary` fuses into its call, read back from it). A candidate
 rewrites that whole group into its implementation before legalization: generated TIR
@@ -79,12 +79,12 @@ class OpSignature:
         """`matmul float32 1x1024 @ const 1024x4096 +4096 relu`: stable, readable, the records'
         key (`const`: a weight)."""
         steps = [f"+{'x'.join(map(str, shape))}" if kind == "add" else kind for kind, shape in self.epilogue]
-        attrs = [f"{name}={value:g}" for name, value in self.attrs]
-        return " ".join([f"{self.op} {self.dtype}", self.kind.describe(self.shapes, self.weight), *steps, *attrs])
+        return " ".join([f"{self.op} {self.dtype}", self.kind.describe(self.shapes, self.weight), *steps,
+                         *self.kind.describe_attrs(self.attrs)])
 
     @property
     def out_shape(self) -> tuple[int, ...]:
-        return self.kind.out_shape(self.shapes)
+        return self.kind.out_shape(self.shapes, self.attrs)
 
     @property
     def gemm(self) -> tuple[int, int, int]:
@@ -116,7 +116,7 @@ class OpSignature:
     def edge_case(self) -> OpSignature:
         """The same op group at small shapes that are no multiple of any tile (tails everywhere)."""
         shapes = self.kind.edge_shapes(self.shapes)
-        out, edge_out = self.out_shape, self.kind.out_shape(shapes)
+        out, edge_out = self.out_shape, self.kind.out_shape(shapes, self.attrs)
 
         def edge(shape: tuple[int, ...]) -> tuple[int, ...]:
             offset = len(out) - len(shape)

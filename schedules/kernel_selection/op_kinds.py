@@ -6,7 +6,9 @@ at besides its own and the inputs it is checked on.
 - matmul: an operand of rank >= 2 by a rank-2 one (every linear layer), with the epilogue
   `DispatchCPULibrary` absorbs (bias and residual adds, ReLU, GELU);
 - attention: `R.nn.attention` over BSNH query, key and value with an optional 4-D additive
-  bias (a padding mask), no causal mask or window; no epilogue.
+  bias (a padding mask), no causal mask or window; no epilogue;
+- conv2d: `R.nn.conv2d` with NCHW data and output and OIHW weights (any strides, padding,
+  dilation and groups), with the epilogue `DispatchCPULibrary` absorbs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ...relax_passes.dispatch_cpu_library import library_attention, library_matmul
+from ...relax_passes.dispatch_cpu_library import library_attention, library_conv2d, library_matmul
 
 Shape = tuple[int, ...]
 Step = tuple[str, Shape]
@@ -46,6 +48,24 @@ def static_shape(expr: relax.Expr) -> Shape | None:
     return tuple(int(d) for d in ty.shape.values)
 
 
+def _with_epilogue(operands: list[relax.Expr], attrs: Attrs, library_steps: list,
+                   vectors_along_rows: bool) -> Group | None:
+    """The group of a library call with its epilogue (`library_matmul`'s steps); None when an
+    addend's shape is not static, or it is a vector broadcast along the output's rows and
+    `vectors_along_rows` is false."""
+    addends, steps = [], []
+    for step in library_steps:
+        if step[0] == "add":
+            shape = static_shape(step[1])
+            if shape is None or (step[2] != 1 and not vectors_along_rows):
+                return None
+            addends.append(step[1])
+            steps.append(("add", shape))
+        else:
+            steps.append((step[0], ()))
+    return Group(operands, attrs, addends, steps)
+
+
 def _is_op(call: relax.Expr, *names: str) -> bool:
     return isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and call.op.name in names
 
@@ -67,7 +87,7 @@ class OpKind:
         """The op on `operands` as a Relax call (no epilogue)."""
         raise NotImplementedError
 
-    def out_shape(self, shapes: tuple[Shape, ...]) -> Shape:
+    def out_shape(self, shapes: tuple[Shape, ...], attrs: Attrs) -> Shape:
         raise NotImplementedError
 
     def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
@@ -81,6 +101,10 @@ class OpKind:
     def describe(self, shapes: tuple[Shape, ...], weight: bool) -> str:
         """The operands in the signature's key."""
         return " ".join("x".join(map(str, s)) for s in shapes)
+
+    def describe_attrs(self, attrs: Attrs) -> list[str]:
+        """The attributes in the signature's key."""
+        return [f"{name}={value:g}" for name, value in attrs]
 
     def large(self, operand: int) -> bool:
         """Whether the "large" input set scales this operand (by 1e3)."""
@@ -102,17 +126,7 @@ class Matmul(OpKind):
         if parts is None or parts[2]:  # a transposed b: not a candidate's input
             return None
         a, b, _, library_steps = parts
-        addends, steps = [], []
-        for step in library_steps:
-            if step[0] == "add":
-                shape = static_shape(step[1])
-                if shape is None or step[2] != 1:
-                    return None
-                addends.append(step[1])
-                steps.append(("add", shape))
-            else:
-                steps.append((step[0], ()))
-        return Group([a, b], (), addends, steps)
+        return _with_epilogue([a, b], (), library_steps, vectors_along_rows=False)
 
     def valid(self, shapes: tuple[Shape, ...]) -> bool:
         a, b = shapes
@@ -121,7 +135,7 @@ class Matmul(OpKind):
     def emit(self, operands: list[relax.Expr], attrs: Attrs) -> relax.Call:
         return relax.op.matmul(*operands)
 
-    def out_shape(self, shapes: tuple[Shape, ...]) -> Shape:
+    def out_shape(self, shapes: tuple[Shape, ...], attrs: Attrs) -> Shape:
         a, b = shapes
         return (*a[:-1], b[1])
 
@@ -173,7 +187,7 @@ class Attention(OpKind):
     def emit(self, operands: list[relax.Expr], attrs: Attrs) -> relax.Call:
         return relax.op.nn.attention(*operands, scale=dict(attrs)["scale"])
 
-    def out_shape(self, shapes: tuple[Shape, ...]) -> Shape:
+    def out_shape(self, shapes: tuple[Shape, ...], attrs: Attrs) -> Shape:
         (b, s, n, _), _, v = shapes[:3]
         return (b, s, n, v[3])
 
@@ -202,7 +216,100 @@ class Attention(OpKind):
         return float(np.abs(operands[2]).max(initial=0))  # outputs are convex sums of values
 
 
-OP_KINDS: dict[str, OpKind] = {kind.name: kind for kind in (Matmul(), Attention())}
+class Conv2d(OpKind):
+    name = "conv2d"
+    ATTRS = ("stride_h", "stride_w", "pad_top", "pad_left", "pad_bottom", "pad_right",
+             "dilation_h", "dilation_w", "groups")
+    EDGE = (13, 11, 3, 5)  # rows, columns, input and output channels per group
+
+    def find(self, call: relax.Expr) -> Group | None:
+        if _is_op(call, "relax.nn.conv2d"):
+            attrs = call.attrs
+            layouts = (attrs.data_layout, attrs.kernel_layout, attrs.out_layout)
+            out_dtype = attrs.out_dtype
+            if layouts != ("NCHW", "OIHW", "NCHW") or out_dtype not in (None, call.args[0].ty.dtype):
+                return None
+            params = [*attrs.strides, *attrs.padding, *attrs.dilation, attrs.groups]
+            return Group(list(call.args), tuple(zip(self.ATTRS, (float(int(p)) for p in params))), [], [])
+        parts = library_conv2d(call)
+        if parts is None:
+            return None
+        data, weight, (sh, sw, top, left, dh, dw, groups), library_steps = parts
+        shapes = static_shape(data), static_shape(weight), static_shape(call)
+        if None in shapes:
+            return None
+        (_, _, h, w), (_, _, kh, kw), (_, _, oh, ow) = shapes
+        # The library takes top and left padding; the bottom and right rows the output reaches.
+        bottom = max(0, (oh - 1) * sh + dh * (kh - 1) + 1 - h - top)
+        right = max(0, (ow - 1) * sw + dw * (kw - 1) + 1 - w - left)
+        params = (sh, sw, top, left, bottom, right, dh, dw, groups)
+        return _with_epilogue([data, weight], tuple(zip(self.ATTRS, map(float, params))), library_steps,
+                              vectors_along_rows=True)
+
+    def valid(self, shapes: tuple[Shape, ...]) -> bool:
+        return len(shapes) == 2 and all(len(s) == 4 for s in shapes)
+
+    @staticmethod
+    def _params(attrs: Attrs) -> dict[str, int]:
+        return {name: int(value) for name, value in attrs}
+
+    def emit(self, operands: list[relax.Expr], attrs: Attrs) -> relax.Call:
+        p = self._params(attrs)
+        return relax.op.nn.conv2d(
+            *operands, strides=(p["stride_h"], p["stride_w"]),
+            padding=(p["pad_top"], p["pad_left"], p["pad_bottom"], p["pad_right"]),
+            dilation=(p["dilation_h"], p["dilation_w"]), groups=p["groups"])
+
+    def out_shape(self, shapes: tuple[Shape, ...], attrs: Attrs) -> Shape:
+        p = self._params(attrs)
+        (n, _, h, w), (o, _, kh, kw) = shapes
+        oh = (h + p["pad_top"] + p["pad_bottom"] - p["dilation_h"] * (kh - 1) - 1) // p["stride_h"] + 1
+        ow = (w + p["pad_left"] + p["pad_right"] - p["dilation_w"] * (kw - 1) - 1) // p["stride_w"] + 1
+        return (n, o, oh, ow)
+
+    def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
+        p = self._params(attrs)
+        data, weight = operands
+        n, c, _, _ = data.shape
+        o, cpg, kh, kw = weight.shape
+        _, _, oh, ow = self.out_shape((data.shape, weight.shape), attrs)
+        padded = np.pad(data, ((0, 0), (0, 0), (p["pad_top"], p["pad_bottom"]), (p["pad_left"], p["pad_right"])))
+        groups, opg = p["groups"], o // p["groups"]
+        out = np.zeros((n, groups, opg, oh, ow))
+        grouped_w = weight.reshape(groups, opg, cpg, kh, kw)
+        for i in range(kh):
+            for j in range(kw):
+                rows = slice(i * p["dilation_h"], i * p["dilation_h"] + (oh - 1) * p["stride_h"] + 1, p["stride_h"])
+                cols = slice(j * p["dilation_w"], j * p["dilation_w"] + (ow - 1) * p["stride_w"] + 1, p["stride_w"])
+                window = padded[:, :, rows, cols].reshape(n, groups, cpg, oh, ow)
+                out += np.einsum("ngchw,goc->ngohw", window, grouped_w[:, :, :, i, j])
+        return out.reshape(n, o, oh, ow)
+
+    def edge_shapes(self, shapes: tuple[Shape, ...]) -> tuple[Shape, ...]:
+        (_, _, _, _), (o, cpg, kh, kw) = shapes
+        groups = shapes[0][1] // cpg
+        rows, cols, edge_cpg, edge_opg = self.EDGE
+        edge_cpg, edge_opg = (1 if cpg == 1 else edge_cpg), (1 if o == groups else edge_opg)
+        return ((1, groups * edge_cpg, max(rows, kh + 2), max(cols, kw + 2)),
+                (groups * edge_opg, edge_cpg, kh, kw))
+
+    def describe(self, shapes: tuple[Shape, ...], weight: bool) -> str:
+        data, kernel = ("x".join(map(str, s)) for s in shapes)
+        return " ".join([data, "*", *(["const"] if weight else []), kernel])
+
+    def describe_attrs(self, attrs: Attrs) -> list[str]:
+        p = self._params(attrs)
+        return [f"stride {p['stride_h']}x{p['stride_w']}",
+                f"pad {p['pad_top']},{p['pad_left']},{p['pad_bottom']},{p['pad_right']}",
+                f"dilation {p['dilation_h']}x{p['dilation_w']}", f"groups {p['groups']}"]
+
+    def error_scale(self, operands: list[np.ndarray]) -> float:
+        data, weight = operands
+        per_output = np.abs(weight).reshape(weight.shape[0], -1).sum(axis=1)
+        return float(np.abs(data).max(initial=0) * per_output.max(initial=0))
+
+
+OP_KINDS: dict[str, OpKind] = {kind.name: kind for kind in (Matmul(), Attention(), Conv2d())}
 
 
 def find_group(call: relax.Expr) -> tuple[OpKind, Group] | None:

@@ -3,8 +3,8 @@ candidates it has for an op signature on a target (unavailable ones too, with th
 
 - generated: the op legalized to TIR, its epilogue fused by FuseOps; the build schedules it with MetaSchedule records when
   the records directory has one for it, else with the target's default rules;
-- library: the target's library call (CPU: gimlet's `gimlet.cpu.matmul` (OpenBLAS) or
-  `gimlet.cpu.attention` through `DispatchCPULibrary`, epilogue included; CUDA: cuBLAS for
+- library: the target's library call (CPU: gimlet's `gimlet.cpu.matmul`, `.conv2d_nchw`
+  (OpenBLAS) or `.attention` through `DispatchCPULibrary`, epilogue included; CUDA: cuBLAS for
   matmul, when this TVM build has it);
 - handwritten: `handwritten.KERNELS` for the op and target kind;
 - external: kernels in a directory described by `kernels.json` (see `external.py`).
@@ -66,9 +66,11 @@ def _cublas(sig: OpSignature) -> Candidate:
 
 
 # The library candidate of each target kind and op: the CPU library's matmul calls OpenBLAS,
-# its attention is its own (blocked scores, softmax, weighted sum).
+# its conv2d unfolds patches for OpenBLAS's GEMM, its attention is its own (blocked scores,
+# softmax, weighted sum).
 LIBRARIES = {
     ("llvm", "matmul"): _cpu_library("openblas"),
+    ("llvm", "conv2d"): _cpu_library("openblas"),
     ("llvm", "attention"): _cpu_library("gimlet_attention"),
     ("cuda", "matmul"): _cublas,
 }
