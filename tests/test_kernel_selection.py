@@ -469,7 +469,7 @@ def _conv_model() -> onnx.ModelProto:
              helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
              helper.make_node("Conv", ["c2", "w3"], ["y"], pads=[2, 1, 1, 2], dilations=[2, 2], group=2)]
     graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 15, 13])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 6, 7])], inits)
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 7, 6])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 

@@ -216,6 +216,15 @@ class Attention(OpKind):
         return float(np.abs(operands[2]).max(initial=0))  # outputs are convex sums of values
 
 
+def _far_padding(size: int, kernel: int, stride: int, dilation: int, near: int, out: int) -> int:
+    """Bottom (right) padding of a conv2d the library was given only the top (left) padding
+    of: equal to it when that gives `out` rows, else the rows the output reaches below the
+    input (more padding than that changes no output)."""
+    if (size + 2 * near - dilation * (kernel - 1) - 1) // stride + 1 == out:
+        return near
+    return max(0, (out - 1) * stride + dilation * (kernel - 1) + 1 - size - near)
+
+
 class Conv2d(OpKind):
     name = "conv2d"
     ATTRS = ("stride_h", "stride_w", "pad_top", "pad_left", "pad_bottom", "pad_right",
@@ -239,9 +248,7 @@ class Conv2d(OpKind):
         if None in shapes:
             return None
         (_, _, h, w), (_, _, kh, kw), (_, _, oh, ow) = shapes
-        # The library takes top and left padding; the bottom and right rows the output reaches.
-        bottom = max(0, (oh - 1) * sh + dh * (kh - 1) + 1 - h - top)
-        right = max(0, (ow - 1) * sw + dw * (kw - 1) + 1 - w - left)
+        bottom, right = _far_padding(h, kh, sh, dh, top, oh), _far_padding(w, kw, sw, dw, left, ow)
         params = (sh, sw, top, left, bottom, right, dh, dw, groups)
         return _with_epilogue([data, weight], tuple(zip(self.ATTRS, map(float, params))), library_steps,
                               vectors_along_rows=True)
