@@ -1,8 +1,11 @@
 """Where candidates come from: one function per source in `SOURCES`, each listing the
 candidates it has for an op signature on a target (unavailable ones too, with the reason).
 
-- generated: the op legalized to TIR, its epilogue fused by FuseOps; the build schedules it with MetaSchedule records when
-  the records directory has one for it, else with the target's default rules;
+- generated: the op group legalized and fused into one TIR kernel on its own (FuseOps in the
+  model could fuse it otherwise, e.g. a residual add of two convolutions into the other one,
+  and then neither the kernel measured nor its tuning records would be the one that runs);
+  the build schedules it with MetaSchedule records when the records directory has one for
+  it, else with the target's default rules;
 - library: the target's library call (CPU: gimlet's `gimlet.cpu.matmul`, `.conv2d_nchw`
   (OpenBLAS) or `.attention` through `DispatchCPULibrary`, epilogue included; CUDA: cuBLAS for
   matmul, when this TVM build has it);
@@ -11,6 +14,9 @@ candidates it has for an op signature on a target (unavailable ones too, with th
 """
 
 from __future__ import annotations
+
+import functools
+import json
 
 import tvm
 from tvm import relax
@@ -25,12 +31,48 @@ from .op_kinds import find_group
 def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
     def rewrite(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         kind, group = find_group(call)
-        op = bb.normalize(kind.emit(group.operands, group.attrs))
-        out = op.op.get_attr("FLegalize")(bb, op)
-        return emit_epilogue(bb, bb.emit(out) if group.steps else out, group.addends, group.steps)
+        call_sig = OpSignature.of_call(call)
+        fused = _fused_group(call_sig, target)
+        if fused is None:  # several kernels (legalized attention): FuseOps fuses them in the model
+            op = bb.normalize(kind.emit(group.operands, group.attrs))
+            out = op.op.get_attr("FLegalize")(bb, op)
+            return emit_epilogue(bb, bb.emit(out) if group.steps else out, group.addends, group.steps)
+        func, name, order = fused
+        args = [*group.operands, *group.addends]
+        gvar = bb.add_func(func, name)
+        return relax.call_tir(gvar, [args[i] for i in order], relax.TensorType(call_sig.out_shape, call_sig.dtype))
 
-    return [Candidate("generated", "tir", "LegalizeOps TIR, epilogue fused by FuseOps; MetaSchedule "
+    return [Candidate("generated", "tir", "LegalizeOps TIR, the group fused into one kernel; MetaSchedule "
                       "record or default schedule", rewrite)]
+
+
+@functools.lru_cache(maxsize=256)
+def _fused(sig: OpSignature, target_json: str) -> tuple[tvm.tirx.PrimFunc, str, tuple[int, ...]] | None:
+    """`sig.module()` legalized and fused (LegalizeOps, AnnotateTIROpPattern, FuseOps, FuseTIR):
+    its one kernel (opaque to FuseOps), the kernel's name and which of the group's operands
+    then addends it takes in order; None when the group does not become a single kernel."""
+    mod = sig.module()
+    params = list(mod["main"].params)
+    passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+              relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    with tvm.target.Target(json.loads(target_json)):
+        mod = tvm.transform.Sequential(passes)(mod)
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    calls = []
+    relax.analysis.post_order_visit(mod["main"].body, lambda e: calls.append(e)
+                                    if isinstance(e, relax.Call) and e.op == call_tir else None)
+    if len(calls) != 1:
+        return None
+    gvar, args = calls[0].args[0], calls[0].args[1].fields
+    order = tuple(next((i for i, p in enumerate(params) if p.same_as(arg)), -1) for arg in args)
+    if -1 in order:
+        return None
+    return mod[gvar].with_attr("op_pattern", 8), gvar.name_hint, order
+
+
+def _fused_group(sig: OpSignature, target: tvm.target.Target):
+    """`_fused` for `sig` on `target` (cached: a model repeats its groups)."""
+    return _fused(sig, str(target))
 
 
 def _keep(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
