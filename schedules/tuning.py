@@ -25,8 +25,8 @@ records, so `build(records=DIR)` applies both. A model whose heavy ops are all l
 thus still gets tuned: by measuring which kernel runs each op. Selection reruns only when
 MetaSchedule ran trials or the records lack a choice for one of the model's op groups.
 
-With `tune_generated`, each op group's generated candidate (its matmul TIR with the epilogue
-fused, as `sources.generated` builds it) is a task too, weighted by the group's count, so that
+With `tune_generated`, each op group's generated candidate (the op's TIR with its epilogue,
+one kernel, as `sources.generated` builds it) is a task too, weighted by the group's count, so that
 selection measures it tuned rather than default-scheduled. Off by default: those trials only
 pay off where generated code can beat the library and hand-written kernels, and their tasks
 count in the progress line's estimate although the model runs only the group's winner.
