@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+import tvm
 from tvm import relax, runtime
 
 import gimlet_tvm
@@ -512,3 +513,37 @@ def test_conv2d_groups_with_library_and_generated_candidates(tmp_path):
         model = gimlet_tvm.build(proto, "llvm", records=str(tmp_path), selection=selection.restricted_to(source))
         ok, diff = check_against_onnxruntime(proto, model, x, tolerance=1e-4)
         assert ok, f"{source}: {diff}"
+
+
+def test_generated_groups_run_as_measured_and_tuned():
+    """A residual add of two convolutions' outputs (a ResNet shortcut): FuseOps in the model
+    could fuse it into either conv, and selection's group has it in one. The generated
+    candidate's kernels in the model are exactly those its tuning tasks describe (same
+    MetaSchedule workloads), so selection's timing and the tuning records apply to them."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from gimlet_tvm.compiler import kernel_passes
+    from gimlet_tvm.schedules.tuning import generated_group_tasks
+
+    rng = np.random.default_rng(11)
+    weights = {"w1": (8, 4, 3, 3), "b1": (8,), "w2": (8, 4, 1, 1), "b2": (8,)}
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in weights.items()]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["main"], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["x", "w2", "b2"], ["shortcut"]),
+             helper.make_node("Add", ["main", "shortcut"], ["sum"]),
+             helper.make_node("Relu", ["sum"], ["y"])]
+    graph = helper.make_graph(nodes, "shortcut", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 9, 9])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 9, 9])], inits)
+    mod, _ = import_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), {})
+    spec, target = resolve_target("llvm")
+    groups = op_signatures(mod, target)
+    assert len(groups) == 2
+    tuned = {task.workload[0] for task in generated_group_tasks(groups, "llvm")}
+    generated_only = KernelSelection(target_key(target), {
+        sig.key: OpChoice(sig, [Tried("generated:tir", "", True, seconds=1.0)], "generated:tir", count)
+        for sig, count in groups.items()}, None, "", "local")
+    with target:
+        built = tvm.transform.Sequential(kernel_passes([(spec, target)], generated_only.pass_for(target)))(mod)
+        kernels = [ms.database.Workload(t.dispatched[0]).as_json()[0]
+                   for t in ms.relax_integration.extract_tasks(built, target)]
+    assert len(kernels) == 2 and set(kernels) == tuned
