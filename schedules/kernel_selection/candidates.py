@@ -115,7 +115,7 @@ class OpSignature:
 
     def edge_case(self) -> OpSignature:
         """The same op group at small shapes that are no multiple of any tile (tails everywhere)."""
-        shapes = self.kind.edge_shapes(self.shapes)
+        shapes = self.kind.edge_shapes(self.shapes, self.attrs)
         out, edge_out = self.out_shape, self.kind.out_shape(shapes, self.attrs)
 
         def edge(shape: tuple[int, ...]) -> tuple[int, ...]:

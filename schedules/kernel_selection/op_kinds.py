@@ -94,7 +94,7 @@ class OpKind:
         """What the op computes on float64 operands."""
         raise NotImplementedError
 
-    def edge_shapes(self, shapes: tuple[Shape, ...]) -> tuple[Shape, ...]:
+    def edge_shapes(self, shapes: tuple[Shape, ...], attrs: Attrs) -> tuple[Shape, ...]:
         """Operand shapes of the same rank that are no multiple of any tile (tails everywhere)."""
         raise NotImplementedError
 
@@ -142,7 +142,7 @@ class Matmul(OpKind):
     def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
         return operands[0] @ operands[1]
 
-    def edge_shapes(self, shapes: tuple[Shape, ...]) -> tuple[Shape, ...]:
+    def edge_shapes(self, shapes: tuple[Shape, ...], attrs: Attrs) -> tuple[Shape, ...]:
         m, k, n = self.EDGE_DIMS
         return (*[1] * (len(shapes[0]) - 2), m, k), (k, n)
 
@@ -200,7 +200,7 @@ class Attention(OpKind):
         weights /= weights.sum(axis=-1, keepdims=True)
         return np.einsum("bnst,btnv->bsnv", weights, v)
 
-    def edge_shapes(self, shapes: tuple[Shape, ...]) -> tuple[Shape, ...]:
+    def edge_shapes(self, shapes: tuple[Shape, ...], attrs: Attrs) -> tuple[Shape, ...]:
         s, t, n, h = self.EDGE
         edge = ((1, s, n, h), (1, t, n, h), (1, t, n, h))
         if len(shapes) == 3:
@@ -254,7 +254,7 @@ class Conv2d(OpKind):
                               vectors_along_rows=True)
 
     def valid(self, shapes: tuple[Shape, ...]) -> bool:
-        return len(shapes) == 2 and all(len(s) == 4 for s in shapes)
+        return len(shapes) == 2 and all(len(s) == 4 for s in shapes) and shapes[0][1] % shapes[1][1] == 0
 
     @staticmethod
     def _params(attrs: Attrs) -> dict[str, int]:
@@ -277,7 +277,7 @@ class Conv2d(OpKind):
     def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
         p = self._params(attrs)
         data, weight = operands
-        n, c, _, _ = data.shape
+        n = data.shape[0]
         o, cpg, kh, kw = weight.shape
         _, _, oh, ow = self.out_shape((data.shape, weight.shape), attrs)
         padded = np.pad(data, ((0, 0), (0, 0), (p["pad_top"], p["pad_bottom"]), (p["pad_left"], p["pad_right"])))
@@ -292,13 +292,15 @@ class Conv2d(OpKind):
                 out += np.einsum("ngchw,goc->ngohw", window, grouped_w[:, :, :, i, j])
         return out.reshape(n, o, oh, ow)
 
-    def edge_shapes(self, shapes: tuple[Shape, ...]) -> tuple[Shape, ...]:
-        (_, _, _, _), (o, cpg, kh, kw) = shapes
-        groups = shapes[0][1] // cpg
+    def edge_shapes(self, shapes: tuple[Shape, ...], attrs: Attrs) -> tuple[Shape, ...]:
+        p = self._params(attrs)
+        o, cpg, kh, kw = shapes[1]
+        groups = p["groups"]
         rows, cols, edge_cpg, edge_opg = self.EDGE
         edge_cpg, edge_opg = (1 if cpg == 1 else edge_cpg), (1 if o == groups else edge_opg)
-        return ((1, groups * edge_cpg, max(rows, kh + 2), max(cols, kw + 2)),
-                (groups * edge_opg, edge_cpg, kh, kw))
+        # Larger than the kernel's dilated extent: the kernel fits, padded or not.
+        rows, cols = max(rows, p["dilation_h"] * (kh - 1) + 2), max(cols, p["dilation_w"] * (kw - 1) + 2)
+        return (1, groups * edge_cpg, rows, cols), (groups * edge_opg, edge_cpg, kh, kw)
 
     def describe(self, shapes: tuple[Shape, ...], weight: bool) -> str:
         data, kernel = ("x".join(map(str, s)) for s in shapes)
