@@ -547,3 +547,30 @@ def test_generated_groups_run_as_measured_and_tuned():
         kernels = [ms.database.Workload(t.dispatched[0]).as_json()[0]
                    for t in ms.relax_integration.extract_tasks(built, target)]
     assert len(kernels) == 2 and set(kernels) == tuned
+
+
+def test_generated_lone_op_still_fuses_what_follows():
+    """A depthwise conv (the library does not take it: an op group without epilogue) chosen as
+    generated TIR stays open to FuseOps: its bias add and ReLU still run in its kernel."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from gimlet_tvm.compiler import kernel_passes
+
+    rng = np.random.default_rng(12)
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in {"w": (6, 1, 3, 3), "b": (6,)}.items()]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], group=6),
+             helper.make_node("Relu", ["c"], ["y"])]
+    graph = helper.make_graph(nodes, "depthwise", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6, 9, 9])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 9, 9])], inits)
+    mod, _ = import_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), {})
+    spec, target = resolve_target("llvm")
+    (sig,) = op_signatures(mod, target)
+    assert sig.epilogue == () and sig.attrs[-1] == ("groups", 6.0)
+    assert [c.id for c in candidates(sig, target) if c.unavailable is None] == ["generated:tir"]
+    chosen = KernelSelection(target_key(target), {sig.key: OpChoice(
+        sig, [Tried("generated:tir", "", True, seconds=1.0)], "generated:tir")}, None, "", "local")
+    with target:
+        built = tvm.transform.Sequential(kernel_passes([(spec, target)], chosen.pass_for(target)))(mod)
+        (kernel,) = [t.task_name for t in ms.relax_integration.extract_tasks(built, target)]
+    assert "conv2d" in kernel and "relu" in kernel, kernel

@@ -1,9 +1,10 @@
 """Where candidates come from: one function per source in `SOURCES`, each listing the
 candidates it has for an op signature on a target (unavailable ones too, with the reason).
 
-- generated: the op group legalized and fused into one TIR kernel on its own (FuseOps in the
-  model could fuse it otherwise, e.g. a residual add of two convolutions into the other one,
-  and then neither the kernel measured nor its tuning records would be the one that runs);
+- generated: the op legalized to TIR; with an epilogue, the group fused into one TIR kernel on
+  its own (FuseOps in the model could fuse it otherwise, e.g. a residual add of two
+  convolutions into the other one, and then neither the kernel measured nor its tuning
+  records would be the one that runs);
   the build schedules it with MetaSchedule records when the records directory has one for
   it, else with the target's default rules;
 - library: the target's library call (CPU: gimlet's `gimlet.cpu.matmul`, `.conv2d_nchw`
@@ -32,8 +33,10 @@ def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | N
     def rewrite(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         kind, group = find_group(call)
         call_sig = OpSignature.of_call(call)
-        fused = _fused_group(call_sig, target)
-        if fused is None:  # several kernels (legalized attention): FuseOps fuses them in the model
+        # A lone op is left to FuseOps, which may fuse what follows it, as in the default build;
+        # so is a group that legalizes to several kernels (attention).
+        fused = _fused_group(call_sig, target) if group.steps else None
+        if fused is None:
             op = bb.normalize(kind.emit(group.operands, group.attrs))
             out = op.op.get_attr("FLegalize")(bb, op)
             return emit_epilogue(bb, bb.emit(out) if group.steps else out, group.addends, group.steps)
@@ -42,7 +45,7 @@ def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | N
         gvar = bb.add_func(func, name)
         return relax.call_tir(gvar, [args[i] for i in order], relax.TensorType(call_sig.out_shape, call_sig.dtype))
 
-    return [Candidate("generated", "tir", "LegalizeOps TIR, the group fused into one kernel; MetaSchedule "
+    return [Candidate("generated", "tir", "LegalizeOps TIR, a group with an epilogue as one kernel; MetaSchedule "
                       "record or default schedule", rewrite)]
 
 
