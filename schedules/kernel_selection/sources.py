@@ -35,7 +35,7 @@ def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | N
         call_sig = OpSignature.of_call(call)
         # A lone op is left to FuseOps, which may fuse what follows it, as in the default build;
         # so is a group that legalizes to several kernels (attention).
-        fused = _fused_group(call_sig, target) if group.steps else None
+        fused = _fused(call_sig, str(target)) if group.steps else None
         if fused is None:
             op = bb.normalize(kind.emit(group.operands, group.attrs))
             out = op.op.get_attr("FLegalize")(bb, op)
@@ -53,7 +53,8 @@ def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | N
 def _fused(sig: OpSignature, target_json: str) -> tuple[tvm.tirx.PrimFunc, str, tuple[int, ...]] | None:
     """`sig.module()` legalized and fused (LegalizeOps, AnnotateTIROpPattern, FuseOps, FuseTIR):
     its one kernel (opaque to FuseOps), the kernel's name and which of the group's operands
-    then addends it takes in order; None when the group does not become a single kernel."""
+    then addends it takes in order; None when the group does not become a single kernel.
+    Cached: a model repeats its groups (the target as its JSON text, to be hashable)."""
     mod = sig.module()
     params = list(mod["main"].params)
     passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
@@ -71,11 +72,6 @@ def _fused(sig: OpSignature, target_json: str) -> tuple[tvm.tirx.PrimFunc, str, 
     if -1 in order:
         return None
     return mod[gvar].with_attr("op_pattern", 8), gvar.name_hint, order
-
-
-def _fused_group(sig: OpSignature, target: tvm.target.Target):
-    """`_fused` for `sig` on `target` (cached: a model repeats its groups)."""
-    return _fused(sig, str(target))
 
 
 def _keep(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
