@@ -429,7 +429,6 @@ def test_attention_is_an_op_group_with_library_and_generated_candidates():
     assert ok, diff
 
 
-
 def test_selection_of_a_kernel_no_longer_offered_is_refused():
     """A stored winner that the repo has since dropped (here a hand-written kernel's old name)
     stops the build with a message naming it, not a KeyError."""
@@ -486,13 +485,12 @@ def test_conv2d_groups_with_library_and_generated_candidates(tmp_path):
     proto = _conv_model()
     _, target = resolve_target("llvm")
     mod, _ = import_model(proto, {})
-    keys = [sig.key for sig in op_signatures(mod, target)]
-    assert keys == [
+    sigs = list(op_signatures(mod, target))
+    assert [sig.key for sig in sigs] == [
         "conv2d float32 2x3x15x13 * const 8x3x3x3 +1x8x1x1 relu stride 1x1 pad 1,1,1,1 dilation 1x1 groups 1",
         "conv2d float32 2x8x15x13 * const 6x8x3x3 +1x6x1x1 stride 2x2 pad 1,1,1,1 dilation 1x1 groups 1",
         "conv2d float32 2x6x8x7 * const 4x3x3x3 stride 1x1 pad 2,1,1,2 dilation 2x2 groups 2",
     ]
-    sigs = list(op_signatures(mod, target))
     for sig in sigs:
         assert OpSignature.from_json(json.loads(json.dumps(sig.to_json()))) == sig
         assert [c.id for c in candidates(sig, target)] == ["generated:tir", "library:openblas"]
