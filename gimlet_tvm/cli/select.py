@@ -13,6 +13,7 @@ import tvm
 
 from ..compiler import resolve_target
 from ..frontend import import_model, load_model
+from ..schedules.kernel_selection.op_kinds import static_shape
 from ..schedules.kernel_selection.select import KernelSelection, select_kernels, selected_sources
 from .common import (add_remote_args, add_target_args, build_from_args, format_table, parse_input_shapes,
                      remote_device)
@@ -50,14 +51,13 @@ def format_selection(selection: KernelSelection) -> str:
 
 
 def _symbolic_inputs(mod) -> list[str]:
-    """`main`'s inputs with a symbolic dim, as "name [batch, 1024]"."""
+    """`main`'s tensor inputs with a symbolic dim, as "name [batch, 1024]"."""
     found = []
     for param in mod["main"].params:
-        shape = getattr(param.ty, "shape", None)
-        dims = [str(d.value) if isinstance(d, tvm.tirx.IntImm) else str(d)
-                for d in getattr(shape, "values", None) or []]
-        if any(not d.isdigit() for d in dims):
-            found.append(f"{param.name} [{', '.join(dims)}]")
+        dims = getattr(getattr(param.ty, "shape", None), "values", None)
+        if dims is not None and static_shape(param) is None:
+            shown = (str(d.value) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in dims)
+            found.append(f"{param.name} [{', '.join(shown)}]")
     return found
 
 

@@ -49,15 +49,15 @@ def static_shape(expr: relax.Expr) -> Shape | None:
 
 
 def _with_epilogue(operands: list[relax.Expr], attrs: Attrs, library_steps: list,
-                   vectors_along_rows: bool) -> Group | None:
+                   vectors_on_any_axis: bool) -> Group | None:
     """The group of a library call with its epilogue (`library_matmul`'s steps); None when an
-    addend's shape is not static, or it is a vector broadcast along the output's rows and
-    `vectors_along_rows` is false."""
+    addend's shape is not static, or it is a vector along another axis than the output's
+    last (a divisor above 1) and not `vectors_on_any_axis`."""
     addends, steps = [], []
     for step in library_steps:
         if step[0] == "add":
             shape = static_shape(step[1])
-            if shape is None or (step[2] != 1 and not vectors_along_rows):
+            if shape is None or (step[2] != 1 and not vectors_on_any_axis):
                 return None
             addends.append(step[1])
             steps.append(("add", shape))
@@ -126,7 +126,7 @@ class Matmul(OpKind):
         if parts is None or parts[2]:  # a transposed b: not a candidate's input
             return None
         a, b, _, library_steps = parts
-        return _with_epilogue([a, b], (), library_steps, vectors_along_rows=False)
+        return _with_epilogue([a, b], (), library_steps, vectors_on_any_axis=False)
 
     def valid(self, shapes: tuple[Shape, ...]) -> bool:
         a, b = shapes
@@ -251,7 +251,7 @@ class Conv2d(OpKind):
         bottom, right = _far_padding(h, kh, sh, dh, top, oh), _far_padding(w, kw, sw, dw, left, ow)
         params = (sh, sw, top, left, bottom, right, dh, dw, groups)
         return _with_epilogue([data, weight], tuple(zip(self.ATTRS, map(float, params))), library_steps,
-                              vectors_along_rows=True)
+                              vectors_on_any_axis=True)
 
     def valid(self, shapes: tuple[Shape, ...]) -> bool:
         return len(shapes) == 2 and all(len(s) == 4 for s in shapes) and shapes[0][1] % shapes[1][1] == 0
