@@ -33,8 +33,8 @@ def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | N
     def rewrite(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         kind, group = find_group(call)
         call_sig = OpSignature.of_call(call)
-        # A lone op is left to FuseOps, which may fuse what follows it, as in the default build;
-        # so is a group that legalizes to several kernels (attention).
+        # A lone op (attention, a depthwise conv) is left to FuseOps, which may fuse what follows
+        # it, as in the default build; so is a group that does not fuse into one kernel.
         fused = _fused(call_sig, str(target)) if group.steps else None
         if fused is None:
             op = bb.normalize(kind.emit(group.operands, group.attrs))

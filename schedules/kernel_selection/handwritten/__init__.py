@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -38,13 +40,14 @@ class HandwrittenKernel:
         """`make`'s PrimFunc, made once per target, shape and epilogue in a process: parsing
         the TVMScript takes about half a second, and a model repeats its layers' shapes (a
         cold timing builds 64 copies of one group)."""
-        key = (self.name, str(target), m, n, k, tuple(epilogue), tuple(addends))
-        if key not in _MADE:
-            _MADE[key] = self.make(target, m, n, k, epilogue, addends)
-        return _MADE[key]
+        return _made(self, str(target), m, n, k, tuple(epilogue), tuple(addends))
 
 
-_MADE: dict[tuple, tvm.tirx.PrimFunc] = {}
+@functools.lru_cache(maxsize=256)
+def _made(kernel: HandwrittenKernel, target_json: str, m: int, n: int, k: int,
+          epilogue: tuple[Step, ...], addends: tuple[tuple[int, int], ...]) -> tvm.tirx.PrimFunc:
+    """`kernel.make` on hashable arguments (the target as its JSON text)."""
+    return kernel.make(tvm.target.Target(json.loads(target_json)), m, n, k, epilogue, list(addends))
 
 
 _HERE = Path(__file__).resolve().parent
