@@ -20,7 +20,6 @@ from ..io_spec import IOSpec, TensorSpec
 from ..relax_passes.place_on_devices import WEIGHTS_FUNCTION
 from ..targets import lookup
 from . import artifact
-from .extensions import load_extensions
 from .placement_report import PlacementReport
 
 if TYPE_CHECKING:
@@ -120,7 +119,8 @@ class CompiledModel:
                     f"target '{spec.name}' cannot run on this machine: "
                     f"{reason or 'no device'} (export it and run it where one exists)"
                 )
-        load_extensions()  # executables may call our runtime library functions
+        for spec in self._specs:  # executables may call our runtime library functions
+            spec.load_runtime_library()
         vm = relax.VirtualMachine(self._module, self.devices)
         if not self._weights and vm.module.implements_function(WEIGHTS_FUNCTION):
             self._weights = list(vm[WEIGHTS_FUNCTION]())

@@ -170,8 +170,9 @@ class RemoteModel:
 
 
 def init_server() -> None:
-    """RPC server start-up hook (in the server's process): load our runtime extensions so
-    remote artifacts find them, and keep serving after a session whose process died.
+    """RPC server start-up hook (in the server's process): load the runtime library of every
+    target that can run here so remote artifacts find its functions, and keep serving after a
+    session whose process died.
 
     TVM's server runs each session in a child process and stops listening for good when that
     child exits with an error (its `_serving` raises on the exit code): one kernel that
@@ -179,9 +180,11 @@ def init_server() -> None:
     every later client. The session's client gets its error; the server serves the next one."""
     from tvm.rpc import server
 
-    from .extensions import load_extensions
+    from ..targets.registry import registered
 
-    load_extensions()
+    for spec in registered():
+        if spec.can_run() is None:
+            spec.load_runtime_library()
     serving = server._serving  # pylint: disable=protected-access
 
     def serve_one_session(sock, addr, opts, load_library) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import tvm
 
 from ..errors import CodeCheckError
-from ..runtime.cuda_runtime import find_cudart, load_cuda_runtime
+from ..runtime.cuda_runtime import NVIDIA_WHEELS, find_cudart, load_cuda_library, load_cuda_runtime
 from .gpu import (
     binaries_on_disk,
     dlight_gpu_rules,
@@ -35,7 +35,7 @@ _KERNEL_ENTRY = r"^FUNC\s+GLOBAL\s+\w+\s+ENTRY\s+(\w+)\s*$"
 
 def _cuobjdump() -> str | None:
     """cuobjdump from the toolkit, or from PyPI's nvidia-cuda-cuobjdump."""
-    bundled = Path(tvm.__file__).parents[1] / "nvidia" / "cu13" / "bin" / "cuobjdump"
+    bundled = NVIDIA_WHEELS / "bin" / "cuobjdump"
     return find_tool("cuobjdump") or (str(bundled) if bundled.is_file() else None)
 
 
@@ -126,4 +126,5 @@ CUDA = TargetSpec(
     check_code=check_code,
     can_compile=_missing_toolchain,
     can_run=lambda: None if tvm.cuda(0).exist else "no CUDA device or driver",
+    load_runtime_library=load_cuda_library,
 )

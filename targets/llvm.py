@@ -9,6 +9,7 @@ from typing import Any
 import tvm
 
 from ..relax_passes.dispatch_cpu_library import DispatchCPULibrary
+from ..runtime.extensions import load_extensions
 from ..schedules.cpu import RULES as CPU_SCHEDULE_RULES
 from .spec import PerfFacts, TargetSpec
 
@@ -91,5 +92,6 @@ LLVM_CPU = TargetSpec(
     library_passes=lambda target: (DispatchCPULibrary(), tvm.relax.transform.FastMathTransform()),
     schedule_rules=lambda target: tuple(rule() for rule in CPU_SCHEDULE_RULES),
     can_run=lambda: None,
+    load_runtime_library=load_extensions,
     perf_facts=host_perf,
 )

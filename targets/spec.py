@@ -97,6 +97,8 @@ class TargetSpec:
     codegen_hooks / check_code: how to generate device code, and how to check it.
     can_compile / can_run: whether this machine can generate code for / execute on it; each
       returns None when it can, else the reason it can't.
+    load_runtime_library: loads the runtime library functions its executables may call
+      (`gimlet.cpu.*`, `gimlet.cuda.*`); returns why it cannot, None when it did or has none.
     perf_facts: the device's roofline, for cross-device placement.
     """
 
@@ -115,6 +117,7 @@ class TargetSpec:
     extra_facts: Callable[[], Mapping[str, Any]] = dict
     can_compile: Callable[[], str | None] = lambda: None
     can_run: Callable[[], str | None] = lambda: "no runtime for this target in this build"
+    load_runtime_library: Callable[[], str | None] = lambda: None
     perf_facts: Callable[[], PerfFacts] = lambda: DISCRETE_GPU
 
     @property

@@ -19,6 +19,7 @@ import gimlet_tvm
 from gimlet_tvm.compiler import resolve_target
 from gimlet_tvm.errors import GimletError
 from gimlet_tvm.frontend import import_model
+from gimlet_tvm.runtime.cuda_runtime import load_cuda_library
 from gimlet_tvm.schedules.kernel_selection.apply import rewrite_ops
 from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
 from gimlet_tvm.schedules.kernel_selection.handwritten import KERNELS
@@ -184,17 +185,32 @@ def test_packed_gemm_only_for_weights_and_packs_at_build_time():
     assert outcome.checks == [WEIGHT_SIG.key, WEIGHT_SIG.edge_case().key] and outcome.seconds > 0
 
 
-def test_handwritten_cuda_gemm_compiles_with_nvcc():
+@pytest.mark.parametrize("candidate_id", ["handwritten:cuda_gemm_16x16", "library:cublas"])
+def test_cuda_candidates_build(candidate_id):
+    """The hand-written CUDA GEMM (compiled by nvcc) and cuBLAS's SGEMM (our extension, built
+    against cuBLAS's headers and linked to it: the test setup installs it) build into a CUDA
+    executable in the verifying child; with a GPU they are also checked against the reference."""
     spec, target = resolve_target("cuda")
     if spec.can_compile() is not None:
         pytest.skip(spec.can_compile())
-    outcome = run_candidate(_request("handwritten:cuda_gemm_16x16", target), timeout=120)
+    assert find(candidate_id, SIG, target).unavailable is None
+    outcome = run_candidate(_request(candidate_id, target), timeout=120)
     if spec.can_run() is None:
         assert outcome.verified, outcome.reason
-    else:  # compiled by nvcc in the child; only the run is missing
+    else:  # built in the child; only the run is missing
         assert not outcome.verified and outcome.reason.startswith("compiled; cannot run"), outcome.reason
-    library = find("library:cublas", SIG, target)
-    assert library.unavailable is None or "cuBLAS" in library.unavailable
+
+
+def test_cublas_matmul_names_what_is_wrong_with_its_arguments():
+    """`gimlet.cuda.matmul` is registered once the extension loads, and refuses tensors it
+    cannot take (here: on the CPU) with the reason, before any cuBLAS call."""
+    assert load_cuda_library() is None
+    matmul = tvm.get_global_func("gimlet.cuda.matmul")
+    a = tvm.runtime.tensor(np.ones((2, 3), "float32"))
+    with pytest.raises(Exception, match="a must be on CUDA device 0"):
+        matmul(a, a, a)
+    with pytest.raises(Exception, match="must be float32"):
+        matmul(tvm.runtime.tensor(np.ones((2, 3), "float64")), a, a)
 
 
 def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_path):

@@ -8,8 +8,8 @@ candidates it has for an op signature on a target (unavailable ones too, with th
   the build schedules it with MetaSchedule records when the records directory has one for
   it, else with the target's default rules;
 - library: the target's library call (CPU: gimlet's `gimlet.cpu.matmul`, `.conv2d_nchw`
-  (OpenBLAS) or `.attention` through `DispatchCPULibrary`, epilogue included; CUDA: cuBLAS for
-  matmul, when this TVM build has it);
+  (OpenBLAS) or `.attention` through `DispatchCPULibrary`, epilogue included; CUDA: cuBLAS's
+  SGEMM for matmul, `gimlet.cuda.matmul`, where cuBLAS is installed);
 - handwritten: `handwritten.KERNELS` for the op and target kind;
 - external: kernels in a directory described by `kernels.json` (see `external.py`).
 """
@@ -23,10 +23,13 @@ import tvm
 from tvm import relax
 
 from ...relax_passes.dispatch_cpu_library import DispatchCPULibrary
+from ...runtime.cuda_runtime import load_cuda_library
 from .candidates import Candidate, OpSignature, call_prim_func, emit_epilogue
 from .external import external_candidates
 from .handwritten import KERNELS, MAX_ADDENDS
 from .op_kinds import find_group
+
+CUBLAS_MATMUL = "gimlet.cuda.matmul"
 
 
 def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
@@ -101,9 +104,17 @@ def _cpu_library(name: str):
 
 
 def _cublas(sig: OpSignature) -> Candidate:
-    reason = (None if tvm.get_global_func("tvm.contrib.cublas.matmul", allow_missing=True)
-              else "this TVM build has no cuBLAS (tvm.contrib.cublas.matmul)")
-    return Candidate("library", "cublas", "cuBLAS via tvm.contrib.cublas", _keep, unavailable=reason)
+    """cuBLAS's SGEMM for a matmul without epilogue (the CUDA op groups have none)."""
+    reason = load_cuda_library()
+    if reason is None and (sig.dtype != "float32" or sig.epilogue):
+        reason = "float32 matmul without epilogue only"
+    return Candidate("library", "cublas", f"{CUBLAS_MATMUL} (runtime/ext/cuda_library.cc)",
+                     _call_cublas, unavailable=reason)
+
+
+def _call_cublas(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    _, group = find_group(call)
+    return relax.call_dps_packed(CUBLAS_MATMUL, group.operands, call.ty)
 
 
 # The library candidate of each target kind and op: the CPU library's matmul calls OpenBLAS,
