@@ -28,6 +28,8 @@ from gimlet_tvm.schedules.kernel_selection.sources import candidates, find
 from gimlet_tvm.schedules.kernel_selection.verify import run_candidate
 from gimlet_tvm.schedules.records import target_key
 
+from .conftest import suite_model
+
 M, K, N = 5, 24, 40
 SIG = OpSignature("matmul", ((M, K), (K, N)), "float32")
 WEIGHT_SIG = dataclasses.replace(SIG, weight=True)  # B a constant, as in a model
@@ -199,6 +201,27 @@ def test_cuda_candidates_build(candidate_id):
         assert outcome.verified, outcome.reason
     else:  # built in the child; only the run is missing
         assert not outcome.verified and outcome.reason.startswith("compiled; cannot run"), outcome.reason
+
+
+def test_cuda_build_calls_cublas_where_selected():
+    """A selection whose winners are cuBLAS builds the MLP for CUDA with every matmul a call of
+    `gimlet.cuda.matmul` (the GPU kernels compiled by nvcc around them)."""
+    spec, target = resolve_target("cuda")
+    if spec.can_compile() is not None:
+        pytest.skip(spec.can_compile())
+    proto = suite_model("mlp")
+    shapes = {"x": [3, 1024]}
+    mod, _ = import_model(proto, shapes)
+    choices = {}
+    for sig in op_signatures(mod, target):
+        cublas = find("library:cublas", sig, target)
+        assert cublas.unavailable is None, cublas.unavailable
+        choices[sig.key] = OpChoice(sig, [Tried(cublas.id, cublas.provenance, True, seconds=1.0)], cublas.id)
+    assert len(choices) == 3
+    model = gimlet_tvm.build(proto, "cuda", input_shapes=shapes, selection=KernelSelection(target_key(target), choices))
+    lines = model._module.as_text().splitlines()  # pylint: disable=protected-access
+    calls = [line for line in lines if re.match(r"\s*call\s", line) and "matmul" in line]
+    assert len(calls) == 3 and all("gimlet.cuda.matmul" in line for line in calls), calls
 
 
 def test_cublas_matmul_names_what_is_wrong_with_its_arguments():
