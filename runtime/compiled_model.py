@@ -121,7 +121,8 @@ class CompiledModel:
                 )
         for spec in self._specs:  # executables may call our runtime library functions
             spec.load_runtime_library()
-        vm = relax.VirtualMachine(self._module, self.devices)
+        # As an Executable, the VM links what is not linked yet (external kernels' objects).
+        vm = relax.VirtualMachine(tvm.runtime.Executable(self._module), self.devices)
         if not self._weights and vm.module.implements_function(WEIGHTS_FUNCTION):
             self._weights = list(vm[WEIGHTS_FUNCTION]())
         return vm

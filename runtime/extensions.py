@@ -68,14 +68,14 @@ def include_args() -> list[str]:
     return [f"-I{path}" for path in includes + [dlpack]]
 
 
-def _build_key(sources: list[Path], args: list[str]) -> str:
+def _build_key(sources: list[Path], args: list[str], compiler: str) -> str:
     digest = hashlib.sha256()
     headers = {h for source in sources for h in source.parent.glob("*.h")}
     for source in [*sources, *sorted(headers)]:
         digest.update(source.name.encode())
         digest.update(source.read_bytes())
     compiler_version = subprocess.run(
-        [COMPILER, "--version"], capture_output=True, text=True, check=True
+        [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
     for part in (tvm.__version__, tvm_ffi.__version__, compiler_version, " ".join(args)):
         digest.update(part.encode())
@@ -83,26 +83,30 @@ def _build_key(sources: list[Path], args: list[str]) -> str:
     return digest.hexdigest()[:24]
 
 
-def build_library(name: str, sources: list[Path], args: list[str]) -> Path:
-    """Compile `sources` with `args` into a shared library in the cache, or return the
-    cached one (built under a lock, written to a temporary file and renamed into place).
-    The cache key covers the sources, the headers beside them, the flags and the compiler."""
+def build_library(name: str, sources: list[Path], args: list[str], compiler: str = COMPILER,
+                  suffix: str = ".so") -> Path:
+    """Compile `sources` with `args` into a shared library (or, with `-c` and suffix ".o", an
+    object file) in the cache, or return the cached one (built under a lock, written to a
+    temporary file and renamed into place). The cache key covers the sources, the headers
+    beside them, the flags and the compiler."""
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    library = directory / f"lib{name}_{_build_key(sources, args)}.so"
+    library = directory / f"lib{name}_{_build_key(sources, args, compiler)}{suffix}"
     if library.exists():
         return library
     with open(directory / f"{library.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if library.exists():  # another process built it while we waited
             return library
-        fd, temporary = tempfile.mkstemp(suffix=".so", dir=directory)
+        fd, temporary = tempfile.mkstemp(suffix=suffix, dir=directory)
         os.close(fd)
         try:
-            command = [COMPILER, *map(str, sources), "-o", temporary, *args]
+            command = [compiler, *map(str, sources), "-o", temporary, *args]
             result = subprocess.run(command, capture_output=True, text=True, check=False)
             if result.returncode != 0:
-                raise RuntimeError(f"building {name} failed:\n{result.stderr}")
+                lines = result.stderr.splitlines()
+                first_error = next((line for line in lines if "error" in line), lines[0] if lines else "")
+                raise RuntimeError(f"building {name} failed: {first_error}\n{result.stderr}")
             os.replace(temporary, library)
         finally:
             if os.path.exists(temporary):

@@ -277,6 +277,89 @@ def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_
         gimlet_tvm.build(model_path, "llvm", input_shapes={"x": [M, K]}, selection=external)
 
 
+# `dot` is global on purpose: two kernels linked into one model both define it.
+C_KERNEL = """
+#include <stddef.h>
+
+float dot(const float *row, const float *column, int k, int stride) {{
+  float sum = 0.0f;
+  for (int i = 0; i < k; ++i) sum += row[i] * column[i * stride];
+  return sum;
+}}
+
+void gemm(const float *a, const float *b, float *c) {{
+  for (int i = 0; i < {m}; ++i)
+    for (int j = 0; j < {n}; ++j) c[i * {n} + j] = {offset} + dot(a + i * {k}, b + j, {k}, {n});
+  {crash}
+}}
+"""
+C_EXTERNAL = {"c_good": ("0.0f", ""), "c_wrong": ("1.0f", ""),
+              "c_crash": ("0.0f", "c[(size_t)1 << 41] = 1.0f;"), "c_broken": ("0.0f", "return 1 +;")}
+
+
+def test_external_c_kernels_are_checked_linked_and_exported(cli, tmp_path):
+    """External kernels given as C source: the good one is verified and, chosen, compiled into
+    the model (and into its exported artifact); the wrong, crashing and non-compiling ones are
+    rejected with the reason."""
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    entries = []
+    for name, (offset, crash) in C_EXTERNAL.items():
+        (kernels / f"{name}.c").write_text(C_KERNEL.format(m=M, k=K, n=N, offset=offset, crash=crash))
+        entries.append({"name": name, "function": "gemm", "op": "matmul", "dtype": "float32",
+                        "shapes": [[M, K], [K, N]], "target": "llvm", "format": "c", "source": f"{name}.c"})
+    (kernels / "kernels.json").write_text(json.dumps({"kernels": entries}))
+    model_path = tmp_path / "matmul.onnx"
+    onnx.save(_matmul_model(), model_path)
+    records = tmp_path / "records"
+    code, out, err = cli("select", str(model_path), "--records", str(records), "--kernels", str(kernels),
+                         "--input-shape", f"x={M},{K}")
+    assert code == 0, err
+    assert re.search(r"external:c_wrong +no: wrong result at matmul float32 5x24 @ const 24x40", out), out
+    assert re.search(r"external:c_crash +no: crashed \(SIGSEGV\)", out), out
+    assert re.search(r"external:c_broken +no: compile failed at .*c_broken\.c.*error", out), out
+    assert re.search(r"external:c_good +yes +[0-9.]+", out), out
+
+    _, target = resolve_target("llvm")
+    external = KernelSelection.load(records, target).restricted_to("external")
+    assert next(iter(external.choices.values())).winner == "external:c_good"
+    model = gimlet_tvm.build(model_path, "llvm", input_shapes={"x": [M, K]}, selection=external)
+    x = np.random.default_rng(3).standard_normal((M, K)).astype(np.float32)
+    want = x @ onnx.numpy_helper.to_array(_matmul_model().graph.initializer[0])
+    np.testing.assert_allclose(model(x)[0], want, rtol=1e-4, atol=1e-4)
+    artifact = tmp_path / "model.so"
+    model.export(artifact)
+    np.testing.assert_allclose(gimlet_tvm.load(artifact)(x)[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_two_c_kernels_with_the_same_helper_link_into_one_model(tmp_path):
+    """Two matmul groups, each rewritten into its own external C kernel; both sources define a
+    global `dot`, which stays private to each kernel, so the model links and computes right."""
+    _, target = resolve_target("llvm")
+    entries = []
+    for name, (m, k, n) in {"first": (M, K, N), "second": (M, N, K)}.items():
+        (tmp_path / f"{name}.c").write_text(C_KERNEL.format(m=m, k=k, n=n, offset="0.0f", crash=""))
+        entries.append({"name": name, "function": "gemm", "op": "matmul", "dtype": "float32",
+                        "shapes": [[m, k], [k, n]], "target": "llvm", "format": "c", "source": f"{name}.c"})
+    (tmp_path / "kernels.json").write_text(json.dumps({"kernels": entries}))
+    rng = np.random.default_rng(6)
+    w1, w2 = rng.standard_normal((K, N)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((M, K), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            h = bb.emit(relax.op.matmul(x, relax.const(w1)))
+            y = bb.emit_output(relax.op.matmul(h, relax.const(w2)))
+        bb.emit_func_output(y)
+    external = lambda sig: next(c for c in candidates(sig, target, str(tmp_path)) if c.source == "external")
+    mod, rewritten = rewrite_ops(bb.finalize(), external, "llvm")
+    assert rewritten == 2 and len(mod.attrs["external_mods"]) == 2
+    executable = gimlet_tvm.compiler.compile_alone(mod, resolve_target("llvm"))
+    data = rng.standard_normal((M, K)).astype(np.float32)
+    got = relax.VirtualMachine(executable, runtime.cpu())["main"](runtime.tensor(data))
+    np.testing.assert_allclose(got.numpy(), data @ w1 @ w2, rtol=1e-4, atol=1e-4)
+
+
 def test_select_on_symbolic_shapes_says_how_to_fix_them(cli, tmp_path):
     """A model whose batch is symbolic has no static-shape op group: select says which input
     is symbolic and how to fix it, and the model still builds."""

@@ -14,6 +14,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ...relax_passes.dispatch_cpu_library import DispatchCPULibrary
 from .candidates import Candidate, OpSignature
+from .external import link_objects
 
 Choose = Callable[[OpSignature], Candidate | None]
 
@@ -58,7 +59,7 @@ def rewrite_ops(mod: tvm.IRModule, choose: Choose, target_kind: str) -> tuple[tv
     for g_var, func in mod.functions_items():
         if isinstance(func, relax.Function):
             rewriter.builder_.update_func(g_var, rewriter.visit_expr(func))
-    return rewriter.builder_.get(), rewriter.rewritten
+    return link_objects(rewriter.builder_.get()), rewriter.rewritten
 
 
 @tvm.transform.module_pass(opt_level=0, name="ApplyKernelSelection")

@@ -4,11 +4,19 @@
                   "shapes": [[64, 256], [256, 256]], "target": "llvm",
                   "format": "tvmscript", "source": "gemm_64x256x256.py"}]}
 
-`source` (relative to the directory) holds TVMScript as `PrimFunc.script()` prints it (no
-Python imports: `T` is TVMScript's `tirx`), one PrimFunc `(a[M, K], b[K, N],
-c[M, N])` for exactly those shapes (batch axes of the first operand fold into M). An optional
-`"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kernel of that op group
-(`OpSignature.epilogue`): its PrimFunc takes each addend after b, as the (rows, columns)
+`source` (relative to the directory) holds, by `format`:
+- "tvmscript": TVMScript as `PrimFunc.script()` prints it (no Python imports: `T` is
+  TVMScript's `tirx`), one PrimFunc `(a[M, K], b[K, N], c[M, N])` for exactly those shapes
+  (batch axes of the first operand fold into M);
+- "c" (CPU targets): C11 source defining `void FUNCTION(const float *a, const float *b,
+  float *c)` over the same compact row-major arrays, FUNCTION being the entry's `"function"`
+  (default: its name). It is compiled with `$CC` (gcc) `-O3` for the target's CPU (`-march`
+  = its `mcpu`, else native) to an object file that the build links into the model (so
+  exported models carry it); the function is renamed to a symbol unique to the source and
+  every other global symbol of the source made local, so that kernels linked into one model
+  never clash.
+An optional `"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kernel of that op
+group (`OpSignature.epilogue`): it takes each addend after b, as the (rows, columns)
 `OpSignature.addends_2d` gives, and applies the steps in order. An entry is a candidate only
 for its op, shapes, epilogue, dtype and target kind; only GEMMs (op "matmul") are taken for
 now, an entry of another op is listed as unavailable. The source is parsed only
@@ -21,15 +29,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import tvm
 
 from ...errors import GimletError
+from ...runtime.extensions import build_library
 from .candidates import Candidate, OpSignature, call_prim_func
 
 MANIFEST = "kernels.json"
-FORMATS = ("tvmscript",)
+FORMATS = ("tvmscript", "c")
+C_COMPILER = os.environ.get("CC", "gcc")
+C_FLAGS = ("-std=c11", "-O3", "-fPIC", "-c")
+LINK_OBJECT = "gimlet.link_object"
+"""PrimFunc attribute: the object file the function calls into (`link_objects` gathers them)."""
 
 
 def read_manifest(directory: str) -> list[dict[str, Any]]:
@@ -59,6 +75,51 @@ def _load_prim_func(path: str) -> tvm.tirx.PrimFunc:
     return parsed
 
 
+def _c_prim_func(path: str, function: str, sig: OpSignature, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
+    """A PrimFunc over the group's 2-D buffers `(a, b, addends..., c)` that calls `function`
+    from the C source at `path`, compiled (cached) with the function renamed to a symbol of
+    its own; the object file is named in the `LINK_OBJECT` attribute."""
+    symbol = f"gimlet_external_{digest(path)}_{function}"
+    march = f"-march={target.attrs.get('mcpu') or 'native'}"
+    obj = _only_global(build_library(symbol, [Path(path)], [*C_FLAGS, march, f"-D{function}={symbol}"],
+                                     compiler=C_COMPILER, suffix=".o"), symbol)
+    m, n, k = sig.gemm
+    shapes = [(m, k), (k, n), *sig.addends_2d(), (m, n)]
+    buffers = [tvm.tirx.decl_buffer(shape, sig.dtype, f"arg{i}") for i, shape in enumerate(shapes)]
+    body = tvm.tirx.Evaluate(tvm.tirx.call_extern("void", symbol, *(b.data for b in buffers)))
+    func = tvm.tirx.PrimFunc(buffers, body)
+    return func.with_attrs({"tir.noalias": True, "tirx.is_scheduled": True, LINK_OBJECT: str(obj)})
+
+
+def _only_global(obj: Path, symbol: str) -> Path:
+    """A copy of the object file `obj` in which `symbol` is the only global symbol (made once,
+    renamed into place)."""
+    local = obj.with_suffix(".local.o")
+    if not local.exists():
+        temporary = obj.with_suffix(f".{os.getpid()}.tmp")
+        result = subprocess.run(["objcopy", f"--keep-global-symbol={symbol}", str(obj), str(temporary)],
+                                capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"objcopy failed on {obj}: {result.stderr.strip()}")
+        os.replace(temporary, local)
+    return local
+
+
+def link_objects(mod: tvm.IRModule) -> tvm.IRModule:
+    """`mod` with the object files its PrimFuncs call into (`LINK_OBJECT`, then dropped from
+    them) among its `external_mods`, which the build links into the model."""
+    calling = {g_var: func for g_var, func in mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)
+               and func.attrs is not None and LINK_OBJECT in func.attrs}
+    if not calling:
+        return mod
+    objects = sorted({str(func.attrs[LINK_OBJECT]) for func in calling.values()})
+    linked = list(mod.attrs.get("external_mods", [])) if mod.attrs is not None else []
+    mod = mod.with_attr("external_mods", linked + [tvm.runtime.load_static_library(o, []) for o in objects])
+    for g_var, func in calling.items():
+        mod[g_var] = func.without_attr(LINK_OBJECT)
+    return mod
+
+
 def digest(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()[:16]
@@ -74,6 +135,7 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
                 != (sig.op, sig.dtype, sig.shapes, sig.epilogue, target.kind.name)):
             continue
         path = os.path.join(directory, entry["source"])
+        function = entry.get("function", entry["name"])
         unavailable = None
         if entry["op"] != "matmul":
             unavailable = "only GEMM kernels (op matmul) are taken from outside for now"
@@ -81,9 +143,14 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
             unavailable = f"format '{entry['format']}' is not supported (only {', '.join(FORMATS)})"
         elif not os.path.isfile(path):
             unavailable = f"source not found: {path}"
+        elif entry["format"] == "c" and target.kind.name != "llvm":
+            unavailable = "C source is taken for CPU (llvm) targets only"
+        elif entry["format"] == "c" and not re.fullmatch(r"[A-Za-z_]\w*", function):
+            unavailable = f"function '{function}' is not a C identifier"
 
-        def rewrite(bb, call, path=path, name=entry["name"]):
-            return call_prim_func(bb, call, _load_prim_func(path), name)
+        def rewrite(bb, call, path=path, name=entry["name"], function=function, c=entry["format"] == "c"):
+            func = _c_prim_func(path, function, OpSignature.of_call(call), target) if c else _load_prim_func(path)
+            return call_prim_func(bb, call, func, f"external_{name}")
 
         found.append(Candidate("external", entry["name"], path, rewrite, shape_generic=False,
                                digest=digest(path) if unavailable is None else "",
