@@ -96,11 +96,10 @@ def test_candidates_from_every_source(kernels):
     assert not [c for c in candidates(other_shape, target, str(kernels)) if c.source == "external"]
 
 
-def test_one_kernel_at_several_shapes_in_one_model():
-    """Two matmul groups of different shapes, both rewritten into the same hand-written kernel
-    (two PrimFuncs from one TVMScript function), build and compute right."""
-    _, target = resolve_target("llvm")
-    rng = np.random.default_rng(5)
+def _two_matmuls_rewritten(choose, seed: int) -> tvm.IRModule:
+    """x @ w1 @ w2 (two matmul groups of different shapes) with both groups rewritten by
+    `choose`: checks that it builds and computes right, and returns the rewritten module."""
+    rng = np.random.default_rng(seed)
     w1, w2 = rng.standard_normal((K, N)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32)
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((M, K), "float32"))
@@ -109,12 +108,20 @@ def test_one_kernel_at_several_shapes_in_one_model():
             h = bb.emit(relax.op.matmul(x, relax.const(w1)))
             y = bb.emit_output(relax.op.matmul(h, relax.const(w2)))
         bb.emit_func_output(y)
-    mod, rewritten = rewrite_ops(bb.finalize(), lambda sig: find("handwritten:cpu_gemm_packed_4x2v", sig, target), "llvm")
+    mod, rewritten = rewrite_ops(bb.finalize(), choose, "llvm")
     assert rewritten == 2
     executable = gimlet_tvm.compiler.compile_alone(mod, resolve_target("llvm"))
     data = rng.standard_normal((M, K)).astype(np.float32)
     got = relax.VirtualMachine(executable, runtime.cpu())["main"](runtime.tensor(data))
     np.testing.assert_allclose(got.numpy(), data @ w1 @ w2, rtol=1e-4, atol=1e-4)
+    return mod
+
+
+def test_one_kernel_at_several_shapes_in_one_model():
+    """Two matmul groups of different shapes, both rewritten into the same hand-written kernel
+    (two PrimFuncs from one TVMScript function), build and compute right."""
+    _, target = resolve_target("llvm")
+    _two_matmuls_rewritten(lambda sig: find("handwritten:cpu_gemm_packed_4x2v", sig, target), seed=5)
 
 
 def test_handwritten_kernel_made_once_per_shape_and_epilogue():
@@ -236,15 +243,22 @@ def test_cublas_matmul_names_what_is_wrong_with_its_arguments():
         matmul(tvm.runtime.tensor(np.ones((2, 3), "float64")), a, a)
 
 
-def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_path):
-    from gimlet_tvm.schedules.kernel_selection import select
-
+def _select_on_matmul_model(cli, tmp_path, kernels):
+    """`gimlet-tvm select` on the one-matmul model at [M, K] with the external kernels in
+    `kernels`: its stdout, stderr, the model's path and the records directory."""
     model_path = tmp_path / "matmul.onnx"
     onnx.save(_matmul_model(), model_path)
     records = tmp_path / "records"
     code, out, err = cli("select", str(model_path), "--records", str(records), "--kernels", str(kernels),
                          "--input-shape", f"x={M},{K}")
     assert code == 0, err
+    return out, err, model_path, records
+
+
+def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_path):
+    from gimlet_tvm.schedules.kernel_selection import select
+
+    out, err, model_path, records = _select_on_matmul_model(cli, tmp_path, kernels)
     assert re.search(r"external:wrong +no: wrong result at matmul float32 5x24 @ const 24x40 on random", out), out
     assert re.search(r"external:crash +no: crashed \(SIGSEGV\)", out), out
     assert f"{WEIGHT_SIG.key}: external:crash no: crashed (SIGSEGV)" in err  # progress, as it goes
@@ -309,12 +323,7 @@ def test_external_c_kernels_are_checked_linked_and_exported(cli, tmp_path):
         entries.append({"name": name, "function": "gemm", "op": "matmul", "dtype": "float32",
                         "shapes": [[M, K], [K, N]], "target": "llvm", "format": "c", "source": f"{name}.c"})
     (kernels / "kernels.json").write_text(json.dumps({"kernels": entries}))
-    model_path = tmp_path / "matmul.onnx"
-    onnx.save(_matmul_model(), model_path)
-    records = tmp_path / "records"
-    code, out, err = cli("select", str(model_path), "--records", str(records), "--kernels", str(kernels),
-                         "--input-shape", f"x={M},{K}")
-    assert code == 0, err
+    out, err, model_path, records = _select_on_matmul_model(cli, tmp_path, kernels)
     assert re.search(r"external:c_wrong +no: wrong result at matmul float32 5x24 @ const 24x40", out), out
     assert re.search(r"external:c_crash +no: crashed \(SIGSEGV\)", out), out
     assert re.search(r"external:c_broken +no: compile failed at .*c_broken\.c.*error", out), out
@@ -342,22 +351,9 @@ def test_two_c_kernels_with_the_same_helper_link_into_one_model(tmp_path):
         entries.append({"name": name, "function": "gemm", "op": "matmul", "dtype": "float32",
                         "shapes": [[m, k], [k, n]], "target": "llvm", "format": "c", "source": f"{name}.c"})
     (tmp_path / "kernels.json").write_text(json.dumps({"kernels": entries}))
-    rng = np.random.default_rng(6)
-    w1, w2 = rng.standard_normal((K, N)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32)
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((M, K), "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            h = bb.emit(relax.op.matmul(x, relax.const(w1)))
-            y = bb.emit_output(relax.op.matmul(h, relax.const(w2)))
-        bb.emit_func_output(y)
     external = lambda sig: next(c for c in candidates(sig, target, str(tmp_path)) if c.source == "external")
-    mod, rewritten = rewrite_ops(bb.finalize(), external, "llvm")
-    assert rewritten == 2 and len(mod.attrs["external_mods"]) == 2
-    executable = gimlet_tvm.compiler.compile_alone(mod, resolve_target("llvm"))
-    data = rng.standard_normal((M, K)).astype(np.float32)
-    got = relax.VirtualMachine(executable, runtime.cpu())["main"](runtime.tensor(data))
-    np.testing.assert_allclose(got.numpy(), data @ w1 @ w2, rtol=1e-4, atol=1e-4)
+    mod = _two_matmuls_rewritten(external, seed=6)
+    assert len(mod.attrs["external_mods"]) == 2
 
 
 def test_select_on_symbolic_shapes_says_how_to_fix_them(cli, tmp_path):
