@@ -23,7 +23,8 @@ from gimlet_tvm.runtime.cuda_runtime import load_cuda_library
 from gimlet_tvm.schedules.kernel_selection.apply import rewrite_ops
 from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
 from gimlet_tvm.schedules.kernel_selection.handwritten import KERNELS
-from gimlet_tvm.schedules.kernel_selection.select import SELECTION_FILE, KernelSelection, OpChoice, Tried, op_signatures
+from gimlet_tvm.schedules.kernel_selection.select import (SELECTION_FILE, KernelSelection, OpChoice, Tried,
+                                                          op_signatures, select_kernels)
 from gimlet_tvm.schedules.kernel_selection.sources import candidates, find
 from gimlet_tvm.schedules.kernel_selection.verify import run_candidate
 from gimlet_tvm.schedules.records import target_key
@@ -354,6 +355,31 @@ def test_two_c_kernels_with_the_same_helper_link_into_one_model(tmp_path):
     external = lambda sig: next(c for c in candidates(sig, target, str(tmp_path)) if c.source == "external")
     mod = _two_matmuls_rewritten(external, seed=6)
     assert len(mod.attrs["external_mods"]) == 2
+
+
+def test_selection_on_an_architecture_from_outside_the_suite():
+    """ShuffleNet as onnx ships it (its bundled "light" model: grouped 1x1 convs, depthwise
+    convs, channel shuffles, a Gemm classifier; weights are constant fills, so each group's own
+    check on random inputs is what tests the kernels): every op group gets a verified winner,
+    the depthwise convs (which the library does not take) generated code, and the model built
+    from the selection runs and matches onnxruntime."""
+    from pathlib import Path
+
+    from gimlet_tvm.peers import check_against_onnxruntime
+
+    proto = onnx.load(Path(onnx.__file__).parent / "backend/test/data/light/light_shufflenet.onnx")
+    inputs = {"gpu_0/data_0": np.random.default_rng(7).standard_normal((1, 3, 224, 224)).astype(np.float32)}
+    shapes = {name: list(x.shape) for name, x in inputs.items()}
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(proto, shapes)
+    selection = select_kernels(mod, target, timeout=300, min_repeat_ms=1)
+    assert len(selection.choices) >= 15 and all(c.winner for c in selection.choices.values())
+    depthwise = [c for c in selection.choices.values()
+                 if c.signature.op == "conv2d" and c.signature.shapes[1][1] == 1]
+    assert depthwise and all(c.winner == "generated:tir" for c in depthwise)
+    model = gimlet_tvm.build(proto, "llvm", input_shapes=shapes, selection=selection)
+    ok, diff = check_against_onnxruntime(proto, model, inputs, tolerance=1e-4)
+    assert ok, diff
 
 
 def test_select_on_symbolic_shapes_says_how_to_fix_them(cli, tmp_path):
