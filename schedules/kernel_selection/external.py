@@ -38,6 +38,7 @@ import tvm
 
 from ...errors import GimletError
 from ...runtime.extensions import build_library
+from ...targets import lookup
 from .candidates import Candidate, OpSignature, call_prim_func
 
 MANIFEST = "kernels.json"
@@ -120,6 +121,11 @@ def link_objects(mod: tvm.IRModule) -> tvm.IRModule:
     return mod
 
 
+def _is_host(target: tvm.target.Target) -> bool:
+    """The target compiles for the host CPU (its spec has no separate host), where C runs."""
+    return lookup(target.kind.name)[0].host is None
+
+
 def digest(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()[:16]
@@ -143,8 +149,8 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
             unavailable = f"format '{entry['format']}' is not supported (only {', '.join(FORMATS)})"
         elif not os.path.isfile(path):
             unavailable = f"source not found: {path}"
-        elif entry["format"] == "c" and target.kind.name != "llvm":
-            unavailable = "C source is taken for CPU (llvm) targets only"
+        elif entry["format"] == "c" and not _is_host(target):
+            unavailable = "C source is taken for host CPU targets only"
         elif entry["format"] == "c" and not re.fullmatch(r"[A-Za-z_]\w*", function):
             unavailable = f"function '{function}' is not a C identifier"
 
