@@ -25,7 +25,7 @@ from gimlet_tvm.compiler import resolve_target
 from gimlet_tvm.frontend import import_model
 from gimlet_tvm.models import SUITE
 from gimlet_tvm.peers import PairedRatio, check_against_onnxruntime, onnxruntime_session, time_interleaved
-from gimlet_tvm.schedules.kernel_selection.select import select_kernels, selected_sources
+from gimlet_tvm.selection.select import select_kernels, selected_sources
 
 MODELS = ["mlp", "bert_base_like"]
 

@@ -21,7 +21,7 @@ from .errors import (
     UnsupportedOpError,
 )
 from .runtime import BenchmarkResult, CompiledModel, load
-from .schedules.tuning import tune
+from .tuning import tune
 
 __all__ = [
     "ArtifactError",

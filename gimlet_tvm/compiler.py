@@ -25,18 +25,19 @@ from .frontend import InputShapes, ModelLike, import_model, load_model
 from .op_timing import OpTimer, RecordedTimes
 from .relax_passes.graph_fusion import graph_fusion_passes
 from .relax_passes.kernel_targets import AssignKernelTargets, PerTarget
+from .relax_passes.library_dispatch import library_passes
 from .relax_passes.nan_safe_comparisons import NaNSafeComparisons
 from .relax_passes.place_on_devices import PlaceOnDevices
 from .relax_passes.placement import Device, Pins
 from .relax_passes.planned_memory import RecordPlannedMemory
 from .runtime import CompiledModel
-from .schedules.kernel_selection.select import KernelSelection
-from .schedules.records import ApplyRecords, RecordsDB
-from .targets import DeviceCode, TargetLike, TargetSpec, lookup
+from .schedules.kernel_selection.choices import KernelSelection
+from .schedules.rules import default_rules
+from .schedules.tuning.records import ApplyRecords, RecordsDB
+from .targets import DEFAULT_TARGET, DeviceCode, TargetLike, TargetSpec, host_spec, lookup, spec_for
 
 Targets = Union[TargetLike, Sequence[TargetLike]]
 BuildDevice = tuple[TargetSpec, tvm.target.Target]
-HOST_TARGET = "llvm"
 
 
 def canonicalize_passes() -> list[tvm.transform.Pass]:
@@ -67,7 +68,7 @@ def kernel_passes(
     return [
         *graph_passes(),
         *([selection] if selection is not None else []),
-        *[p for spec, target in devices for p in spec.library_passes(target)],
+        *[p for spec, _ in devices for p in library_passes(spec)],
         relax.backend.DispatchSortScan(),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
@@ -103,11 +104,10 @@ def device_pipeline(
     target's kernels that have tuning records; `memory` records the memory plan. Target
     specifics come from the specs alone.
     """
-    specs = {target.kind.name: spec for spec, target in devices}
     default = devices[0][1]
 
     def schedule(target: tvm.target.Target) -> list[tvm.transform.Pass]:
-        rules = list(specs[target.kind.name].schedule_rules(target))
+        rules = default_rules(spec_for(target), target)
         return [dlight.ApplyDefaultSchedule(*rules)] if rules else []
 
     passes = [
@@ -151,10 +151,10 @@ def resolve_devices(targets: Targets) -> list[BuildDevice]:
     if len(set(names)) != len(names):
         raise GimletError(f"a target is given twice: {', '.join(names)}")
     if len(devices) > 1:
-        if HOST_TARGET not in names:
-            host = lookup(HOST_TARGET)[0]
+        host = host_spec()
+        if host.name not in names:
             devices.insert(0, (host, host.make_target()))
-        devices.sort(key=lambda device: device[0].name != HOST_TARGET)
+        devices.sort(key=lambda device: device[0] is not host)
     return devices
 
 
@@ -230,7 +230,7 @@ def _place(
 
 def build(
     model: ModelLike,
-    targets: Targets = "llvm",
+    targets: Targets = DEFAULT_TARGET,
     *,
     input_shapes: InputShapes | None = None,
     records: str | os.PathLike | None = None,

@@ -19,7 +19,7 @@ OpenBLAS-backed CPU library.
      use. The library applies them to each output block right after computing it.
    Epilogues are not fused within `graph_fusion.graph_fusion_disabled()`.
    Only calls on the host are rewritten: tensors without a virtual device, or with one whose
-   target kind is "llvm".
+   target's spec lists the CPU library.
 3. It does not handle: other dtypes or mixed-precision `out_dtype`, rank-1 matmul operands,
    transposes of other axes than the last two, other layouts, depthwise conv2d (each output
    channel reads one input channel: that stays in TIR, where FuseOps can fuse its epilogue),
@@ -31,6 +31,7 @@ OpenBLAS-backed CPU library.
 The packed functions come from `runtime/ext/cpu_library.cc`. The pass loads that extension
 (building it on first use), so the functions exist when the module is built and run in this
 process; another process running the compiled module must load it too (`gimlet_tvm.runtime`).
+`library_dispatch` runs it for the targets whose spec lists `targets.libraries.CPU_LIBRARY`.
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ import tvm
 from tvm import IRModule, relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..runtime.extensions import load_extensions
+from ..targets import spec_for
+from ..targets.libraries import CPU_LIBRARY
 from .graph_fusion import graph_fusion_enabled
 
-MATMUL_FUNC = "gimlet.cpu.matmul"
-CONV2D_FUNC = "gimlet.cpu.conv2d_nchw"
-ATTENTION_FUNC = "gimlet.cpu.attention"
+MATMUL_FUNC = f"{CPU_LIBRARY.name}.matmul"
+CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw"
+ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
 ADD_VECTOR, ADD_TENSOR, RELU, GELU = 0, 1, 2, 4
@@ -60,9 +64,6 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
         """IRModule-level transformation."""
-        # Imported here: gimlet_tvm.runtime imports the compiler, which imports this module.
-        from ..runtime.extensions import load_extensions  # pylint: disable=import-outside-toplevel
-
         load_extensions()
         rewriter = _LibraryCallRewriter(mod)
         rewriter.fuse_epilogues = graph_fusion_enabled()
@@ -139,9 +140,9 @@ def _use_counts(func: relax.Function) -> collections.Counter:
 
 
 def _on_host(ty: relax.Type) -> bool:
-    """The tensor has no virtual device, or one on an "llvm" target."""
+    """The tensor has no virtual device, or one whose target has the CPU library."""
     vdevice = getattr(ty, "vdevice", None)
-    return vdevice is None or vdevice.target.kind.name == "llvm"
+    return vdevice is None or CPU_LIBRARY in spec_for(vdevice.target).libraries
 
 
 def _is_float32_tensor(ty: relax.Type, min_ndim: int) -> bool:

@@ -15,8 +15,9 @@ and replace it with one `R.nn.attention`, which the CPU library runs as one fuse
    the heads reach the fused kernel without copies.
 3. It does not handle: 3-D (single-head) attention, a scale applied to q or k before the
    matmul, masks that broadcast the scores to a larger shape, other dtypes, causal masks
-   written as Where/Trilu, or attention on a device whose target is not "llvm" (no fused
-   kernel there yet: the chain is left for FuseOps and the default schedules).
+   written as Where/Trilu, or attention on a device none of whose target's libraries takes
+   attention (`TargetSpec.library_for`): the chain is left for FuseOps and the default
+   schedules there.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import tvm
 from tvm import IRModule, relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..targets import spec_for
 from .chain_matching import producer, product_factors, rewrite_functions
 
 BNSD_TO_BSNH = [0, 2, 1, 3]
@@ -41,11 +43,11 @@ class FuseAttention:  # pylint: disable=too-few-public-methods
 
 
 def _has_fused_kernel(ty: relax.Type) -> bool:
-    """Attention on this tensor's device has a fused kernel: float32 on an llvm target (its
-    virtual device's, else the target being built for)."""
+    """Attention on this tensor's device has a fused kernel: a library of its target (its
+    virtual device's, else the target being built for) takes attention on its dtype."""
     vdevice = getattr(ty, "vdevice", None)
     target = vdevice.target if vdevice is not None else tvm.target.Target.current(allow_none=True)
-    return target is not None and target.kind.name == "llvm" and ty.dtype == "float32"
+    return target is not None and spec_for(target).library_for("attention", ty.dtype) is not None
 
 
 def _compose(inner: list[int], outer: list[int]) -> list[int]:

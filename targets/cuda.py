@@ -19,7 +19,6 @@ from ..errors import CodeCheckError
 from ..runtime.cuda_runtime import NVIDIA_WHEELS, find_cudart, load_cuda_library, load_cuda_runtime
 from .gpu import (
     binaries_on_disk,
-    dlight_gpu_rules,
     find_tool,
     global_func_override,
     kernel_names,
@@ -27,6 +26,9 @@ from .gpu import (
     require_kernels,
     run_tool,
 )
+from .kernels import HandwrittenKernel
+from .kernels.cuda_gemm import cuda_gemm
+from .libraries import CUDA_LIBRARY
 from .spec import CodegenRecord, DeviceCode, TargetSpec
 
 DEFAULT_ARCH = "sm_80"
@@ -113,6 +115,11 @@ def _missing_toolchain() -> str | None:
     return None
 
 
+CUDA_KERNELS = (
+    HandwrittenKernel("cuda_gemm_16x16", "matmul", lambda target, m, n, k, *epilogue: cuda_gemm(m, n, k),
+                      str(Path(__file__).resolve().parent / "kernels" / "cuda_gemm.py"), fuses_epilogue=False),
+)
+
 CUDA = TargetSpec(
     name="cuda",
     aliases=("nvidia",),
@@ -121,10 +128,13 @@ CUDA = TargetSpec(
     default_target=default_target,
     host=lambda: {"kind": "llvm"},
     device_type="cuda",
-    schedule_rules=lambda target: dlight_gpu_rules(),
+    libraries=(CUDA_LIBRARY,),
+    handwritten_kernels=CUDA_KERNELS,
     codegen_hooks=codegen_hooks,
     check_code=check_code,
     can_compile=_missing_toolchain,
     can_run=lambda: None if tvm.cuda(0).exist else "no CUDA device or driver",
     load_runtime_library=load_cuda_library,
 )
+
+TARGET = CUDA

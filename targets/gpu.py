@@ -1,4 +1,4 @@
-"""What GPU targets share: DLight schedule rules, reading device modules, checking kernels."""
+"""What GPU targets share: reading device modules back and checking their kernels."""
 
 from __future__ import annotations
 
@@ -13,35 +13,9 @@ from typing import Iterator, Sequence
 
 import tvm
 import tvm_ffi
-from tvm.s_tir import dlight
 
 from ..errors import CodeCheckError
-from ..schedules.opaque_kernels import OpaqueKernels
-from ..schedules.unit_reductions import FoldUnitReductions
 from .spec import CodegenRecord
-
-# DLight's GPU rules, most specific first; `Fallback` schedules anything left.
-_DLIGHT_GPU_RULES = {
-    "Matmul": dlight.gpu.Matmul,
-    "GEMV": dlight.gpu.GEMV,
-    "Reduction": dlight.gpu.Reduction,
-    "GeneralReduction": dlight.gpu.GeneralReduction,
-    "Fallback": dlight.gpu.Fallback,
-}
-
-
-def dlight_gpu_rules(*, without: Sequence[str] = ()) -> list:
-    """DLight's default GPU rules, less those named in `without` (known to fail a target).
-
-    Each sees the kernel with its single-element reductions folded (`FoldUnitReductions`):
-    DLight inlines an epilogue into such a reduction's init and update both. `OpaqueKernels`
-    comes last: it puts on the device the kernels DLight leaves to the host (TOPI's generic
-    extern ops), or refuses them.
-    """
-    rules = [FoldUnitReductions(rule()) for name, rule in _DLIGHT_GPU_RULES.items()
-             if name not in without]
-    return [*rules, OpaqueKernels()]
-
 
 def device_modules(module: tvm.runtime.Module, kind: str) -> list[tvm.runtime.Module]:
     """Every module of `kind` imported, directly or not, by the built `module`."""

@@ -12,7 +12,7 @@ import contextlib
 import tvm
 
 from ..errors import CodeCheckError
-from .gpu import device_source, dlight_gpu_rules, kernel_names, recording_codegen, require_kernels
+from .gpu import device_source, kernel_names, recording_codegen, require_kernels
 from .spec import CodegenRecord, DeviceCode, TargetSpec
 
 _KERNEL_IN_MSL = r"^kernel void (\w+)\("
@@ -57,8 +57,10 @@ METAL = TargetSpec(
     device_type="metal",
     dtypes=("float32", "float16", "int32", "bool"),
     # DLight's Matmul rule segfaulted once on Metal and makes its builds slow: left out.
-    schedule_rules=lambda target: dlight_gpu_rules(without=("Matmul",)),
+    schedule_rules_without=("Matmul",),
     codegen_hooks=codegen_hooks,
     check_code=check_code,
     can_run=lambda: None if tvm.metal(0).exist else "no Metal device (needs macOS)",
 )
+
+TARGET = METAL

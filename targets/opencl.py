@@ -17,7 +17,6 @@ import tvm
 
 from .gpu import (
     device_source,
-    dlight_gpu_rules,
     find_tool,
     kernel_names,
     recording_codegen,
@@ -62,9 +61,10 @@ OPENCL = TargetSpec(
     default_target=lambda: {"kind": "opencl"},
     host=lambda: {"kind": "llvm"},
     device_type="opencl",
-    schedule_rules=lambda target: dlight_gpu_rules(),
     codegen_hooks=codegen_hooks,
     check_code=check_code,
     can_compile=lambda: None if _clang() else "clang not found (Debian: clang-22), needed to check",
     can_run=lambda: None if tvm.opencl(0).exist else "no OpenCL runtime in the TVM wheel",
 )
+
+TARGET = OPENCL

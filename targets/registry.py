@@ -1,13 +1,18 @@
 """The target registry: name -> `TargetSpec`, open to other packages through entry points.
 
-A package adds a target by exposing a `TargetSpec` (or a zero-argument callable returning one)
-under the `gimlet_tvm.targets` entry-point group; it is registered on first lookup.
+Every module of this package that defines `TARGET` (a `TargetSpec`) is registered when the
+package loads (`targets/__init__.py`), so a target is added as one module. A package outside
+adds one by exposing a `TargetSpec` (or a zero-argument callable returning one) under the
+`gimlet_tvm.targets` entry-point group; it is registered on first lookup.
 """
 
 from __future__ import annotations
 
+import platform
 from importlib import metadata
 from typing import Any, Mapping, Union
+
+import tvm
 
 from ..errors import UnknownTargetError
 from .spec import TargetSpec
@@ -65,10 +70,26 @@ def lookup(target: TargetLike) -> tuple[TargetSpec, dict[str, Any]]:
         raise UnknownTargetError(
             f"a target is a registered name or a TVM target dict with a 'kind', not {target!r}"
         )
-    canonical = _ALIASES.get(name) or next(
-        (s.name for s in _SPECS.values() if s.kind == name), None
-    )
+    canonical = _ALIASES.get(name) or _by_kind(name, overrides)
     if canonical is None:
         known = ", ".join(sorted(_ALIASES))
         raise UnknownTargetError(f"unknown target '{name}'; known targets: {known}")
     return _SPECS[canonical], overrides
+
+
+def _by_kind(kind: str, config: Mapping[str, Any]) -> str | None:
+    """The spec of TVM kind `kind` for a target dict: among CPU specs of one kind, the one for
+    the dict's architecture (its `mtriple`, else this machine's)."""
+    specs = [spec for spec in _SPECS.values() if spec.kind == kind]
+    arch = str(config.get("mtriple") or platform.machine()).split("-")[0]
+    return next((s.name for s in specs if s.arch == arch), specs[0].name if specs else None)
+
+
+def spec_for(target: tvm.target.Target) -> TargetSpec:
+    """The spec a TVM target belongs to (what the middle end asks instead of its kind name)."""
+    return lookup(dict(target.export()))[0]
+
+
+def host_spec() -> TargetSpec:
+    """The spec of this machine's CPU: the host of a multi-device build."""
+    return next(spec for spec in registered() if spec.runs_here())

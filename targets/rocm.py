@@ -18,7 +18,6 @@ import tvm
 from ..errors import CodeCheckError
 from .gpu import (
     binaries_on_disk,
-    dlight_gpu_rules,
     find_tool,
     global_func_override,
     kernel_names,
@@ -112,9 +111,10 @@ ROCM = TargetSpec(
     default_target=lambda: {"kind": "rocm", "mcpu": DEFAULT_MCPU},
     host=lambda: {"kind": "llvm"},
     device_type="rocm",
-    schedule_rules=lambda target: dlight_gpu_rules(),
     codegen_hooks=codegen_hooks,
     check_code=check_code,
     can_compile=_missing_toolchain,
     can_run=lambda: None if tvm.rocm(0).exist else "no ROCm device or runtime",
 )
+
+TARGET = ROCM

@@ -1,8 +1,10 @@
 """`TargetSpec`: everything the compiler needs to know about one target, in one place.
 
 The middle end never asks "is this CUDA?": it asks the spec for its TVM target, its device,
-its library-dispatch passes, its default schedule rules, the code-generation hooks to install
-around `tvm.compile`, and how to check the code that came out.
+the kernel libraries and hand-written kernels it has and which ops they take, which schedule
+rules to leave out, the code-generation hooks to install around `tvm.compile`, and how to
+check the code that came out. Schedule rules are chosen by the TVM target's keys (`"cpu"`,
+`"gpu"`), as TVM's own strategies are.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import dataclasses
 from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import tvm
+
+from .kernels import HandwrittenKernel
+from .libraries import KernelLibrary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +96,19 @@ class TargetSpec:
     default_target: the TVM target dict for this machine (host detection lives here).
     host: for device targets, the TVM target dict of the host code; None for host targets.
     device_type: the device type name for `tvm.device` (`"cpu"`, `"cuda"`).
+    arch: for CPU targets, the architecture the code runs on (`"x86_64"`, `"aarch64"`): it
+      tells CPU specs of one TVM kind apart (a target dict's `mtriple`, else this machine's).
     dtypes: element types the target's code generator handles.
-    library_passes: Relax passes run before legalization that hand ops to libraries.
-    schedule_rules: DLight-style schedule rules applied to every PrimFunc after fusion.
+    libraries: the kernel libraries its runtime provides (`library_for` asks them).
+    handwritten_kernels: the kernels kept in this repository for it (kernel selection's
+      hand-written source).
+    fast_math: whether exp, tanh and erf become fast polynomial approximations.
+    schedule_rules_without: default schedule rules (by name) known to fail this target.
     codegen_hooks / check_code: how to generate device code, and how to check it.
     can_compile / can_run: whether this machine can generate code for / execute on it; each
       returns None when it can, else the reason it can't.
     load_runtime_library: loads the runtime library functions its executables may call
-      (`gimlet.cpu.*`, `gimlet.cuda.*`); returns why it cannot, None when it did or has none.
+      (its `libraries`); returns why it cannot, None when it did or has none.
     perf_facts: the device's roofline, for cross-device placement.
     """
 
@@ -109,9 +119,12 @@ class TargetSpec:
     device_type: str
     aliases: tuple[str, ...] = ()
     host: Callable[[], dict[str, Any]] | None = None
+    arch: str | None = None
     dtypes: tuple[str, ...] = ("float32", "float16", "int32", "int64", "bool")
-    library_passes: Callable[[tvm.target.Target], Sequence[tvm.transform.Pass]] = lambda t: ()
-    schedule_rules: Callable[[tvm.target.Target], Sequence[Any]] = lambda t: ()
+    libraries: tuple[KernelLibrary, ...] = ()
+    handwritten_kernels: tuple[HandwrittenKernel, ...] = ()
+    fast_math: bool = False
+    schedule_rules_without: tuple[str, ...] = ()
     codegen_hooks: CodegenHooks = no_codegen_hooks
     check_code: CodeCheck = no_device_code
     extra_facts: Callable[[], Mapping[str, Any]] = dict
@@ -121,12 +134,25 @@ class TargetSpec:
     perf_facts: Callable[[], PerfFacts] = lambda: DISCRETE_GPU
 
     @property
+    def is_cpu(self) -> bool:
+        """Whether the target is a CPU: its code runs where its host code runs (no device)."""
+        return self.host is None
+
+    def runs_here(self) -> bool:
+        """Whether it is this machine's CPU, so C compiled here for it runs here."""
+        return self.is_cpu and self.can_run() is None
+
+    def library_for(self, op: str, dtype: str) -> KernelLibrary | None:
+        """The first of its libraries that takes `op` on `dtype` tensors, if any."""
+        return next((lib for lib in self.libraries if lib.takes(op, dtype)), None)
+
+    @property
     def tunes_cache_cold(self) -> bool:
         """Whether MetaSchedule times each candidate once per run with its operands (all but
         the first) flushed from the CPU caches, as kernel selection does: for host targets,
         whose repeated runs would otherwise keep a weight in the cache that a model evicts. Not
         for device targets: the flush runs on the CPU over the operands' addresses."""
-        return self.host is None
+        return self.is_cpu
 
     def make_target(self, overrides: Mapping[str, Any] | None = None) -> tvm.target.Target:
         """The TVM target: this machine's defaults with `overrides` on top."""

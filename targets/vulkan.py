@@ -18,7 +18,6 @@ from ..errors import CodeCheckError
 from ..runtime.vulkan_runtime import missing_toolchain, no_device_reason, vulkan_devices
 from .gpu import (
     device_modules,
-    dlight_gpu_rules,
     find_tool,
     global_func_override,
     require_kernels,
@@ -164,7 +163,7 @@ VULKAN = TargetSpec(
     host=lambda: {"kind": "llvm"},
     device_type="vulkan",
     dtypes=("float32", "int32", "int64", "bool", "int8", "uint8"),
-    schedule_rules=lambda target: dlight_gpu_rules(without=VULKAN_RULES_WITHOUT),
+    schedule_rules_without=VULKAN_RULES_WITHOUT,
     codegen_hooks=codegen_hooks,
     check_code=check_code,
     extra_facts=extra_facts,
@@ -172,3 +171,5 @@ VULKAN = TargetSpec(
     can_run=no_device_reason,
     perf_facts=perf_facts,
 )
+
+TARGET = VULKAN

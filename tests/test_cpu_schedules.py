@@ -12,8 +12,9 @@ from tvm.relax.frontend.onnx import from_onnx
 
 from gimlet_tvm import models
 from gimlet_tvm.compiler import canonicalize_passes
-from gimlet_tvm.schedules.cpu import RULES
-from gimlet_tvm.schedules.cpu.window_reduction import WindowReduction
+from gimlet_tvm.schedules.rules.cpu import RULES
+from gimlet_tvm.schedules.rules.cpu.window_reduction import WindowReduction
+from gimlet_tvm.relax_passes.library_dispatch import library_passes
 from gimlet_tvm.targets.llvm import LLVM_CPU
 
 from .test_cpu_library import TARGET, onnx_model, rand, run_both
@@ -25,7 +26,7 @@ def fused_prim_funcs(mod: tvm.IRModule) -> dict[str, tvm.tirx.PrimFunc]:
     """The PrimFuncs the llvm pipeline hands to the schedule rules."""
     passes = [
         *canonicalize_passes(),
-        *LLVM_CPU.library_passes(TARGET),
+        *library_passes(LLVM_CPU),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),

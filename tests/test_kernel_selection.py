@@ -22,12 +22,12 @@ from gimlet_tvm.frontend import import_model
 from gimlet_tvm.runtime.cuda_runtime import load_cuda_library
 from gimlet_tvm.schedules.kernel_selection.apply import rewrite_ops
 from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
-from gimlet_tvm.schedules.kernel_selection.handwritten import KERNELS
-from gimlet_tvm.schedules.kernel_selection.select import (SELECTION_FILE, KernelSelection, OpChoice, Tried,
-                                                          op_signatures, select_kernels)
+from gimlet_tvm.schedules.kernel_selection.choices import SELECTION_FILE, KernelSelection, OpChoice, Tried
 from gimlet_tvm.schedules.kernel_selection.sources import candidates, find
-from gimlet_tvm.schedules.kernel_selection.verify import run_candidate
-from gimlet_tvm.schedules.records import target_key
+from gimlet_tvm.selection.select import op_signatures, select_kernels
+from gimlet_tvm.selection.verify import run_candidate
+from gimlet_tvm.targets.cpu import CPU_KERNELS
+from gimlet_tvm.schedules.tuning.records import target_key
 
 from .conftest import suite_model
 
@@ -109,7 +109,7 @@ def _two_matmuls_rewritten(choose, seed: int) -> tvm.IRModule:
             h = bb.emit(relax.op.matmul(x, relax.const(w1)))
             y = bb.emit_output(relax.op.matmul(h, relax.const(w2)))
         bb.emit_func_output(y)
-    mod, rewritten = rewrite_ops(bb.finalize(), choose, "llvm")
+    mod, rewritten = rewrite_ops(bb.finalize(), choose, resolve_target("llvm")[1])
     assert rewritten == 2
     executable = gimlet_tvm.compiler.compile_alone(mod, resolve_target("llvm"))
     data = rng.standard_normal((M, K)).astype(np.float32)
@@ -129,7 +129,7 @@ def test_handwritten_kernel_made_once_per_shape_and_epilogue():
     """A shape a model repeats reuses its PrimFunc (parsing the TVMScript again took 0.5 s a
     group: 30 s for one cold timing's 64 copies of a group)."""
     _, target = resolve_target("llvm")
-    kernel = next(k for k in KERNELS if k.name == "cpu_gemm_packed_4x2v")
+    kernel = next(k for k in CPU_KERNELS if k.name == "cpu_gemm_packed_4x2v")
     relu = (("relu", ()),)
     made = kernel.prim_func(target, M, N, K, relu, [])
     assert kernel.prim_func(target, M, N, K, relu, []) is made
@@ -154,7 +154,7 @@ def test_cpu_gemm_tiles_blocks_and_tails(mr, packed, m, n, k):
     play, with a bias + ReLU epilogue, at AVX-512's panel width (32) whatever this CPU is."""
     import tvm
 
-    from gimlet_tvm.schedules.kernel_selection.handwritten.cpu_gemm import cpu_gemm, packed_shape
+    from gimlet_tvm.targets.kernels.cpu_gemm import cpu_gemm, packed_shape
 
     nr = 32
     func = cpu_gemm(mr, nr, packed, m, n, k, (("add", (n,)), ("relu", ())), [(1, n)])
@@ -181,7 +181,7 @@ def test_packed_gemm_only_for_weights_and_packs_at_build_time():
     packed = find("handwritten:cpu_gemm_packed_tallx2v", WEIGHT_SIG, target)
     assert packed.unavailable is None
     weight = np.random.default_rng(3).standard_normal((K, N)).astype(np.float32)
-    mod, rewritten = rewrite_ops(WEIGHT_SIG.module([weight]), lambda sig: packed, "llvm")
+    mod, rewritten = rewrite_ops(WEIGHT_SIG.module([weight]), lambda sig: packed, resolve_target("llvm")[1])
     assert rewritten == 1
     assert "R.permute_dims" in mod.script()
     executable = gimlet_tvm.compiler.compile_alone(mod, resolve_target("llvm"))
@@ -257,7 +257,7 @@ def _select_on_matmul_model(cli, tmp_path, kernels):
 
 
 def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_path):
-    from gimlet_tvm.schedules.kernel_selection import select
+    from gimlet_tvm.selection import select
 
     out, err, model_path, records = _select_on_matmul_model(cli, tmp_path, kernels)
     assert re.search(r"external:wrong +no: wrong result at matmul float32 5x24 @ const 24x40 on random", out), out
@@ -396,9 +396,9 @@ def test_select_on_symbolic_shapes_says_how_to_fix_them(cli, tmp_path):
 def test_selection_rewrites_only_into_the_chosen_kernel():
     _, target = resolve_target("llvm")
     handwritten = find("handwritten:cpu_gemm_6x2v", SIG, target)
-    text = rewrite_ops(SIG.module(), lambda sig: handwritten, "llvm")[0].script()
+    text = rewrite_ops(SIG.module(), lambda sig: handwritten, resolve_target("llvm")[1])[0].script()
     assert "cpu_gemm_6x2v" in text and "R.matmul" not in text
-    untouched = rewrite_ops(SIG.module(), lambda sig: None, "llvm")[0].script()
+    untouched = rewrite_ops(SIG.module(), lambda sig: None, resolve_target("llvm")[1])[0].script()
     assert "gimlet.cpu.matmul" in untouched  # the op group as the library pass formed it
 
 
@@ -453,7 +453,7 @@ def test_every_source_fuses_the_epilogue(candidate_id):
     assert outcome.checks == [GELU_RESIDUAL.key, GELU_RESIDUAL.edge_case().key]
     assert GELU_RESIDUAL.edge_case().epilogue == (("add", (69,)), ("gelu", ()), ("add", (1, 11, 69)))
     if candidate_id.startswith("handwritten"):
-        text = rewrite_ops(GELU_RESIDUAL.module(), lambda sig: find(candidate_id, sig, target), "llvm")[0].script()
+        text = rewrite_ops(GELU_RESIDUAL.module(), lambda sig: find(candidate_id, sig, target), resolve_target("llvm")[1])[0].script()
         assert "gimlet.cpu.matmul" not in text and "R.nn.gelu" not in text and "R.add" not in text
 
 
@@ -480,8 +480,8 @@ def test_wrong_epilogue_rejected(tmp_path):
 def test_close_candidates_raced_together_and_median_decides(monkeypatch):
     """Candidates within the margin of the fastest are timed again together; the median of
     their rounds is their time. A failed race leaves the first timings (and says why)."""
-    from gimlet_tvm.schedules.kernel_selection import select
-    from gimlet_tvm.schedules.kernel_selection.verify import Race
+    from gimlet_tvm.selection import select
+    from gimlet_tvm.selection.verify import Race
 
     rounds = {"a": [3.0, 2.0, 3.0], "b": [1.1, 1.3, 1.2]}  # the first measurement of "a" was lucky
     raced = []
@@ -506,7 +506,7 @@ def test_close_candidates_raced_together_and_median_decides(monkeypatch):
 def test_race_ties_go_to_the_preferred_source():
     """The fastest wins unless the race cannot tell it from another: then the first source of
     SOURCE_PREFERENCE (generated code before hand-written kernels before library calls)."""
-    from gimlet_tvm.schedules.kernel_selection import select
+    from gimlet_tvm.selection import select
 
     def tried(cid: str, rounds: list[float]):
         return select.Tried(cid, "", True, seconds=sorted(rounds)[len(rounds) // 2], rounds=rounds)
@@ -528,7 +528,7 @@ def test_race_ties_go_to_the_preferred_source():
 def test_race_times_every_candidate_in_every_round(kernels):
     """The race child builds each candidate once and times all of them in each round; one
     that crashes when run fails the race with the signal named, not the caller."""
-    from gimlet_tvm.schedules.kernel_selection.verify import race_candidates
+    from gimlet_tvm.selection.verify import race_candidates
 
     _, target = resolve_target("llvm")
     request = dict(_request("", target, str(kernels)), rounds=3)
@@ -564,7 +564,7 @@ def test_attention_is_an_op_group_with_library_and_generated_candidates():
         assert outcome.checks == [attention.key, attention.edge_case().key]
 
     generated = find("generated:tir", attention, target)
-    text = rewrite_ops(mod, lambda sig: generated if sig == attention else None, "llvm")[0].script()
+    text = rewrite_ops(mod, lambda sig: generated if sig == attention else None, resolve_target("llvm")[1])[0].script()
     assert "gimlet.cpu.attention" not in text and "gimlet.cpu.matmul" in text
     choice = OpChoice(attention, [Tried("generated:tir", generated.provenance, True, seconds=1.0)], "generated:tir")
     selection = KernelSelection(target_key(target), {attention.key: choice})
@@ -624,7 +624,7 @@ def test_conv2d_groups_with_library_and_generated_candidates(tmp_path):
     as onnxruntime does."""
     from gimlet_tvm.peers import check_against_onnxruntime
     from gimlet_tvm.relax_passes.dispatch_cpu_library import CONV2D_FUNC
-    from gimlet_tvm.schedules.kernel_selection.select import select_kernels
+    from gimlet_tvm.selection.select import select_kernels
 
     proto = _conv_model()
     _, target = resolve_target("llvm")
@@ -648,7 +648,7 @@ def test_conv2d_groups_with_library_and_generated_candidates(tmp_path):
     selection = select_kernels(mod, target, records=str(tmp_path), timeout=180)
     assert len(selection.choices) == 3
     assert all(t.verified for choice in selection.choices.values() for t in choice.tried)
-    generated, rewritten = rewrite_ops(mod, lambda sig: find("generated:tir", sig, target), "llvm")
+    generated, rewritten = rewrite_ops(mod, lambda sig: find("generated:tir", sig, target), resolve_target("llvm")[1])
     assert rewritten == 3 and CONV2D_FUNC not in generated.script()
     x = {"x": np.random.default_rng(3).standard_normal((2, 3, 15, 13)).astype(np.float32)}
     for source in ("generated", "library"):
@@ -665,7 +665,7 @@ def test_generated_groups_run_as_measured_and_tuned():
     from tvm.s_tir import meta_schedule as ms
 
     from gimlet_tvm.compiler import kernel_passes
-    from gimlet_tvm.schedules.tuning import generated_group_tasks
+    from gimlet_tvm.tuning import generated_group_tasks
 
     rng = np.random.default_rng(11)
     weights = {"w1": (8, 4, 3, 3), "b1": (8,), "w2": (8, 4, 1, 1), "b2": (8,)}

@@ -17,7 +17,7 @@ from gimlet_tvm.compiler import canonicalize_passes, resolve_devices
 from gimlet_tvm.frontend import import_model
 from gimlet_tvm.relax_passes.op_graph import OpGraph
 from gimlet_tvm.relax_passes.placement import Device, Pins, _report, op_costs, place
-from gimlet_tvm.schedules.records import RecordsDB
+from gimlet_tvm.schedules.tuning.records import RecordsDB
 from gimlet_tvm.targets import lookup
 from gimlet_tvm.targets.spec import PerfFacts
 

@@ -6,7 +6,7 @@ import json
 import multiprocessing
 import os
 
-from gimlet_tvm.schedules.records import RECORD_FILE, WORKLOAD_FILE, RecordsDB
+from gimlet_tvm.schedules.tuning.records import RECORD_FILE, WORKLOAD_FILE, RecordsDB
 
 from .test_tuning import records_copy, tuned_records  # noqa: F401  (shared fixtures)
 
@@ -153,7 +153,7 @@ def test_a_layout_transform_record_is_stored_and_read_back(tmp_path):
     from tvm import s_tir, te
     from tvm.s_tir import meta_schedule as ms
 
-    from gimlet_tvm.schedules.records import record_json
+    from gimlet_tvm.schedules.tuning.records import record_json
 
     a = te.placeholder((16, 16), name="A")
     mod = tvm.IRModule({"main": te.create_prim_func([a, te.compute((16, 16), lambda i, j: a[i, j] + 1.0)])})

@@ -162,8 +162,8 @@ def test_server_warns_when_exposed(cli) -> None:
 
 
 def test_tune_through_the_tracker(tracker, tmp_path) -> None:
-    from gimlet_tvm.schedules.records import RecordsDB
-    from gimlet_tvm.schedules.tuning import tune
+    from gimlet_tvm.schedules.tuning.records import RecordsDB
+    from gimlet_tvm.tuning import tune
 
     from .test_tuning import SMALL, tiny_model
 
@@ -178,8 +178,8 @@ def test_tune_through_the_tracker(tracker, tmp_path) -> None:
 def test_tuning_survives_losing_one_of_two_servers(tmp_path) -> None:
     import threading
 
-    from gimlet_tvm.schedules.records import RecordsDB
-    from gimlet_tvm.schedules.tuning import tune
+    from gimlet_tvm.schedules.tuning.records import RecordsDB
+    from gimlet_tvm.tuning import tune
 
     from .test_tuning import SMALL, tiny_model
 
@@ -242,7 +242,7 @@ def test_select_on_a_remote_server(server, cli, tmp_path) -> None:
 def test_select_stops_when_the_remote_device_is_lost(server) -> None:
     from gimlet_tvm.compiler import resolve_target
     from gimlet_tvm.frontend import import_model
-    from gimlet_tvm.schedules.kernel_selection.select import select_kernels
+    from gimlet_tvm.selection.select import select_kernels
 
     from .test_kernel_selection import K, M, _matmul_model
 

@@ -14,9 +14,9 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm.s_tir import meta_schedule as ms
 
 import gimlet_tvm
-from gimlet_tvm.schedules.kernel_selection.select import SELECTION_FILE
-from gimlet_tvm.schedules.records import RecordsDB
-from gimlet_tvm.schedules.tuning import GIVE_UP_AFTER, extract_tasks, parse_duration
+from gimlet_tvm.schedules.kernel_selection.choices import SELECTION_FILE
+from gimlet_tvm.schedules.tuning.records import RecordsDB
+from gimlet_tvm.tuning import GIVE_UP_AFTER, extract_tasks, parse_duration
 
 from .conftest import assert_matches, onnxruntime_outputs
 

@@ -13,6 +13,7 @@ from ..files import atomic_path
 from ..runtime import CompiledModel
 from ..runtime.artifact import MAGIC
 from ..runtime.remote import RemoteDevice
+from ..targets import DEFAULT_TARGET
 
 
 def parse_input_shapes(items: list[str] | None) -> dict[str, list]:
@@ -27,7 +28,7 @@ def parse_input_shapes(items: list[str] | None) -> dict[str, list]:
 
 
 def add_target_args(parser) -> None:
-    parser.add_argument("-t", "--target", default="llvm", type=parse_targets,
+    parser.add_argument("-t", "--target", default=DEFAULT_TARGET, type=parse_targets,
                         help="registered target (default llvm), or several separated by commas "
                              "to place the model's ops across their devices (vulkan,llvm)")
     parser.add_argument("--pin", action="append", metavar="OP=TARGET",

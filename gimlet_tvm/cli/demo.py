@@ -10,6 +10,7 @@ from .. import build
 from ..errors import GimletError
 from ..models import SUITE
 from ..peers import max_abs_diff, onnxruntime_session
+from ..targets import DEFAULT_TARGET
 from .bench import latency_report
 
 TOLERANCE = 1e-4
@@ -18,7 +19,7 @@ TOLERANCE = 1e-4
 def add_parser(sub) -> None:
     parser = sub.add_parser("demo", help="compile and run a bundled example model")
     parser.add_argument("--model", default="transformer_encoder", choices=sorted(SUITE))
-    parser.add_argument("-t", "--target", default="llvm", help="registered target (default llvm)")
+    parser.add_argument("-t", "--target", default=DEFAULT_TARGET, help=f"registered target (default {DEFAULT_TARGET})")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=30)
     parser.set_defaults(handler=run)

@@ -1,6 +1,6 @@
 """`gimlet-tvm records ...`: inspect and maintain tuning-records directories.
 
-The logic lives in `gimlet_tvm.schedules.records` (`RecordsDB`); this module formats it.
+The logic lives in `gimlet_tvm.schedules.tuning.records` (`RecordsDB`); this module formats it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import os
 
 from ..errors import GimletError
-from ..schedules.records import RecordsDB, merge
+from ..schedules.tuning.records import RecordsDB, merge
 from .common import format_table
 
 

@@ -14,7 +14,8 @@ import tvm
 from ..compiler import resolve_target
 from ..frontend import import_model, load_model
 from ..schedules.kernel_selection.op_kinds import static_shape
-from ..schedules.kernel_selection.select import KernelSelection, select_kernels, selected_sources
+from ..schedules.kernel_selection.choices import KernelSelection
+from ..selection.select import select_kernels, selected_sources
 from .common import (add_remote_args, add_target_args, build_from_args, format_table, parse_input_shapes,
                      remote_device)
 

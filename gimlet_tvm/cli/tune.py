@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..schedules.tuning import tune
+from ..tuning import tune
 from .common import add_remote_args, add_target_args, format_table, parse_input_shapes, remote_device
 from .select import format_selection
 

@@ -1,8 +1,9 @@
 """Rewriting a module's op groups into chosen candidates: `rewrite_ops` and the build's pass,
 `ApplyKernelSelection` (before the target's library passes). Op groups are formed first by
-`grouping_passes`: on the CPU the library pass itself (`DispatchCPULibrary`), whose matmul
-calls carry the epilogue they absorb; a library choice is left as that call, any other is
-rewritten out of it (and so out of the library pass's reach when it runs again)."""
+`grouping_passes`: the dispatch passes of the target's libraries (on the CPU
+`DispatchCPULibrary`, whose matmul calls carry the epilogue they absorb); a library choice is
+left as that call, any other is rewritten out of it (and so out of the library pass's reach
+when it runs again)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ...relax_passes.dispatch_cpu_library import DispatchCPULibrary
+from ...relax_passes.library_dispatch import dispatch_passes
+from ...targets import spec_for
 from .candidates import Candidate, OpSignature
 from .external import link_objects
 
@@ -22,13 +24,13 @@ Choose = Callable[[OpSignature], Candidate | None]
 @mutator
 class _Rewriter(PyExprMutator):  # pylint: disable=abstract-method
     choose: Choose = staticmethod(lambda sig: None)
-    target_kind = "llvm"
+    target: tvm.target.Target | None = None
     rewritten = 0
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
         sig = OpSignature.of_call(call)
-        if sig is None or not all(_on(arg.ty, self.target_kind) for arg in call.args):
+        if sig is None or not all(_on(arg.ty, self.target) for arg in call.args):
             return call
         candidate = self.choose(sig)
         if candidate is None:
@@ -37,25 +39,25 @@ class _Rewriter(PyExprMutator):  # pylint: disable=abstract-method
         return candidate.rewrite(self.builder_, call)
 
 
-def _on(ty: relax.TensorType, kind: str) -> bool:
-    """The tensor has no virtual device, or one of this target kind."""
+def _on(ty: relax.TensorType, target: tvm.target.Target) -> bool:
+    """The tensor has no virtual device, or one of `target`'s spec."""
     vdevice = getattr(ty, "vdevice", None)
-    return vdevice is None or vdevice.target.kind.name == kind
+    return vdevice is None or spec_for(vdevice.target) is spec_for(target)
 
 
-def grouping_passes(target_kind: str) -> list[tvm.transform.Pass]:
+def grouping_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """The passes that form a target's op groups (an op with the epilogue its library call
     would absorb), as `OpSignature.of_call` reads them."""
-    return [DispatchCPULibrary()] if target_kind == "llvm" else []
+    return dispatch_passes(spec_for(target))
 
 
-def rewrite_ops(mod: tvm.IRModule, choose: Choose, target_kind: str) -> tuple[tvm.IRModule, int]:
+def rewrite_ops(mod: tvm.IRModule, choose: Choose, target: tvm.target.Target) -> tuple[tvm.IRModule, int]:
     """`mod` with every op group `choose` gives a candidate for rewritten into that candidate,
     and how many were."""
-    mod = tvm.transform.Sequential(grouping_passes(target_kind))(mod)
+    mod = tvm.transform.Sequential(grouping_passes(target))(mod)
     rewriter = _Rewriter(mod)
     rewriter.choose = choose
-    rewriter.target_kind = target_kind
+    rewriter.target = target
     for g_var, func in mod.functions_items():
         if isinstance(func, relax.Function):
             rewriter.builder_.update_func(g_var, rewriter.visit_expr(func))
@@ -73,5 +75,5 @@ class ApplyKernelSelection:  # pylint: disable=too-few-public-methods
         self.applied = 0
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        mod, self.applied = rewrite_ops(mod, self.choose, self.target.kind.name)
+        mod, self.applied = rewrite_ops(mod, self.choose, self.target)
         return mod

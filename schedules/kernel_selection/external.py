@@ -11,7 +11,7 @@
 - "c" (CPU targets): C11 source defining `void FUNCTION(const float *a, const float *b,
   float *c)` over the same compact row-major arrays, FUNCTION being the entry's `"function"`
   (default: its name). It is compiled with `$CC` (gcc) `-O3` for the target's CPU (`-march`
-  = its `mcpu`, else native) to an object file that the build links into the model (so
+  = its `mcpu`; native when that is this machine's CPU or none) to an object file that the build links into the model (so
   exported models carry it); the function is renamed to a symbol unique to the source and
   every other global symbol of the source made local, so that kernels linked into one model
   never clash.
@@ -38,7 +38,7 @@ import tvm
 
 from ...errors import GimletError
 from ...runtime.extensions import build_library
-from ...targets import lookup
+from ...targets import spec_for
 from .candidates import Candidate, OpSignature, call_prim_func
 
 MANIFEST = "kernels.json"
@@ -81,7 +81,11 @@ def _c_prim_func(path: str, function: str, sig: OpSignature, target: tvm.target.
     from the C source at `path`, compiled (cached) with the function renamed to a symbol of
     its own; the object file is named in the `LINK_OBJECT` attribute."""
     symbol = f"gimlet_external_{digest(path)}_{function}"
-    march = f"-march={target.attrs.get('mcpu') or 'native'}"
+    mcpu = str(target.attrs.get("mcpu", ""))
+    # This machine's own CPU model is `native` to gcc too, also where gcc's release predates
+    # LLVM's name for it (gcc 12 has no znver4).
+    native = not mcpu or mcpu == str(tvm.target.codegen.llvm_get_system_cpu())
+    march = f"-march={'native' if native else mcpu}"
     obj = _only_global(build_library(symbol, [Path(path)], [*C_FLAGS, march, f"-D{function}={symbol}"],
                                      compiler=C_COMPILER, suffix=".o"), symbol)
     m, n, k = sig.gemm
@@ -121,11 +125,6 @@ def link_objects(mod: tvm.IRModule) -> tvm.IRModule:
     return mod
 
 
-def _is_host(target: tvm.target.Target) -> bool:
-    """The target compiles for the host CPU (its spec has no separate host), where C runs."""
-    return lookup(target.kind.name)[0].host is None
-
-
 def digest(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()[:16]
@@ -149,7 +148,7 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
             unavailable = f"format '{entry['format']}' is not supported (only {', '.join(FORMATS)})"
         elif not os.path.isfile(path):
             unavailable = f"source not found: {path}"
-        elif entry["format"] == "c" and not _is_host(target):
+        elif entry["format"] == "c" and not spec_for(target).runs_here():
             unavailable = "C source is taken for host CPU targets only"
         elif entry["format"] == "c" and not re.fullmatch(r"[A-Za-z_]\w*", function):
             unavailable = f"function '{function}' is not a C identifier"

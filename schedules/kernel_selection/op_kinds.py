@@ -21,10 +21,8 @@ import tvm
 from tvm import relax
 
 from ...relax_passes.dispatch_cpu_library import library_attention, library_conv2d, library_matmul
+from ...targets.kernels import Shape, Step
 
-Shape = tuple[int, ...]
-Step = tuple[str, Shape]
-"""An epilogue step: `("add", addend shape)`, `("relu", ())` or `("gelu", ())`."""
 Attrs = tuple[tuple[str, float], ...]
 
 

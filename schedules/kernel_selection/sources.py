@@ -7,10 +7,11 @@ candidates it has for an op signature on a target (unavailable ones too, with th
   records would be the one that runs);
   the build schedules it with MetaSchedule records when the records directory has one for
   it, else with the target's default rules;
-- library: the target's library call (CPU: gimlet's `gimlet.cpu.matmul`, `.conv2d_nchw`
-  (OpenBLAS) or `.attention` through `DispatchCPULibrary`, epilogue included; CUDA: cuBLAS's
-  SGEMM for matmul, `gimlet.cuda.matmul`, where cuBLAS is installed);
-- handwritten: `handwritten.KERNELS` for the op and target kind;
+- library: a call into one of the target's libraries that takes the op (`TargetSpec.libraries`;
+  the CPU library's `gimlet.cpu.matmul`, `.conv2d_nchw` (OpenBLAS) or `.attention` through
+  `DispatchCPULibrary`, epilogue included; the CUDA library's cuBLAS SGEMM for matmul,
+  `gimlet.cuda.matmul`, where cuBLAS is installed);
+- handwritten: the target's hand-written kernels for the op (`TargetSpec.handwritten_kernels`);
 - external: kernels in a directory described by `kernels.json` (see `external.py`).
 """
 
@@ -24,12 +25,14 @@ from tvm import relax
 
 from ...relax_passes.dispatch_cpu_library import DispatchCPULibrary
 from ...runtime.cuda_runtime import load_cuda_library
+from ...targets import spec_for
+from ...targets.kernels import MAX_ADDENDS
+from ...targets.libraries import CPU_LIBRARY, CUDA_LIBRARY
 from .candidates import Candidate, OpSignature, call_prim_func, emit_epilogue
 from .external import external_candidates
-from .handwritten import KERNELS, MAX_ADDENDS
 from .op_kinds import find_group
 
-CUBLAS_MATMUL = "gimlet.cuda.matmul"
+CUBLAS_MATMUL = f"{CUDA_LIBRARY.name}.matmul"
 
 
 def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
@@ -98,7 +101,7 @@ def _cpu_library(name: str):
     def candidate(sig: OpSignature) -> Candidate:
         func = _cpu_library_call(sig)
         reason = None if func else "DispatchCPULibrary does not take this op"
-        return Candidate("library", name, f"{func or 'gimlet.cpu'} (runtime/ext/cpu_library.cc)",
+        return Candidate("library", name, f"{func or CPU_LIBRARY.name} ({CPU_LIBRARY.source})",
                          _keep, unavailable=reason)
     return candidate
 
@@ -108,7 +111,7 @@ def _cublas(sig: OpSignature) -> Candidate:
     reason = load_cuda_library()
     if reason is None and (sig.dtype != "float32" or sig.epilogue):
         reason = "float32 matmul without epilogue only"
-    return Candidate("library", "cublas", f"{CUBLAS_MATMUL} (runtime/ext/cuda_library.cc)",
+    return Candidate("library", "cublas", f"{CUBLAS_MATMUL} ({CUDA_LIBRARY.source})",
                      _call_cublas, unavailable=reason)
 
 
@@ -117,20 +120,19 @@ def _call_cublas(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     return relax.call_dps_packed(CUBLAS_MATMUL, group.operands, call.ty)
 
 
-# The library candidate of each target kind and op: the CPU library's matmul calls OpenBLAS,
-# its conv2d unfolds patches for OpenBLAS's GEMM, its attention is its own (blocked scores,
+# The candidate of each library (by name) and op: the CPU library's matmul calls OpenBLAS, its
+# conv2d unfolds patches for OpenBLAS's GEMM, its attention is its own (blocked scores,
 # softmax, weighted sum).
-LIBRARIES = {
-    ("llvm", "matmul"): _cpu_library("openblas"),
-    ("llvm", "conv2d"): _cpu_library("openblas"),
-    ("llvm", "attention"): _cpu_library("gimlet_attention"),
-    ("cuda", "matmul"): _cublas,
+LIBRARY_CANDIDATES = {
+    CPU_LIBRARY.name: {"matmul": _cpu_library("openblas"), "conv2d": _cpu_library("openblas"),
+                       "attention": _cpu_library("gimlet_attention")},
+    CUDA_LIBRARY.name: {"matmul": _cublas},
 }
 
 
 def library(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
-    library_of = LIBRARIES.get((target.kind.name, sig.op))
-    return [library_of(sig)] if library_of else []
+    return [LIBRARY_CANDIDATES[lib.name][sig.op](sig) for lib in spec_for(target).libraries
+            if sig.op in LIBRARY_CANDIDATES.get(lib.name, {})]
 
 
 def handwritten(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
@@ -156,8 +158,8 @@ def handwritten(sig: OpSignature, target: tvm.target.Target, external_dir: str |
 
     return [
         Candidate("handwritten", kernel.name, kernel.file, rewrite(kernel), unavailable=unavailable(kernel))
-        for kernel in KERNELS
-        if kernel.op == sig.op and kernel.target_kind == target.kind.name
+        for kernel in spec_for(target).handwritten_kernels
+        if kernel.op == sig.op
     ]
 
 

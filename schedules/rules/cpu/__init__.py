@@ -1,4 +1,4 @@
-"""Default (untuned) schedule rules for LLVM CPU targets, in the order they are tried."""
+"""Default (untuned) schedule rules for CPU targets, in the order they are tried."""
 
 from .injective import Injective
 from .window_reduction import WindowReduction

@@ -30,8 +30,8 @@ import tvm
 from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 
-from ..errors import GimletError, summary
-from ..files import atomic_path
+from ...errors import GimletError, summary
+from ...files import atomic_path
 
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"

@@ -15,7 +15,7 @@ A request naming several `candidates` (verified before) is a race instead: one c
 each for timing, then times them in turn, round after round (`race_candidates`), so near
 equals are compared under the same load and not by one timing each, minutes apart.
 
-    python -m gimlet_tvm.schedules.kernel_selection.verify < request.json
+    python -m gimlet_tvm.selection.verify < request.json
 """
 
 from __future__ import annotations
@@ -32,6 +32,18 @@ import time
 from typing import Any
 
 import numpy as np
+import tvm
+from tvm import relax
+
+from ..compiler import relax_pipeline
+from ..errors import RemoteDeviceError, summary
+from ..peers import interleaved
+from ..runtime.remote import RemoteDevice
+from ..schedules.kernel_selection.apply import rewrite_ops
+from ..schedules.kernel_selection.candidates import OpSignature
+from ..schedules.kernel_selection.sources import find
+from ..schedules.tuning.records import ApplyRecords, RecordsDB
+from ..targets import spec_for
 
 RESULT_PREFIX = "GIMLET_RESULT "
 # Timing rotates through operand copies of at least this many bytes in all (the 32 MiB L3 of
@@ -97,12 +109,8 @@ def _spawn(request: dict[str, Any], timeout: float) -> dict[str, Any] | str:
 
 def _build(mod, candidate, spec, target, tuned):
     """`mod` with its op group rewritten into `candidate`, built for `target`."""
-    import tvm
 
-    from ...compiler import relax_pipeline
-    from .apply import rewrite_ops
-
-    mod, _ = rewrite_ops(mod, lambda _: candidate, target.kind.name)
+    mod, _ = rewrite_ops(mod, lambda _: candidate, target)
     with target, spec.codegen_hooks(target):
         return tvm.compile(mod, target, relax_pipeline=relax_pipeline(spec, target, tuned))
 
@@ -126,8 +134,6 @@ class _Machine:
 
     def load(self, executable):
         """A VM of `executable` on the device (uploaded first when it is remote)."""
-        from tvm import relax
-
         if self.remote is None:
             return relax.VirtualMachine(executable, self.device)
         self.loaded += 1
@@ -143,8 +149,6 @@ class _Machine:
         return func() if self.remote is None else self.remote.call(what, func)
 
     def tensors(self, arrays: list[np.ndarray]) -> list:
-        import tvm
-
         return self.step("copy inputs", lambda: [tvm.runtime.tensor(x, self.device) for x in arrays])
 
     def run(self, vm, args: list) -> np.ndarray:
@@ -172,7 +176,6 @@ class _Machine:
 
 def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, str | None]:
     """Build `candidate` for `sig` and compare it with the reference; (executable, failure)."""
-    from ...errors import summary
 
     try:
         executable = _build(sig.module(), candidate, machine.spec, target, tuned)
@@ -241,15 +244,9 @@ def _time(executable, sig, machine: _Machine, min_repeat_ms: int, build, hopeles
 
 def _setup(request: dict[str, Any]):
     """The request's target, its spec, the op signature, the tuning records and the machine."""
-    import tvm
-
-    from ...runtime.remote import RemoteDevice
-    from ...schedules.records import ApplyRecords, RecordsDB
-    from ...targets import lookup
-    from .candidates import OpSignature
 
     target = tvm.target.Target(request["target"])
-    spec, _ = lookup(target.kind.name)
+    spec = spec_for(target)
     sig = OpSignature.from_json(request["signature"])
     tuned = ApplyRecords(RecordsDB(request["records"]), target) if request.get("records") else None
     remote = RemoteDevice(**request["remote"]) if request.get("remote") else None
@@ -257,8 +254,6 @@ def _setup(request: dict[str, Any]):
 
 
 def _child(request: dict[str, Any]) -> Outcome:
-    from ...errors import RemoteDeviceError
-    from .sources import find
 
     target, spec, sig, tuned, machine = _setup(request)
     candidate = find(request["candidate"], sig, target, request.get("external_dir"))
@@ -284,9 +279,6 @@ def _child(request: dict[str, Any]) -> Outcome:
 
 
 def _race_child(request: dict[str, Any]) -> Race:
-    from ...errors import RemoteDeviceError, summary
-    from ...peers import interleaved
-    from .sources import find
 
     target, spec, sig, tuned, machine = _setup(request)
     ids = request["candidates"]

@@ -1,4 +1,4 @@
-"""Choosing each op's kernel by verified measurement, and the choices' file.
+"""Choosing each op's kernel by verified measurement: `select_kernels`.
 
 `select_kernels` finds the model's op signatures (after graph fusion, op groups formed with
 the epilogues the library would absorb: what the build's `ApplyKernelSelection` sees), lists
@@ -7,10 +7,9 @@ times the ones within `RACE_WITHIN` times the fastest again side by side in one 
 (`verify.race_candidates`: rounds, each timing every one of them once) and picks the one with
 the lowest median over those rounds, unless the race cannot tell it from others: among such
 ties the first source in `SOURCE_PREFERENCE` wins, so that selecting again does not flip
-between equals on a timing's noise. The results, every candidate's included, are stored with
-provenance in the records directory as `gimlet_kernel_selection.json` (beside MetaSchedule's
-files, under the same lock, written atomically), per target key; `build(records=DIR)` applies
-the winners.
+between equals on a timing's noise. The result is a `KernelSelection`
+(`schedules.kernel_selection.choices`: stored with every candidate's outcome, applied by
+`build(records=DIR)`).
 """
 
 from __future__ import annotations
@@ -27,17 +26,18 @@ from typing import Any, Callable, Iterable
 import tvm
 from tvm import relax
 
-from ...errors import GimletError, RemoteDeviceError
-from ...files import atomic_path
-from ...peers import PairedRatio
-from ...runtime.remote import RemoteDevice
-from ..records import RecordsDB, target_key
-from .apply import ApplyKernelSelection, grouping_passes
-from .candidates import Candidate, OpSignature
-from .sources import candidates, find
+from ..compiler import canonicalize_passes
+from ..errors import GimletError, RemoteDeviceError
+from ..peers import PairedRatio
+from ..relax_passes.graph_fusion import graph_fusion_passes
+from ..runtime.remote import RemoteDevice
+from ..schedules.kernel_selection.apply import grouping_passes
+from ..schedules.kernel_selection.candidates import OpSignature
+from ..schedules.kernel_selection.choices import KernelSelection, OpChoice, Tried
+from ..schedules.kernel_selection.sources import candidates
+from ..schedules.tuning.records import RecordsDB, target_key
 from .verify import Outcome, race_candidates, run_candidate
 
-SELECTION_FILE = "gimlet_kernel_selection.json"
 # Verified candidates whose first timing is within this factor of the fastest are timed again
 # together, in RACE_ROUNDS rounds: on a shared host one timing alone was seen 2.6x off.
 RACE_WITHIN = 3.0
@@ -47,128 +47,12 @@ RACE_ROUNDS = 9
 # repository, then library calls (a runtime extension), then kernels from outside.
 SOURCE_PREFERENCE = ("generated", "handwritten", "library", "external")
 HOPELESS = 10.0       # generated code this many times slower than the fastest so far is timed once
-FORMAT = "gimlet-tvm-kernel-selection/1"
-
-
-@dataclasses.dataclass
-class Tried:
-    """One candidate of one op and what its verification and timing gave."""
-
-    id: str
-    provenance: str
-    verified: bool
-    reason: str = ""
-    seconds: float | None = None  # raced: the median of `rounds`
-    digest: str = ""
-    rounds: list[float] = dataclasses.field(default_factory=list)  # seconds in each round of the race
-
-
-@dataclasses.dataclass
-class OpChoice:
-    """An op signature, its candidates as tried, and the winner's id (None: none verified)."""
-
-    signature: OpSignature
-    tried: list[Tried]
-    winner: str | None
-    count: int = 1  # how often the op occurs in the model
-
-    def best_of(self, source: str) -> str | None:
-        """The fastest verified candidate of one source."""
-        verified = [t for t in self.tried if t.verified and t.id.startswith(source + ":")]
-        return min(verified, key=lambda t: t.seconds).id if verified else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"signature": self.signature.to_json(), "winner": self.winner, "count": self.count,
-                "tried": [dataclasses.asdict(t) for t in self.tried]}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> OpChoice:
-        return cls(OpSignature.from_json(data["signature"]), [Tried(**t) for t in data["tried"]],
-                   data["winner"], data.get("count", 1))
-
-
-@dataclasses.dataclass
-class KernelSelection:
-    """The choices for one target: op key -> OpChoice, and where external kernels live."""
-
-    target: str
-    choices: dict[str, OpChoice]
-    external_dir: str | None = None
-    measured: str = ""
-    device: str = "local"  # where the times were measured: "local", or the remote device
-
-    def restricted_to(self, source: str) -> KernelSelection:
-        """The same ops, each with its fastest verified candidate of `source` (none: default)."""
-        choices = {key: dataclasses.replace(c, winner=c.best_of(source)) for key, c in self.choices.items()}
-        return dataclasses.replace(self, choices=choices)
-
-    def pass_for(self, target: tvm.target.Target) -> ApplyKernelSelection:
-        """The build pass applying the winners on `target`."""
-        if target_key(target) != self.target:
-            raise GimletError(f"kernel selection was made for {self.target}, not {target_key(target)}")
-        return ApplyKernelSelection(lambda sig: self.winner(sig, target), target)
-
-    def winner(self, sig: OpSignature, target: tvm.target.Target) -> Candidate | None:
-        choice = self.choices.get(sig.key)
-        if choice is None or choice.winner is None:
-            return None
-        try:
-            candidate = find(choice.winner, sig, target, self.external_dir)
-        except KeyError:
-            raise GimletError(f"kernel {choice.winner}, selected for {sig.key}, is no longer offered; "
-                              "run `gimlet-tvm select` again") from None
-        tried = next(t for t in choice.tried if t.id == choice.winner)
-        if candidate.digest != tried.digest:
-            raise GimletError(f"kernel {candidate.provenance} changed since it was verified for "
-                              f"{sig.key}; run `gimlet-tvm select` again")
-        return candidate
-
-    def to_json(self) -> dict[str, Any]:
-        return {"external_dir": self.external_dir, "measured": self.measured, "device": self.device,
-                "ops": {key: c.to_json() for key, c in self.choices.items()}}
-
-    @classmethod
-    def from_json(cls, target: str, data: dict[str, Any]) -> KernelSelection:
-        choices = {key: OpChoice.from_json(c) for key, c in data["ops"].items()}
-        return cls(target, choices, data.get("external_dir"), data.get("measured", ""),
-                   data.get("device", "local"))
-
-    @classmethod
-    def load(cls, records: str | os.PathLike, target: tvm.target.Target) -> KernelSelection | None:
-        """The selection stored in a records directory for `target`, or None."""
-        path = os.path.join(os.fspath(records), SELECTION_FILE)
-        if not os.path.isfile(path):
-            return None
-        try:
-            with open(path) as f:
-                data = json.load(f)
-            entry = data["targets"].get(target_key(target))
-        except (OSError, ValueError, KeyError, AttributeError) as err:
-            raise GimletError(f"cannot read kernel selection {path}: {err}") from None
-        return None if entry is None else cls.from_json(target_key(target), entry)
-
-    def save(self, records: str | os.PathLike) -> str:
-        """Store this target's entry in the records directory (other targets' entries kept)."""
-        db = RecordsDB(records, create=True)
-        path = os.path.join(db.path, SELECTION_FILE)
-        with db.locked():
-            data = {"format": FORMAT, "targets": {}}
-            if os.path.isfile(path):
-                with open(path) as f:
-                    data = json.load(f)
-            data["targets"][self.target] = self.to_json()
-            with atomic_path(path) as tmp, open(tmp, "w") as f:
-                json.dump(data, f, indent=1)
-        return path
 
 
 def op_signatures(mod: tvm.IRModule, target: tvm.target.Target) -> dict[OpSignature, int]:
     """The signatures selection handles in `mod` (imported), with how often each occurs,
     as the build's `ApplyKernelSelection` sees them (op groups formed)."""
-    from ...compiler import canonicalize_passes  # the compiler imports this package
-    from ...relax_passes.graph_fusion import graph_fusion_passes
-
-    passes = [*canonicalize_passes(), *graph_fusion_passes(), *grouping_passes(target.kind.name)]
+    passes = [*canonicalize_passes(), *graph_fusion_passes(), *grouping_passes(target)]
     with target:
         mod = tvm.transform.Sequential(passes)(mod)
     counts: dict[OpSignature, int] = {}

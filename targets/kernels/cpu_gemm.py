@@ -24,9 +24,8 @@ import math
 import tvm
 from tvm.script import tirx as T
 
-from ..candidates import Step
+from . import Step
 
-MAX_ADDENDS = 2  # epilogue adds a kernel takes (bias and residual of a transformer layer)
 VECTOR = 32  # lanes of the GEMV's vector loops (4 AVX2 registers)
 # The GEMM's block of K: B's block in a panel (256 x 2 vectors: 32 KiB with AVX-512) stays in
 # L1 while every row tile of the panel goes through it.

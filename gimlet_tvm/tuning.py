@@ -49,16 +49,17 @@ import tvm
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from ..compiler import Targets, kernel_tasks, resolve_target
-from ..errors import GimletError
-from ..frontend import InputShapes, ModelLike, import_model, load_model
-from ..runtime.remote import RemoteDevice, parse_address
-from ..targets import lookup
-from .kernel_selection.apply import rewrite_ops
-from .kernel_selection.candidates import OpSignature
-from .kernel_selection.select import KernelSelection, op_signatures, select_kernels
-from .kernel_selection.sources import generated
-from .records import FAILED_SECONDS, RecordsDB, record_json
+from .compiler import Targets, kernel_tasks, resolve_target
+from .errors import GimletError
+from .frontend import InputShapes, ModelLike, import_model, load_model
+from .runtime.remote import RemoteDevice, parse_address
+from .schedules.kernel_selection.apply import rewrite_ops
+from .schedules.kernel_selection.candidates import OpSignature
+from .schedules.kernel_selection.choices import KernelSelection
+from .schedules.kernel_selection.sources import generated
+from .schedules.tuning.records import FAILED_SECONDS, RecordsDB, record_json
+from .selection.select import op_signatures, select_kernels
+from .targets import DEFAULT_TARGET, spec_for
 
 Duration = float | str
 GIVE_UP_AFTER = 2  # rounds of a task in which every candidate failed, none ever measured
@@ -125,7 +126,7 @@ def parse_duration(value: Duration) -> float:
 
 
 def extract_tasks(
-    model: ModelLike | tvm.IRModule, target: Targets = "llvm", *, input_shapes: InputShapes | None = None
+    model: ModelLike | tvm.IRModule, target: Targets = DEFAULT_TARGET, *, input_shapes: InputShapes | None = None
 ) -> tuple[tvm.target.Target, list[TuningTask], list[str]]:
     """The model's kernels as our pipeline builds them: (target, tunable tasks, skipped names)."""
     device = resolve_target(target)
@@ -150,7 +151,7 @@ def generated_group_tasks(groups: dict[OpSignature, int], target: Targets) -> li
     tasks = []
     for sig, count in groups.items():
         (candidate,) = generated(sig, tvm_target, None)
-        mod, _ = rewrite_ops(sig.module(), lambda _: candidate, tvm_target.kind.name)
+        mod, _ = rewrite_ops(sig.module(), lambda _: candidate, tvm_target)
         for task in extract_tasks(mod, target)[1]:
             task.name, task.weight = f"{task.name} ({sig.key}, generated)", count * task.weight
             tasks.append(task)
@@ -307,7 +308,7 @@ def _runner(remote: RemoteDevice | None, timeout: float, cache_cold: bool) -> ms
 
 def tune(
     model: ModelLike,
-    target: Targets = "llvm",
+    target: Targets = DEFAULT_TARGET,
     records: str = "tuning_records",
     *,
     trials: int | None = None,
@@ -401,7 +402,7 @@ def _tune_tasks(tasks: list[TuningTask], tvm_target: tvm.target.Target, db: Reco
     cost_model = ms.cost_model.XGBModel(num_tuning_cores=cores)
     _warm_cost_model(cost_model, contexts, tasks, db)
     report = RecordAndReport(db, tasks, tvm_target, str(trials) if trials else "time", log)
-    runner = _runner(remote, runner_timeout, lookup(tvm_target.kind.name)[0].tunes_cache_cold)
+    runner = _runner(remote, runner_timeout, spec_for(tvm_target).tunes_cache_cold)
     # TaskScheduler.tune itself (PyTaskScheduler.tune passes one argument too few in 0.27).
     ms.task_scheduler.task_scheduler._ffi_api.TaskSchedulerTune(
         WeightedScheduler(tasks, deadline),

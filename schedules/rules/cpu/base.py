@@ -36,7 +36,7 @@ class CPURule(ScheduleRule):
     def apply(
         self, func: tirx.PrimFunc, target: Target, tunable: bool
     ) -> s_tir.Schedule | None:  # pylint: disable=unused-argument
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+        if not isinstance(func, tirx.PrimFunc) or "cpu" not in target.keys:
             return None
         try:
             return self.schedule(func, target)

@@ -1,0 +1,32 @@
+"""The passes that hand a target's ops to its kernel libraries: `library_passes(spec)`.
+
+Where it goes: after graph fusion (and kernel selection's rewrites), before LegalizeOps, which
+would otherwise turn the ops into TIR. Each library a target's spec lists
+(`TargetSpec.libraries`) that has a dispatch pass gets it, in the spec's order; then, where the
+spec asks for fast math, `FastMathTransform`. A library without a dispatch pass (cuBLAS) is
+reached only through kernel selection, which calls it where it won.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import tvm
+from tvm import relax
+
+from ..targets import TargetSpec
+from ..targets.libraries import CPU_LIBRARY
+from .dispatch_cpu_library import DispatchCPULibrary
+
+LIBRARY_DISPATCH: dict[str, Callable[[], tvm.transform.Pass]] = {CPU_LIBRARY.name: DispatchCPULibrary}
+
+
+def dispatch_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:
+    """The dispatch passes of the spec's libraries: they also form kernel selection's op groups
+    (an op with the epilogue its library call absorbs)."""
+    return [LIBRARY_DISPATCH[lib.name]() for lib in spec.libraries if lib.name in LIBRARY_DISPATCH]
+
+
+def library_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:
+    """`dispatch_passes`, then fast math where the spec asks for it."""
+    return [*dispatch_passes(spec), *([relax.transform.FastMathTransform()] if spec.fast_math else [])]

@@ -1,0 +1,49 @@
+"""Hand-written kernels kept in the repository: `HandwrittenKernel` describes one; the kernels
+themselves are one module each (`cpu_gemm`, `cuda_gemm`), listed by the targets that have them
+(`TargetSpec.handwritten_kernels`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Callable
+
+import tvm
+
+Shape = tuple[int, ...]
+Step = tuple[str, Shape]
+"""An epilogue step: `("add", addend shape)`, `("relu", ())` or `("gelu", ())`."""
+
+MAX_ADDENDS = 2  # epilogue adds a kernel takes (bias and residual of a transformer layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class HandwrittenKernel:
+    """`make(target, M, N, K, epilogue, addends)`: the PrimFunc `(a[M, K], b[K, N], addends...,
+    c[M, N])` for one GEMM shape and epilogue (`OpSignature.epilogue`, `.addends_2d()`) on
+    `target`; a kernel that does not `fuses_epilogue` is only asked for groups without one.
+    `packed_b(target, N, K)`: for a kernel that takes B packed (only offered where B is a
+    constant weight, so the packing is folded at build time), the packed shape; B[K, N] is
+    padded to it along N and laid out as [panels, K, panel width]."""
+
+    name: str
+    op: str
+    make: Callable[..., tvm.tirx.PrimFunc]
+    file: str
+    fuses_epilogue: bool
+    packed_b: Callable[[tvm.target.Target, int, int], tuple[int, int, int]] | None = None
+
+    def prim_func(self, target: tvm.target.Target, m: int, n: int, k: int,
+                  epilogue: tuple[Step, ...], addends: list[tuple[int, int]]) -> tvm.tirx.PrimFunc:
+        """`make`'s PrimFunc, made once per target, shape and epilogue in a process: parsing
+        the TVMScript takes about half a second, and a model repeats its layers' shapes (a
+        cold timing builds 64 copies of one group)."""
+        return _made(self, str(target), m, n, k, tuple(epilogue), tuple(addends))
+
+
+@functools.lru_cache(maxsize=256)
+def _made(kernel: HandwrittenKernel, target_json: str, m: int, n: int, k: int,
+          epilogue: tuple[Step, ...], addends: tuple[tuple[int, int], ...]) -> tvm.tirx.PrimFunc:
+    """`kernel.make` on hashable arguments (the target as its JSON text)."""
+    return kernel.make(tvm.target.Target(json.loads(target_json)), m, n, k, epilogue, list(addends))
