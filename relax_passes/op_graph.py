@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Iterator
 
 import numpy as np
@@ -27,6 +28,14 @@ _OPAQUE_PREFIXES = ("relax.call_", "relax.builtin.", "relax.memory.", "relax.vm.
 def reads_metadata_only(call: relax.Call) -> bool:
     """Whether `call` reads only its arguments' shapes, not their data (no copy needed)."""
     return isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.shape_of"
+
+
+
+def binding_name(node_name: str) -> str:
+    """The Relax variable name the importer binds an ONNX node's result to: its name as an
+    identifier (so placement pins and reports can name ops by ONNX node)."""
+    name = re.sub(r"\W", "_", node_name)
+    return f"n_{name}" if name[:1].isdigit() else name
 
 
 @dataclasses.dataclass

@@ -26,9 +26,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
 from ..errors import GimletError
-from ..onnx_ops.folding import binding_name
 from .min_cut import FlowGraph
-from .op_graph import OpGraph, OpNode
+from .op_graph import OpGraph, OpNode, binding_name
 
 if TYPE_CHECKING:
     from ..targets.spec import PerfFacts, TargetSpec

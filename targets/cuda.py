@@ -17,14 +17,13 @@ import tvm
 
 from ..errors import CodeCheckError
 from ..runtime.cuda_runtime import NVIDIA_WHEELS, find_cudart, load_cuda_library, load_cuda_runtime
+from .toolchain import find_tool, run_tool
 from .gpu import (
     binaries_on_disk,
-    find_tool,
     global_func_override,
     kernel_names,
     recording_codegen,
     require_kernels,
-    run_tool,
 )
 from .kernels import HandwrittenKernel
 from .kernels.cuda_gemm import cuda_gemm

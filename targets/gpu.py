@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -76,20 +74,6 @@ def recording_codegen(kind: str) -> Iterator[CodegenRecord]:
 
     with global_func_override(f"target.build.{kind}", recording_build):
         yield record
-
-
-def find_tool(*names: str) -> str | None:
-    """The first of `names` found on PATH."""
-    return next((path for path in map(shutil.which, names) if path), None)
-
-
-def run_tool(args: Sequence[str], what: str) -> str:
-    """Run a toolchain program; its failure becomes a `CodeCheckError` naming `what`."""
-    proc = subprocess.run(list(args), capture_output=True, text=True)
-    if proc.returncode != 0:
-        detail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        raise CodeCheckError(f"{what} failed ({os.path.basename(args[0])}): {' | '.join(detail)}")
-    return proc.stdout
 
 
 @contextlib.contextmanager

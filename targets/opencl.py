@@ -15,13 +15,12 @@ from pathlib import Path
 
 import tvm
 
+from .toolchain import find_tool, run_tool
 from .gpu import (
     device_source,
-    find_tool,
     kernel_names,
     recording_codegen,
     require_kernels,
-    run_tool,
 )
 from .spec import CodegenRecord, DeviceCode, TargetSpec
 

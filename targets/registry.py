@@ -58,8 +58,9 @@ def registered() -> list[TargetSpec]:
 def lookup(target: TargetLike) -> tuple[TargetSpec, dict[str, Any]]:
     """The spec for `target` and the overrides it carries on top of the spec's defaults.
 
-    A name gives no overrides; a TVM target dict is matched by its `kind` and its keys become
-    the overrides (so `{"kind": "cuda", "arch": "sm_80"}` changes only the arch).
+    A name gives no overrides; a TVM target dict is matched by its `kind` (and, among CPU specs
+    of one kind, its `mtriple`'s architecture) and its keys become the overrides (so
+    `{"kind": "cuda", "arch": "sm_80"}` changes only the arch).
     """
     _load_entry_points()
     if isinstance(target, str):
@@ -70,7 +71,8 @@ def lookup(target: TargetLike) -> tuple[TargetSpec, dict[str, Any]]:
         raise UnknownTargetError(
             f"a target is a registered name or a TVM target dict with a 'kind', not {target!r}"
         )
-    canonical = _ALIASES.get(name) or _by_kind(name, overrides)
+    by_name = _ALIASES.get(name) if isinstance(target, str) else None
+    canonical = by_name or _by_kind(name, overrides) or _ALIASES.get(name)
     if canonical is None:
         known = ", ".join(sorted(_ALIASES))
         raise UnknownTargetError(f"unknown target '{name}'; known targets: {known}")

@@ -16,14 +16,13 @@ from pathlib import Path
 import tvm
 
 from ..errors import CodeCheckError
+from .toolchain import llvm_tool, run_tool
 from .gpu import (
     binaries_on_disk,
-    find_tool,
     global_func_override,
     kernel_names,
     recording_codegen,
     require_kernels,
-    run_tool,
 )
 from .spec import CodegenRecord, DeviceCode, TargetSpec
 
@@ -39,13 +38,11 @@ def _rocm_path() -> str | None:
 
 
 def _lld() -> str | None:
-    major = tvm.target.codegen.llvm_version_major()
-    return find_tool(f"ld.lld-{major}", f"/usr/lib/llvm-{major}/bin/ld.lld")
+    return llvm_tool("ld.lld")
 
 
 def _readelf() -> str | None:
-    major = tvm.target.codegen.llvm_version_major()
-    return find_tool(f"llvm-readelf-{major}", f"/usr/lib/llvm-{major}/bin/llvm-readelf")
+    return llvm_tool("llvm-readelf")
 
 
 @contextlib.contextmanager

@@ -16,12 +16,11 @@ import tvm
 
 from ..errors import CodeCheckError
 from ..runtime.vulkan_runtime import missing_toolchain, no_device_reason, vulkan_devices
+from .toolchain import find_tool, run_tool
 from .gpu import (
     device_modules,
-    find_tool,
     global_func_override,
     require_kernels,
-    run_tool,
 )
 from .llvm import host_perf
 from .spec import DISCRETE_GPU, CodegenRecord, DeviceCode, PerfFacts, TargetSpec

@@ -36,7 +36,7 @@ from tvm import tirx
 
 from ..errors import CompileError
 from ..runtime.vulkan_runtime import load_vulkan_runtime
-from .gpu import find_tool
+from .toolchain import find_tool
 
 _SCALAR_TYPES = {
     "float32": "float",

@@ -27,7 +27,8 @@ from gimlet_tvm.errors import CodeCheckError, CompileError, TargetUnavailableErr
 from gimlet_tvm.models import SUITE
 from gimlet_tvm.runtime.vulkan_runtime import vulkan_devices
 from gimlet_tvm.targets import lookup
-from gimlet_tvm.targets.gpu import device_modules, run_tool
+from gimlet_tvm.targets.gpu import device_modules
+from gimlet_tvm.targets.toolchain import run_tool
 from gimlet_tvm.targets.vulkan import validate_module
 from gimlet_tvm.targets.vulkan_codegen import Kernel, compile_glsl
 

@@ -10,6 +10,10 @@ import os
 import sys
 from typing import Sequence
 
+import tvm
+import tvm_ffi
+
+from .. import __version__
 from ..errors import GimletError
 from . import bench, compile, demo, records, rpc, run, select, targets, tune
 
@@ -17,11 +21,6 @@ SUBCOMMANDS = (compile, run, bench, targets, demo, rpc, tune, records, select)
 
 
 def _version() -> str:
-    import tvm
-    import tvm_ffi
-
-    from .. import __version__
-
     return f"gimlet-tvm {__version__} (TVM {tvm.__version__}, tvm-ffi {tvm_ffi.__version__})"
 
 

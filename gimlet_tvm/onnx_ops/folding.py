@@ -10,7 +10,6 @@ so later stages (placement pins, reports) can name what came from which ONNX nod
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -18,6 +17,7 @@ import onnx
 from onnx.reference import ReferenceEvaluator
 from tvm import relax
 
+from ..relax_passes.op_graph import binding_name
 from ._common import const_value
 from .carried import ANNOTATION
 
@@ -71,12 +71,6 @@ def fold(op: str, opset: int, inputs: Sequence[Any], attr: dict) -> relax.Expr |
         return None
     consts = [relax.const(r, r.dtype.name) for r in results]
     return consts[0] if len(consts) == 1 else relax.Tuple(consts)
-
-
-def binding_name(node_name: str) -> str:
-    """The Relax variable name for an ONNX node's result: its name as an identifier."""
-    name = re.sub(r"\W", "_", node_name)
-    return f"n_{name}" if name[:1].isdigit() else name
 
 
 class Folding:
