@@ -20,7 +20,7 @@ memory-bound kernel whose weight fits in the cache would be tuned for reading it
 
 Kernel selection: after the MetaSchedule rounds, each op group with several implementations
 (a matmul or conv2d and its epilogue, attention: library, hand-written, generated with the
-records just tuned) is verified and timed (`kernel_selection.select_kernels`) and the winners stored beside the
+records just tuned) is verified and timed (`selection.select_kernels`) and the winners stored beside the
 records, so `build(records=DIR)` applies both. A model whose heavy ops are all library calls
 thus still gets tuned: by measuring which kernel runs each op. Selection reruns only when
 MetaSchedule ran trials or the records lack a choice for one of the model's op groups.
