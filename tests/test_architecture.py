@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
-import os
-import pkgutil
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -20,75 +19,24 @@ import pytest
 import gimlet_tvm
 from gimlet_tvm.targets import registered
 
-# The rooms, bottom first: a module may import its own room and the rooms below it. A module
-# no room claims fails the test: a new one has to be given its place.
-LAYERS = (
-    ("base", ("gimlet_tvm.errors", "gimlet_tvm.files", "gimlet_tvm.io_spec", "gimlet_tvm.carriers")),
-    ("runtime", ("gimlet_tvm.runtime",)),
-    ("targets", ("gimlet_tvm.targets",)),
-    ("relax_passes", ("gimlet_tvm.relax_passes",)),
-    ("schedules", ("gimlet_tvm.schedules",)),
-    ("frontend", ("gimlet_tvm.frontend", "gimlet_tvm.onnx_ops", "gimlet_tvm.models")),
-    ("compiler", ("gimlet_tvm.compiler", "gimlet_tvm.tuning", "gimlet_tvm.selection", "gimlet_tvm.op_timing",
-                  "gimlet_tvm.peers")),
-    ("cli", ("gimlet_tvm.cli", "gimlet_tvm.__main__")),
-)
-# The package's own __init__ is the public surface: it re-exports from every room (lazily,
-# see its docstring) and every room may read `__version__` from it.
-SURFACE = "gimlet_tvm"
+# The rooms and the import scan live with the picture of them (scripts/module_graph.py).
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "module_graph.py"
+_spec = importlib.util.spec_from_file_location("module_graph", _SCRIPT)
+graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(graph)
+LAYERS, SURFACE, FOLDER_ROOMS = graph.LAYERS, graph.SURFACE, graph.FOLDER_ROOMS
+MODULES = graph.modules()
+_layer = graph.layer_of
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, int, bool]]:
+    return graph.imports_of(module, path, MODULES)
+
+
 # The middle end: every room but targets/ (which owns target knowledge) and the device
 # runtimes the runtime room keeps for the devices that need ours (they are that device's code).
 MIDDLE_END = [room for room, _ in LAYERS if room != "targets"]
 DEVICE_RUNTIMES = ("gimlet_tvm.runtime.vulkan_runtime", "gimlet_tvm.runtime.cuda_runtime")
-
-
-# The rooms that live in folders of their own at the top of the repository.
-FOLDER_ROOMS = ("targets", "relax_passes", "schedules", "runtime")
-
-
-def _modules() -> dict[str, Path]:
-    """Every module of the installed package: dotted name -> source file (the folder rooms
-    are walked on their own: in an editable install they are not under gimlet_tvm/)."""
-    found = {SURFACE: Path(gimlet_tvm.__file__)}
-    for package in [gimlet_tvm, *(importlib.import_module(f"{SURFACE}.{room}") for room in FOLDER_ROOMS)]:
-        found[package.__name__] = Path(package.__file__)
-        for info in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}."):
-            found[info.name] = Path(importlib.util.find_spec(info.name).origin)
-    return found
-
-
-MODULES = _modules()
-
-
-def _layer(module: str) -> int | None:
-    for index, (_, prefixes) in enumerate(LAYERS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return index
-    return None
-
-
-def _imports(module: str, path: Path) -> list[tuple[str, int, bool]]:
-    """(imported gimlet_tvm module, line, inside a function) for every import in the source."""
-    tree = ast.parse(path.read_text())
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    in_function = {id(node) for func in ast.walk(tree) if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef))
-                   for node in ast.walk(func)}
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
-            # `from . import x` names a submodule or an attribute: count the submodule if it is one.
-            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        else:
-            continue
-        found += [(name, node.lineno, id(node) in in_function) for name in names
-                  if name == SURFACE or name.startswith(SURFACE + ".")]
-    return found
 
 
 def test_every_module_has_a_room() -> None:
