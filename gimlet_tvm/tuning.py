@@ -11,7 +11,7 @@ tasks in proportion to their share of the kernels' end-to-end time. A task whose
 all failed counts with the slowest measured latency, until `GIVE_UP_AFTER` rounds of it failed
 with nothing ever measured: then it gets no more trials (MetaSchedule cannot schedule that
 kernel, e.g. legalized attention in this TVM, "T_reshape_global is used before its
-definition"; 96 trials of a 384-trial BERT run went to it) and keeps its default schedule.
+definition") and keeps its default schedule.
 
 Measurement: on targets whose spec `tunes_cache_cold` (the CPU), each candidate is timed one
 run at a time with its operands but the first flushed from the caches, as kernel selection

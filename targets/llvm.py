@@ -1,4 +1,4 @@
-"""LLVM CPU: the host processor, detected so vector code uses its widest ISA (AVX-512 here)."""
+"""LLVM CPU: the host processor, detected so vector code uses its widest ISA (AVX-512 where it has it)."""
 
 from __future__ import annotations
 

@@ -46,9 +46,8 @@ from ..schedules.tuning.records import ApplyRecords, RecordsDB
 from ..targets import spec_for
 
 RESULT_PREFIX = "GIMLET_RESULT "
-# Timing rotates through operand copies of at least this many bytes in all (the 32 MiB L3 of
-# the AMD benchmark machine, three times over; the Intel one reports a 480 MiB L3 shared with
-# the host's other guests, so there "cold" is at best cooler), at most MAX_COPIES, for
+# Timing rotates through operand copies of at least this many bytes in all (three times a
+# large server L3; where the L3 is larger, "cold" is at best cooler), at most MAX_COPIES, for
 # MIN_RUNS runs or more.
 COLD_BYTES = 96 << 20
 MAX_COPIES = 64

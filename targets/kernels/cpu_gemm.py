@@ -31,9 +31,8 @@ VECTOR = 32  # lanes of the GEMV's vector loops (4 AVX2 registers)
 # L1 while every row tile of the panel goes through it.
 KC = 256
 # How far ahead (steps of K) the GEMM prefetches B, and into which cache (LLVM's locality 2:
-# L2). Without it one stream per core reads B at a third less bandwidth than MetaSchedule's
-# many-row schedules (8 x 4096 @ 4096 x 4096 on a Xeon, 8-row tiles: 3.7 ms, 1.7 with it and
-# the accumulators in registers; tuned TIR 2.1).
+# L2): one sequential stream per core reads B well below the bandwidth of many-row schedules
+# unless it is prefetched (benchmarks/README.md has the measurement).
 PREFETCH_AHEAD = 64
 PREFETCH_LOCALITY = 2
 CACHE_LINE = 64
