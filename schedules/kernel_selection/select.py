@@ -29,6 +29,7 @@ from tvm import relax
 
 from ...errors import GimletError, RemoteDeviceError
 from ...files import atomic_path
+from ...logs import quiet_tvm_logs
 from ...peers import PairedRatio
 from ...runtime.remote import RemoteDevice
 from ..records import RecordsDB, target_key
@@ -238,6 +239,7 @@ def _winner(tried: list[Tried]) -> str | None:
     return min(ties or [fastest], key=lambda t: (SOURCE_PREFERENCE.index(t.id.split(":")[0]), t.seconds)).id
 
 
+@quiet_tvm_logs()
 def select_kernels(
     mod: tvm.IRModule,
     target: tvm.target.Target,

@@ -307,6 +307,9 @@ def _race_child(request: dict[str, Any]) -> Race:
 
 
 if __name__ == "__main__":
+    from ...logs import quiet_tvm_logs
+
     job = json.loads(sys.stdin.read())
-    result = _race_child(job) if "candidates" in job else _child(job)
+    with quiet_tvm_logs():  # a failure's reason is our stderr's last line: keep TVM's off it
+        result = _race_child(job) if "candidates" in job else _child(job)
     print(RESULT_PREFIX + json.dumps(dataclasses.asdict(result)), flush=True)
