@@ -24,6 +24,8 @@ Semantics:
   exits. A forked child starts with no context active (and can open its own).
 - Only the first line of a multi-line TVM message is recognised; the messages seen in our
   compile, tuning and selection runs are all one line.
+- TVM writes a line's text and its line end in two writes (`std::cerr << text << std::endl`):
+  what another thread writes to fd 2 between the two is taken for the rest of the log line.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def is_tvm_log_line(line: str) -> bool:
     return _HEADER.match(line.encode(errors="replace")) is not None
 
 
-@dataclass
+@dataclass(eq=False)  # each block's log is its own, however alike the lines
 class TVMLog:
     """The TVM log lines written to stderr while a `quiet_tvm_logs()` block ran (without
     their line ends), whether they were dropped or passed."""
@@ -108,10 +110,9 @@ class _Filter:
 
     def close(self) -> None:
         """Pass on what was written so far, then give fd 2 back to the original stderr."""
-        _flush_stderr()
         self.sync()
         with self._cond:
-            self._release_held()
+            self._write(self._release_held())
         os.dup2(self._restore_fd, 2)
         os.close(self._restore_fd)
         # The reader ends at EOF: now, unless a child process still holds the pipe.
@@ -142,30 +143,32 @@ class _Filter:
                 with self._cond:
                     self._busy = True
                 data = os.read(self._read_fd, 65536) if ready else None
+                if data == b"":
+                    break
                 with self._cond:
-                    if data == b"":
-                        break
-                    if data is None:
-                        self._release_held()
-                    else:
-                        self._feed(data)
+                    out = self._release_held() if data is None else self._feed(data)
+                self._write(out)  # unlocked: a slow stderr must not block sync()'s timeout
+                with self._cond:
                     self._busy = False
                     self._cond.notify_all()
             with self._cond:
-                self._release_held(at_end=True)
+                out = self._release_held(at_end=True)
+            self._write(out)
         finally:
             with self._cond:
                 self._busy = False
+                os.close(self._read_fd)
+                os.close(self._out_fd)
                 self._cond.notify_all()
-            os.close(self._read_fd)
-            os.close(self._out_fd)
 
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, data: bytes) -> bytes:
+        """Take in `data`; what to pass on now."""
+        out = []
         pending = self._pending + data
         while pending:
             end = pending.find(b"\n") + 1  # 0: no line end yet
             if self._plain:
-                self._write(pending[:end] if end else pending)
+                out.append(pending[:end] if end else pending)
                 pending = pending[end:] if end else b""
                 self._plain = not end
                 continue
@@ -173,34 +176,35 @@ class _Filter:
             if _HEADER.match(line):
                 if not end:
                     break  # a log line without its line end yet: std::endl is a second write
-                self._log_line(line)
+                out.append(self._log_line(line))
                 pending = pending[end:]
             elif not end and _may_become_header(line):
                 break  # held for _HOLD_S at most
             else:
                 self._plain = True
         self._pending = pending
+        return b"".join(out)
 
-    def _release_held(self, at_end: bool = False) -> None:
-        """Pass on a held partial line that has not become a log line by now."""
-        if not self._pending:
-            return
-        if _HEADER.match(self._pending):
-            if at_end:
-                self._log_line(self._pending)
-                self._pending = b""
-            return
-        self._write(self._pending)
-        self._pending, self._plain = b"", True
+    def _release_held(self, at_end: bool = False) -> bytes:
+        """A held partial line that has not become a log line by now: what to pass on."""
+        held = self._pending
+        if _HEADER.match(held):
+            if not at_end:
+                return b""  # its line end is on its way
+            self._pending = b""
+            return self._log_line(held)
+        self._pending, self._plain = b"", bool(held)
+        return held
 
-    def _log_line(self, line: bytes) -> None:
+    def _log_line(self, line: bytes) -> bytes:
+        """Record a log line; what to pass on of it."""
         text = line.decode(errors="replace").rstrip("\r\n")
         for listener in self.listeners:
             listener.lines.append(text)
-        if verbose() or _ERROR.match(line):
-            self._write(line)
+        return line if verbose() or _ERROR.match(line) else b""
 
     def _write(self, data: bytes) -> None:
+        """Pass `data` on to the original stderr."""
         try:
             while data:
                 data = data[os.write(self._out_fd, data):]
