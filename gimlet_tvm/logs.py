@@ -100,17 +100,22 @@ class _Filter:
         self._busy = False  # the reader holds bytes it has read but not yet handled
         self._cond = threading.Condition()
         _flush_stderr()
-        self._restore_fd = os.dup(2)
-        self._out_fd = os.dup(2)
         self._read_fd, write_fd = os.pipe()
+        try:
+            self._restore_fd = os.dup(2)
+        except OSError:  # no stderr at all (fd 2 closed)
+            os.close(self._read_fd)
+            os.close(write_fd)
+            raise
+        self._out_fd = os.dup(self._restore_fd)
         os.dup2(write_fd, 2)
         os.close(write_fd)
         self._thread = threading.Thread(target=self._read, name="gimlet-tvm-logs", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
-        """Pass on what was written so far, then give fd 2 back to the original stderr."""
-        self.sync()
+        """Give fd 2 back to the original stderr (after a `sync()`: what was written before
+        it has been passed on)."""
         with self._cond:
             self._write(self._release_held())
         os.dup2(self._restore_fd, 2)
@@ -244,18 +249,22 @@ def quiet_tvm_logs() -> Iterator[TVMLog]:
     log = TVMLog()
     with _lock:
         if _filter is None:
-            _filter = _Filter()
+            with contextlib.suppress(OSError):  # no stderr to filter: nothing to do
+                _filter = _Filter()
         else:
             _filter.sync()  # lines written before this block are not its own
         active = _filter
-        active.listen(log, True)
+        if active is not None:
+            active.listen(log, True)
     try:
         yield log
     finally:
         with _lock:
-            if _filter is active:  # else: a forked child leaving its parent's block
-                active.sync()
-                active.listen(log, False)
-                if not active.listeners:
-                    active.close()
-                    _filter = None
+            if active is not None and _filter is active:  # else: a fork leaving its parent's block
+                try:
+                    active.sync()
+                finally:  # even when interrupted (Ctrl-C) while waiting
+                    active.listen(log, False)
+                    if not active.listeners:
+                        _filter = None
+                        active.close()
