@@ -22,6 +22,8 @@ Semantics:
 - Child processes inherit the pipe as their stderr, so their TVM lines are filtered too. A
   child that outlives the context keeps the pipe open; the reader then serves it until it
   exits. A forked child starts with no context active (and can open its own).
+- Promptly: bytes pass as they arrive; only a line start that may still become a log line
+  (`[12:3`) waits for more, 50 ms at most.
 - Only the first line of a multi-line TVM message is recognised; the messages seen in our
   compile, tuning and selection runs are all one line.
 - TVM writes a line's text and its line end in two writes (`std::cerr << text << std::endl`):
