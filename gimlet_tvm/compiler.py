@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from typing import Any, Mapping, Sequence, Union
 
+import onnx
 import tvm
 from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as generic_pipeline
@@ -22,6 +24,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from .errors import CompileError, GimletError, TargetUnavailableError, summary
 from .frontend import InputShapes, ModelLike, import_model, load_model
+from .logs import TVMLog, quiet_tvm_logs
 from .op_timing import OpTimer, RecordedTimes
 from .relax_passes.graph_fusion import graph_fusion_passes
 from .relax_passes.kernel_targets import AssignKernelTargets, PerTarget
@@ -38,6 +41,7 @@ from .targets import DEFAULT_TARGET, DeviceCode, TargetLike, TargetSpec, host_sp
 
 Targets = Union[TargetLike, Sequence[TargetLike]]
 BuildDevice = tuple[TargetSpec, tvm.target.Target]
+logger = logging.getLogger(__name__)
 
 
 def canonicalize_passes() -> list[tvm.transform.Pass]:
@@ -256,7 +260,46 @@ def build(
     `selection`: the kernels `gimlet-tvm select` (or `tune`) chose for the first target; by
     default the one stored in `records`, if any (`targets[0]["selected_kernels"]`: op groups
     it rewrote).
+
+    TVM's C++ log lines stay off stderr (`gimlet_tvm.logs`); the one that matters, indices
+    compiled without bounds checks, becomes a warning of ours (logger `gimlet_tvm`).
     """
+    with quiet_tvm_logs() as tvm_log:
+        compiled, proto = _build(model, targets, input_shapes, records, pins, device_facts,
+                                 placement_costs, selection)
+    _warn_unchecked_indices(proto, tvm_log)
+    return compiled
+
+
+def _warn_unchecked_indices(proto: onnx.ModelProto, tvm_log: TVMLog) -> None:
+    """TVM lowers ONNX Gather to `take` in "fast" mode, without bounds checks (and logs
+    "Fast mode segfaults when there are out-of-bounds indices"): name the Gathers whose
+    indices are computed at run time, where onnxruntime would check them."""
+    if not tvm_log.matching("out-of-bounds indices"):
+        return
+    graph = proto.graph
+    constants = {t.name for t in graph.initializer}
+    constants |= {out for node in graph.node if node.op_type == "Constant" for out in node.output}
+    gathers = [node.name or node.output[0] for node in graph.node
+               if node.op_type == "Gather" and node.input[1] not in constants]
+    what = (f"Gather node{'s' if len(gathers) > 1 else ''} {', '.join(gathers[:5])}"
+            f"{', ...' if len(gathers) > 5 else ''}" if gathers else "an indexing op (take)")
+    logger.warning(f"{what}: indices are not bounds-checked at run time; an index outside the "
+                   "gathered axis (e.g. a token id past the vocabulary) reads out-of-bounds memory "
+                   "(wrong values or a crash) instead of raising an error")
+
+
+def _build(
+    model: ModelLike,
+    targets: Targets,
+    input_shapes: InputShapes | None,
+    records: str | os.PathLike | None,
+    pins: Mapping[str, str] | None,
+    device_facts: Mapping[str, Mapping[str, Any]] | None,
+    placement_costs: str,
+    selection: KernelSelection | None,
+) -> tuple[CompiledModel, onnx.ModelProto]:
+    """`build`'s work: the compiled model, and the ONNX model it was compiled from."""
     devices = resolve_devices(targets)
     for spec, _ in devices:
         reason = spec.can_compile()
@@ -300,4 +343,4 @@ def build(
             "selected_kernels": chosen.applied if chosen is not None and index == 0 else 0,
             "planned_memory": memory.bytes_per_device.get(index, 0),
         })
-    return CompiledModel(executable.mod, io, built_for, placement=placement)
+    return CompiledModel(executable.mod, io, built_for, placement=placement), proto

@@ -52,6 +52,7 @@ from tvm.s_tir import meta_schedule as ms
 from .compiler import Targets, kernel_tasks, resolve_target
 from .errors import GimletError
 from .frontend import InputShapes, ModelLike, import_model, load_model
+from .logs import quiet_tvm_logs
 from .runtime.remote import RemoteDevice, parse_address
 from .schedules.kernel_selection.apply import rewrite_ops
 from .schedules.kernel_selection.candidates import OpSignature
@@ -306,6 +307,7 @@ def _runner(remote: RemoteDevice | None, timeout: float, cache_cold: bool) -> ms
     return ms.runner.RPCRunner(rpc_config=config, evaluator_config=evaluator, max_workers=1)
 
 
+@quiet_tvm_logs()
 def tune(
     model: ModelLike,
     target: Targets = DEFAULT_TARGET,

@@ -26,7 +26,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import gimlet_tvm
 
 LAYERS = (
-    ("base", ("gimlet_tvm.errors", "gimlet_tvm.files", "gimlet_tvm.io_spec", "gimlet_tvm.carriers")),
+    ("base", ("gimlet_tvm.errors", "gimlet_tvm.files", "gimlet_tvm.io_spec", "gimlet_tvm.carriers",
+              "gimlet_tvm.logs")),
     ("runtime", ("gimlet_tvm.runtime",)),
     ("targets", ("gimlet_tvm.targets",)),
     ("relax_passes", ("gimlet_tvm.relax_passes",)),
@@ -38,7 +39,7 @@ LAYERS = (
 )
 # What each room owns, for the picture.
 OWNS = {
-    "base": "typed errors, atomic files, IO specs",
+    "base": "typed errors, atomic files, IO specs, quiet logs",
     "runtime": "CompiledModel, artifacts, RPC, C++ extensions",
     "targets": "TargetSpec per target, libraries, kernels",
     "relax_passes": "fusion, library dispatch, placement",

@@ -28,6 +28,7 @@ from tvm import relax
 
 from ..compiler import canonicalize_passes
 from ..errors import GimletError, RemoteDeviceError
+from ..logs import quiet_tvm_logs
 from ..peers import PairedRatio
 from ..relax_passes.graph_fusion import graph_fusion_passes
 from ..runtime.remote import RemoteDevice
@@ -122,6 +123,7 @@ def _winner(tried: list[Tried]) -> str | None:
     return min(ties or [fastest], key=lambda t: (SOURCE_PREFERENCE.index(t.id.split(":")[0]), t.seconds)).id
 
 
+@quiet_tvm_logs()
 def select_kernels(
     mod: tvm.IRModule,
     target: tvm.target.Target,

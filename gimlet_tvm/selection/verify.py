@@ -37,6 +37,7 @@ from tvm import relax
 
 from ..compiler import relax_pipeline
 from ..errors import RemoteDeviceError, summary
+from ..logs import quiet_tvm_logs
 from ..peers import interleaved
 from ..runtime.remote import RemoteDevice
 from ..schedules.kernel_selection.apply import rewrite_ops
@@ -299,5 +300,6 @@ def _race_child(request: dict[str, Any]) -> Race:
 
 if __name__ == "__main__":
     job = json.loads(sys.stdin.read())
-    result = _race_child(job) if "candidates" in job else _child(job)
+    with quiet_tvm_logs():  # a failure's reason is our stderr's last line: keep TVM's off it
+        result = _race_child(job) if "candidates" in job else _child(job)
     print(RESULT_PREFIX + json.dumps(dataclasses.asdict(result)), flush=True)
