@@ -30,6 +30,7 @@ from .relax_passes.place_on_devices import PlaceOnDevices
 from .relax_passes.placement import Device, Pins
 from .relax_passes.planned_memory import RecordPlannedMemory
 from .runtime import CompiledModel
+from .runtime.libraries import library_names
 from .schedules.kernel_selection.select import KernelSelection
 from .schedules.records import ApplyRecords, RecordsDB
 from .targets import DeviceCode, TargetLike, TargetSpec, lookup
@@ -294,6 +295,9 @@ def build(
             device_code = spec.check_code(executable.mod, record, target)
         built_for.append({
             "name": spec.name,
+            # What the runtime needs to run it, without the target registry (runtime/libraries.py).
+            "device_type": spec.device_type,
+            "runtime_libraries": library_names(spec.load_runtime_library, spec.device_type),
             "target": json.loads(json.dumps(dict(target.export()), default=list)),
             "device_code": device_code.to_json(),
             "tuned_tasks": tuned.applied if tuned is not None and index == 0 else 0,
