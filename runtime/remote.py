@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -32,6 +33,8 @@ if TYPE_CHECKING:  # compiled_model imports this module: the type only, for anno
     from .compiled_model import CompiledModel
 
 T = TypeVar("T")
+
+_ALL_INTERFACES = ("0.0.0.0", "::", "")
 
 
 def parse_address(address: str, what: str) -> tuple[str, int]:
@@ -190,3 +193,37 @@ def init_server() -> None:
                   file=sys.stderr, flush=True)
 
     server._serving = serve_one_session  # pylint: disable=protected-access
+
+
+def start_server(host: str, port: int, port_end: int, tracker: str | None = None,
+                 key: str = "") -> rpc.Server:
+    """TVM's RPC server with gimlet's runtime in its sessions (`init_server`), registered with
+    `tracker` ("HOST:PORT") if given: what `gimlet-tvm rpc server` and the runtime bundle's
+    rpc_server.py run."""
+    warn_if_exposed(host)
+    tracker_addr = parse_address(tracker, "--tracker") if tracker else None
+    return rpc.Server(host=host, port=port, port_end=port_end, tracker_addr=tracker_addr,
+                      key=key, server_init_callback=init_server, silent=True)
+
+
+def warn_if_exposed(host: str) -> None:
+    """Warn on stderr when a server or tracker listens on every interface."""
+    if host in _ALL_INTERFACES:
+        print(
+            "gimlet-tvm: WARNING: listening on all interfaces. TVM RPC has no authentication: "
+            "anyone who can reach this port can run code on this machine.",
+            file=sys.stderr,
+        )
+
+
+def serve_until_stopped(kind: str, host: str, port: int, stop: Callable[[], None]) -> int:
+    """Say where `kind` listens, wait for Ctrl-C or SIGTERM, then `stop()` it; returns 0."""
+    print(f"{kind} listening on {host}:{port} (Ctrl-C to stop)", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        signal.pause()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        stop()
+    return 0

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import tvm
 import tvm_ffi
 
-from ..carriers import from_carrier, to_carrier
+from ..carriers import to_carrier
+from ..errors import GimletError, InputError
+from ..files import atomic_path
 from ..io_spec import IOSpec
 
 
@@ -39,3 +42,22 @@ def random_inputs(io: IOSpec, *, seed: int = 0, dims: Mapping[str, int] | None =
         else:
             arrays.append(rng.integers(0, 8, shape).astype(dtype))
     return arrays
+
+
+def read_npz(path: str) -> dict[str, np.ndarray]:
+    if not os.path.isfile(path):
+        raise InputError(f"inputs file not found: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {name: data[name] for name in data.files}
+    except (ValueError, OSError) as err:
+        raise InputError(f"cannot read inputs file {path} as .npz: {err}") from None
+
+
+def write_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write arrays to `path` atomically (a temp file renamed into place)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise GimletError(f"output folder does not exist: {folder}")
+    with atomic_path(path, suffix=".npz") as tmp, open(tmp, "wb") as f:
+        np.savez(f, **arrays)

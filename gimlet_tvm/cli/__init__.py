@@ -11,9 +11,9 @@ import sys
 from typing import Sequence
 
 from ..errors import GimletError
-from . import bench, compile, demo, records, rpc, run, select, targets, tune
+from . import bench, compile, demo, records, rpc, run, runtime_bundle, select, targets, tune
 
-SUBCOMMANDS = (compile, run, bench, targets, demo, rpc, tune, records, select)
+SUBCOMMANDS = (compile, run, bench, targets, demo, rpc, runtime_bundle, tune, records, select)
 
 
 def _version() -> str:
