@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import tvm
 
 from ..errors import ArtifactError
-from .cuda_runtime import load_cuda_library
+from .cuda_runtime import has_driver, load_cuda_library, load_cuda_runtime
 from .extensions import load_extensions
 from .vulkan_runtime import load_vulkan_runtime, no_device_reason
 
@@ -104,6 +104,10 @@ def cannot_run(device_type: str) -> str | None:
         return None
     if device_type == "vulkan":
         return no_device_reason()
+    if device_type == "cuda" and has_driver():
+        # TVM loads its CUDA runtime at import only where libcudart is on the loader's path;
+        # ours finds it in the CUDA toolkit or PyPI's nvidia packages (or the runtime bundle).
+        load_cuda_runtime()
     if not tvm.device(device_type, 0).exist:
         return f"no {device_type} device or driver"
     return None
