@@ -19,6 +19,7 @@ from .cuda_runtime import has_driver, load_cuda_library, load_cuda_runtime
 from .extensions import load_extensions
 from .vulkan_runtime import load_vulkan_runtime, no_device_reason
 
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeLibrary:
     """A runtime extension: the device type it serves and its loader (built on first use;
@@ -86,6 +87,7 @@ class TargetRuntime:
         return cls(name, device_type, libraries)
 
     def device(self, index: int = 0) -> tvm.runtime.Device:
+        """The runtime device the target's code runs on."""
         return tvm.device(self.device_type, index)
 
     def cannot_run(self) -> str | None:
@@ -107,7 +109,10 @@ def cannot_run(device_type: str) -> str | None:
     if device_type == "cuda" and has_driver():
         # TVM loads its CUDA runtime at import only where libcudart is on the loader's path;
         # ours finds it in the CUDA toolkit or PyPI's nvidia packages (or the runtime bundle).
-        load_cuda_runtime()
+        try:
+            load_cuda_runtime()
+        except (RuntimeError, OSError) as err:
+            return f"TVM's CUDA runtime does not load: {err}"
     if not tvm.device(device_type, 0).exist:
         return f"no {device_type} device or driver"
     return None
@@ -122,4 +127,5 @@ def load_available() -> None:
 
 
 def target_runtimes(targets: Sequence[Mapping[str, Any]]) -> list[TargetRuntime]:
+    """An artifact's `targets` metadata, read as `TargetRuntime`s."""
     return [TargetRuntime.from_metadata(entry) for entry in targets]

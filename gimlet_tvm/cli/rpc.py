@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tvm.rpc.tracker import Tracker
 
-from ..runtime.remote import parse_address, serve_until_stopped, start_server, warn_if_exposed
+from ..runtime.remote import serve_until_stopped, start_server, warn_if_exposed
 
 
 def add_parser(sub) -> None:
