@@ -10,7 +10,8 @@ Layout (`make_bundle`):
                              libtvm_compiler.so
     python/tvm_ffi/          tvm-ffi: Python, its extension, libtvm_ffi.so and headers
     python/gimlet_tvm/       the base modules and gimlet_tvm.runtime with its C++ extension
-                             sources (compiled with g++ on the device on first use)
+                             sources (compiled with g++ on the device on first use) and the
+                             CPU library prebuilt for a baseline CPU, for devices without g++
     python/...               what those import besides numpy: ml_dtypes, typing_extensions,
                              scipy_openblas32 (the CPU library links it), and cloudpickle and
                              psutil (TVM's RPC server); libcudart where the CUDA runtime is
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -33,6 +35,7 @@ import tvm_ffi
 from . import runtime
 from .errors import GimletError
 from .runtime.cuda_runtime import CUDART, find_cudart
+from .runtime.extensions import COMPILER, CPU_LIBRARY_SOURCES, PREBUILT_CPU_LIBRARY, include_args
 
 MAX_BYTES = 40 * 2**20
 """The bundle's size limit: device machines take 64 MiB of files per call, artifacts included."""
@@ -127,6 +130,27 @@ def _copy_gimlet(python: Path) -> None:
     shutil.copytree(Path(runtime.__file__).parent, target / "runtime", ignore=_SKIPPED)
 
 
+def _prebuild_cpu_library(python: Path) -> None:
+    """The CPU library for a baseline CPU of this architecture (x86-64-v2 on x86-64), linked
+    to the bundle's libraries by run paths relative to itself."""
+    library = python / "gimlet_tvm" / "runtime" / PREBUILT_CPU_LIBRARY.relative_to(
+        Path(runtime.__file__).parent)
+    library.parent.mkdir()
+    up = os.path.relpath(python, library.parent)
+    libraries = {"tvm/lib": "tvm_runtime", "tvm_ffi/lib": "tvm_ffi",
+                 "scipy_openblas32/lib": "scipy_openblas"}
+    march = ["-march=x86-64-v2"] if platform.machine() == "x86_64" else []
+    command = [COMPILER, *map(str, CPU_LIBRARY_SOURCES), "-o", str(library), "-std=c++17", "-O3",
+               *march, "-fopenmp-simd", "-fPIC", "-shared", *include_args()]
+    for folder, name in libraries.items():
+        command += [f"-L{python / folder}", f"-Wl,-rpath,$ORIGIN/{up}/{folder}", f"-l{name}"]
+    try:
+        subprocess.run(command, capture_output=True, text=True, check=True, timeout=600)
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise GimletError(f"cannot prebuild the CPU library with {COMPILER}: "
+                          f"{getattr(err, 'stderr', '') or err}") from None
+
+
 def _copy_dependencies(python: Path) -> None:
     # The CPU library uses OpenBLAS's CBLAS only: its LAPACK headers (1.6 MB) stay out.
     skipped = shutil.ignore_patterns("__pycache__", "*.pyc", "lapack*.h")
@@ -163,6 +187,7 @@ def make_bundle(out_dir: str | os.PathLike) -> int:
         _copy_tvm_ffi(python)
         _copy_gimlet(python)
         _copy_dependencies(python)
+        _prebuild_cpu_library(python)
         for name, (doc, main) in LAUNCHERS.items():
             (staging / name).write_text(LAUNCHER.format(doc=doc, main=main))
         size = size_of(staging)

@@ -72,6 +72,23 @@ def test_run_py_matches_onnxruntime(bundle: Path, numpy_python: Path, tmp_path, 
     assert_matches(ours, onnxruntime_outputs(suite_model(name), inputs))
 
 
+def test_run_py_without_a_compiler_uses_the_prebuilt_cpu_library(
+        bundle: Path, numpy_python: Path, tmp_path) -> None:
+    compiled_suite_model("resnet_cnn").export(tmp_path / "model.so")
+    inputs = SUITE["resnet_cnn"].example_inputs(batch=1)
+    np.savez(tmp_path / "in.npz", **inputs)
+    env = dict(_clean_env(), CXX=str(tmp_path / "no-such-g++"),
+               GIMLET_TVM_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run([numpy_python, bundle / "run.py", "model.so", "--inputs", "in.npz",
+                             "--outputs", "out.npz"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "cache").exists()  # nothing was built
+    with np.load(tmp_path / "out.npz") as out:
+        assert_matches([out[name] for name in out.files],
+                       onnxruntime_outputs(suite_model("resnet_cnn"), inputs))
+
+
 def test_run_py_names_a_wrong_device(bundle: Path, numpy_python: Path, tmp_path) -> None:
     compiled_suite_model("mlp").export(tmp_path / "model.so")
     result = subprocess.run([numpy_python, bundle / "run.py", "model.so", "--device", "cuda"],
