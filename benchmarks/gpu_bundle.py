@@ -3,7 +3,7 @@ suite models compiled here for the GPU targets (and the CPU, which checks the bu
 their inputs and onnxruntime's outputs, and check.py, which runs them there.
 
     .venv/bin/python benchmarks/gpu_bundle.py prepare out/gpu [--targets cuda llvm]
-        [--models resnet_cnn ...] [--arch sm_90]
+        [--models resnet_cnn ...] [--arch sm_90] [--cpu x86-64-v3]
     # on the device, with out/gpu carried over:
     python3 out/gpu/check.py [--repeat 50]
 
@@ -36,12 +36,16 @@ TOLERANCE = {"llvm": 1e-4, "cuda": 1e-3, "vulkan": 1e-3}
 """GPU math differs from the CPU's in the last bits (as in benchmarks/gpu_check.py)."""
 
 
-def target_of(name: str, arch: str) -> str | dict:
-    """The build target for a target name: CUDA for the device's `arch` (no GPU here to ask)."""
-    return {"kind": "cuda", "arch": arch} if name == "cuda" else name
+def target_of(name: str, arch: str, cpu: str) -> str | dict:
+    """The build target for a target name, for the device rather than this machine: CUDA for
+    its `arch` (no GPU here to ask), the CPU for `cpu` (an LLVM CPU name)."""
+    if name == "cuda":
+        return {"kind": "cuda", "arch": arch}
+    return {"kind": "llvm", "mcpu": cpu} if name == "llvm" else name
 
 
-def prepare(out: Path, targets: list[str], models: list[str], arch: str) -> list[dict]:
+def prepare(out: Path, targets: list[str], models: list[str], arch: str,
+            cpu: str = "x86-64-v3") -> list[dict]:
     """Write the bundle, artifacts, inputs, reference outputs, manifest.json and check.py to
     `out`; returns the manifest's entries. Fails if `out` would exceed 64 MiB."""
     make_bundle(out / "runtime")
@@ -57,7 +61,7 @@ def prepare(out: Path, targets: list[str], models: list[str], arch: str) -> list
         np.savez(out / "data" / f"{name}.reference.npz", **reference)
         for target in targets:
             artifact = f"artifacts/{name}-{target}.so"
-            gimlet_tvm.build(proto, target_of(target, arch)).export(out / artifact)
+            gimlet_tvm.build(proto, target_of(target, arch, cpu)).export(out / artifact)
             entries.append({"model": name, "target": target, "batch": BATCH.get(name, 1),
                             "artifact": artifact, "inputs": f"data/{name}.npz",
                             "reference": f"data/{name}.reference.npz",
@@ -79,11 +83,13 @@ def main(argv: list[str] | None = None) -> int:
                       choices=["cuda", "vulkan", "llvm"])
     prep.add_argument("--models", nargs="+", default=MODELS, choices=sorted(SUITE))
     prep.add_argument("--arch", default="sm_90", help="CUDA arch of the device (H100/H200: sm_90)")
+    prep.add_argument("--cpu", default="x86-64-v3",
+                      help="LLVM CPU of the device's host for the CPU part (default: any AVX2 CPU)")
     args = parser.parse_args(argv)
     if args.out_dir.exists():
         parser.error(f"{args.out_dir} exists: give a new folder")
     try:
-        entries = prepare(args.out_dir, args.targets, args.models, args.arch)
+        entries = prepare(args.out_dir, args.targets, args.models, args.arch, args.cpu)
     except GimletError as err:
         print(f"gpu_bundle: error: {err}", file=sys.stderr)
         return 2
