@@ -96,7 +96,7 @@ def _tvm_modules() -> list[Path]:
     (traced in a fresh interpreter): the rest of `import tvm`'s 3 MB is compiler-side."""
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
     listed = subprocess.run([sys.executable, "-c", _TRACE], capture_output=True, text=True,
-                            env=env, check=True, timeout=300).stdout
+                            env=env, cwd=tempfile.gettempdir(), check=True, timeout=300).stdout
     root = Path(tvm.__file__).parent
     return [Path(line) for line in listed.splitlines() if Path(line).is_relative_to(root)]
 

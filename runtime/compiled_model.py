@@ -23,9 +23,6 @@ from .remote import RemoteDevice, RemoteModel
 from .tensors import device_tensors, random_inputs, to_numpy
 from .timing import BenchmarkResult
 
-__all__ = ["BenchmarkResult", "CompiledModel", "Profile", "WEIGHTS_FUNCTION", "device_tensors",
-           "load", "random_inputs", "to_numpy"]
-
 WEIGHTS_FUNCTION = "gimlet_weights"
 """The executable function returning the model's weights when placement moved them out of
 `main` (`relax_passes.place_on_devices` writes it; they are passed to `main` after the inputs)."""

@@ -17,9 +17,9 @@ from typing import Callable, Sequence
 import tvm
 
 from ..errors import GimletError, InputError
-from .compiled_model import load, random_inputs
+from .compiled_model import load
 from .remote import serve_until_stopped, start_server
-from .tensors import read_npz, write_npz
+from .tensors import random_inputs, read_npz, write_npz
 
 
 def _reporting_errors(main: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
