@@ -23,5 +23,6 @@ for package, folder in ROOMS.items():
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"gimlet_tvm.runtime": ["ext/*.cc", "ext/*.h"]},
+    # The C++ runtime extensions, compiled on the device at run time (runtime/extensions.py).
+    package_data={"gimlet_tvm.runtime": ["ext/**/*.cc", "ext/**/*.h"]},
 )

@@ -337,6 +337,10 @@ def _build(
             device_code = spec.check_code(executable.mod, record, target)
         built_for.append({
             "name": spec.name,
+            # What the runtime needs to run it, without the target registry (runtime/libraries.py).
+            "device_type": spec.device_type,
+            "runtime_libraries": list(spec.runtime_libraries),
+            "arch": spec.arch,
             "target": json.loads(json.dumps(dict(target.export()), default=list)),
             "device_code": device_code.to_json(),
             "tuned_tasks": tuned.applied if tuned is not None and index == 0 else 0,

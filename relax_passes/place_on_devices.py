@@ -23,10 +23,9 @@ from typing import Any, Sequence
 import tvm
 from tvm import relax
 
+from ..runtime.compiled_model import WEIGHTS_FUNCTION
 from .op_graph import OpGraph, reads_metadata_only
 from .placement import HOST, Device, OpTimes, Pins, Placement, place
-
-WEIGHTS_FUNCTION = "gimlet_weights"
 
 
 @tvm.transform.module_pass(opt_level=0, name="PlaceOnDevices")

@@ -4,52 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import relax
+from tvm.runtime.vm import VirtualMachine
 
 from .. import __version__
-from ..carriers import from_carrier, to_carrier
+from ..carriers import from_carrier
 from ..errors import ArtifactError, GimletError, TargetUnavailableError
 from ..io_spec import IOSpec, TensorSpec
-from ..relax_passes.place_on_devices import WEIGHTS_FUNCTION
-from ..targets import lookup
 from . import artifact
+from .libraries import target_runtimes
 from .placement_report import PlacementReport
+from .remote import RemoteDevice, RemoteModel
+from .tensors import device_tensors, random_inputs, to_numpy
+from .timing import BenchmarkResult
 
-if TYPE_CHECKING:
-    from .remote import RemoteDevice, RemoteModel
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchmarkResult:
-    """Latency of repeated runs, in milliseconds; `samples_ms` in the order they ran."""
-
-    median_ms: float
-    p10_ms: float
-    p90_ms: float
-    min_ms: float
-    max_ms: float
-    runs: int
-    samples_ms: tuple[float, ...] = dataclasses.field(default=(), repr=False, compare=False)
-
-    @classmethod
-    def from_samples(cls, seconds: Sequence[float]) -> "BenchmarkResult":
-        in_order = tuple(s * 1e3 for s in seconds)
-        ms = sorted(in_order)
-        deciles = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
-        return cls(statistics.median(ms), deciles[0], deciles[-1], ms[0], ms[-1], len(ms), in_order)
-
-    def __str__(self) -> str:
-        return (
-            f"median {self.median_ms:.3f} ms (p10 {self.p10_ms:.3f}, p90 {self.p90_ms:.3f}, "
-            f"{self.runs} runs)"
-        )
+WEIGHTS_FUNCTION = "gimlet_weights"
+"""The executable function returning the model's weights when placement moved them out of
+`main` (`relax_passes.place_on_devices` writes it; they are passed to `main` after the inputs)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,29 +76,30 @@ class CompiledModel:
         self.io = io
         self.targets = [dict(t) for t in targets]
         self._placement = dict(placement) if placement is not None else None
-        self._specs = [lookup(t["name"])[0] for t in self.targets]
+        # What each target needs at run time, as the artifact records it (no compiler needed).
+        self._runtimes = target_runtimes(self.targets)
         # The VM's devices, in the build's vdevice order; inputs and constants live on the
         # first. They need not exist on this machine until the model runs.
-        self.devices: list[tvm.runtime.Device] = [spec.device() for spec in self._specs]
+        self.devices: list[tvm.runtime.Device] = [target.device() for target in self._runtimes]
         self.device = self.devices[0]
-        self._vm: relax.VirtualMachine | None = None
+        self._vm: VirtualMachine | None = None
         self._main: tvm_ffi.Function | None = None
         self._weights: list[Any] = []
 
-    def _machine(self) -> relax.VirtualMachine:
+    def _machine(self) -> VirtualMachine:
         """A VM over the model's devices (and its weights copied to them once): created on
         first run, so a model built for a device this machine lacks can still be exported."""
-        for spec, device in zip(self._specs, self.devices):
-            reason = spec.can_run()
+        for target, device in zip(self._runtimes, self.devices):
+            reason = target.cannot_run()
             if reason is not None or not device.exist:
                 raise TargetUnavailableError(
-                    f"target '{spec.name}' cannot run on this machine: "
+                    f"target '{target.name}' cannot run on this machine: "
                     f"{reason or 'no device'} (export it and run it where one exists)"
                 )
-        for spec in self._specs:  # executables may call our runtime library functions
-            spec.load_runtime_library()
+        for target in self._runtimes:  # executables may call our runtime library functions
+            target.load_libraries()
         # As an Executable, the VM links what is not linked yet (external kernels' objects).
-        vm = relax.VirtualMachine(tvm.runtime.Executable(self._module), self.devices)
+        vm = VirtualMachine(tvm.runtime.Executable(self._module), self.devices)
         if not self._weights and vm.module.implements_function(WEIGHTS_FUNCTION):
             self._weights = list(vm[WEIGHTS_FUNCTION]())
         return vm
@@ -193,10 +170,8 @@ class CompiledModel:
             return self.io.order_inputs((), inputs)
         return self.io.order_inputs(inputs)
 
-    def remote(self, device: "RemoteDevice") -> "RemoteModel":
+    def remote(self, device: RemoteDevice) -> RemoteModel:
         """This model uploaded to a remote device (TVM RPC), callable like this one."""
-        from .remote import RemoteModel
-
         return RemoteModel(self, device, device.connect())
 
     def placement(self) -> PlacementReport:
@@ -212,7 +187,7 @@ class CompiledModel:
         total exceeds an unprofiled run's)."""
         arrays = self._arrays(inputs)
         vm = self._machine()
-        names = {(d.dlpack_device_type(), d.index): s.name for s, d in zip(self._specs, self.devices)}
+        names = {(d.dlpack_device_type(), d.index): t.name for t, d in zip(self._runtimes, self.devices)}
         rows: dict[tuple[str, str], list[float]] = {}
         started: list[tuple[float, Any]] = []
 
@@ -257,44 +232,14 @@ class CompiledModel:
             artifact.write(path, self._module.export_library, self.metadata)
 
 
-def device_tensors(arrays: Sequence[np.ndarray], device: tvm.runtime.Device) -> list:
-    """Checked input arrays as tensors on `device`, float8/int4/... as their carriers."""
-    return [tvm.runtime.tensor(np.require(to_carrier(a), requirements="C"), device)
-            for a in arrays]
-
-
-def to_numpy(value: Any) -> np.ndarray:
-    """An output as numpy: tensors copy to the host; shapes (ONNX `Shape`) become int64."""
-    if isinstance(value, tvm_ffi.Shape):
-        return np.array(list(value), dtype=np.int64)
-    return value.numpy()
-
-
-def random_inputs(io: IOSpec, *, seed: int = 0, dims: Mapping[str, int] | None = None) -> list:
-    """Random arrays for `io`'s inputs; symbolic dims take `dims[name]`, else 1."""
-    rng = np.random.default_rng(seed)
-    arrays = []
-    for spec in io.inputs:
-        shape = [d if isinstance(d, int) else (dims or {}).get(d, 1) for d in spec.shape]
-        dtype = np.dtype(spec.dtype)
-        if dtype.kind == "f":
-            arrays.append(rng.standard_normal(shape).astype(dtype))
-        elif dtype.kind == "b":
-            arrays.append(rng.integers(0, 2, shape).astype(dtype))
-        else:
-            arrays.append(rng.integers(0, 8, shape).astype(dtype))
-    return arrays
-
-
 def load(path: str | os.PathLike) -> CompiledModel:
     """Load an artifact written by `CompiledModel.export`."""
     meta = artifact.read_metadata(path)
-    for built_for in meta["targets"]:
-        spec, _ = lookup(built_for["name"])
-        reason = spec.can_run()
+    for target in target_runtimes(meta["targets"]):
+        reason = target.cannot_run()
         if reason is not None:
             raise TargetUnavailableError(
-                f"artifact is built for '{spec.name}', which cannot run on this machine: {reason}"
+                f"artifact is built for '{target.name}', which cannot run on this machine: {reason}"
             )
     if meta.get("tvm_version") != tvm.__version__:
         raise ArtifactError(

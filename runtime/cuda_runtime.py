@@ -60,6 +60,11 @@ def find_cublas() -> tuple[Path, Path] | None:
     return None
 
 
+def has_driver() -> bool:
+    """Whether an NVIDIA driver (`libcuda.so.1`, or our stub once loaded) is loadable here."""
+    return _loadable("libcuda.so.1")
+
+
 def load_cuda_runtime() -> None:
     """Make TVM's CUDA runtime available in this process (a no-op once it is)."""
     if tvm.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is not None:

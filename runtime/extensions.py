@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -28,6 +29,9 @@ EXT_DIR = Path(__file__).resolve().parent / "ext"
 CPU_LIBRARY_SOURCES = [EXT_DIR / "cpu_library.cc"]
 COMPILER = os.environ.get("CXX", "g++")
 CXXFLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-Wall")
+PREBUILT_CPU_LIBRARY = EXT_DIR.parent / "prebuilt" / "libgimlet_cpu.so"
+"""The CPU library built for a baseline x86-64 CPU, which `gimlet-tvm runtime-bundle` ships:
+used on a machine without a C++ compiler."""
 
 _loaded: ctypes.CDLL | None = None
 
@@ -115,7 +119,10 @@ def build_library(name: str, sources: list[Path], args: list[str], compiler: str
 
 
 def build_extensions() -> Path:
-    """Compile the CPU library extension, or return the cached build."""
+    """Compile the CPU library extension, or return the cached build; without a C++ compiler
+    on this machine, the prebuilt one where there is one (`PREBUILT_CPU_LIBRARY`)."""
+    if shutil.which(COMPILER) is None and PREBUILT_CPU_LIBRARY.is_file():
+        return PREBUILT_CPU_LIBRARY
     return build_library(
         "gimlet_cpu",
         CPU_LIBRARY_SOURCES,

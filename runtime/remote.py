@@ -11,23 +11,30 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import signal
 import sys
 import tempfile
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
-import tvm
 from tvm import rpc
+from tvm.rpc import server
+from tvm.runtime.vm import VirtualMachine
 
 from ..carriers import from_carrier
 from ..errors import GimletError, RemoteDeviceError, summary
 from ..io_spec import IOSpec
+from .libraries import load_available
+from .tensors import device_tensors, to_numpy
+from .timing import BenchmarkResult
 
-if TYPE_CHECKING:
-    from .compiled_model import BenchmarkResult, CompiledModel
+if TYPE_CHECKING:  # compiled_model imports this module: the type only, for annotations
+    from .compiled_model import CompiledModel
 
 T = TypeVar("T")
+
+_ALL_INTERFACES = ("0.0.0.0", "::", "")
 
 
 def parse_address(address: str, what: str) -> tuple[str, int]:
@@ -118,7 +125,7 @@ class RemoteModel:
         module = device.call("load", lambda: session.load_module("model.so"))
         self._remote_device = session.device(model.device.dlpack_device_type(), 0)
         self._vm = device.call(
-            "load", lambda: tvm.relax.VirtualMachine(module, self._remote_device)
+            "load", lambda: VirtualMachine(module, self._remote_device)
         )
 
     def close(self) -> None:
@@ -136,16 +143,12 @@ class RemoteModel:
         self.close()
 
     def _set_inputs(self, arrays: Sequence[np.ndarray]) -> None:
-        from .compiled_model import device_tensors
-
         def copy() -> None:
             self._vm.set_input("main", *device_tensors(arrays, self._remote_device))
 
         self._device.call("copy inputs", copy)
 
     def _execute(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        from .compiled_model import to_numpy
-
         self._set_inputs(arrays)
         self._device.call("run", lambda: self._vm.invoke_stateful("main"))
         result = self._device.call("fetch outputs", lambda: self._vm.get_outputs("main"))
@@ -159,10 +162,8 @@ class RemoteModel:
     def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         return dict(zip(self.output_names, self._execute(self.io.order_inputs((), inputs))))
 
-    def benchmark(self, inputs: Sequence[Any], *, repeat: int = 50) -> "BenchmarkResult":
+    def benchmark(self, inputs: Sequence[Any], *, repeat: int = 50) -> BenchmarkResult:
         """Time `repeat` runs on the remote device, measured there (no network in the time)."""
-        from .compiled_model import BenchmarkResult
-
         self._set_inputs(self.io.order_inputs(inputs))
         evaluator = self._vm.time_evaluator("invoke_stateful", self._remote_device, repeat=repeat, number=1)
         result = self._device.call("benchmark", lambda: evaluator("main"))
@@ -178,13 +179,7 @@ def init_server() -> None:
     child exits with an error (its `_serving` raises on the exit code): one kernel that
     crashes (a candidate being checked, a bad tuning trial) would take the device away from
     every later client. The session's client gets its error; the server serves the next one."""
-    from tvm.rpc import server
-
-    from ..targets.registry import registered
-
-    for spec in registered():
-        if spec.can_run() is None:
-            spec.load_runtime_library()
+    load_available()
     serving = server._serving  # pylint: disable=protected-access
 
     def serve_one_session(sock, addr, opts, load_library) -> None:
@@ -198,3 +193,37 @@ def init_server() -> None:
                   file=sys.stderr, flush=True)
 
     server._serving = serve_one_session  # pylint: disable=protected-access
+
+
+def start_server(host: str, port: int, port_end: int, tracker: str | None = None,
+                 key: str = "") -> rpc.Server:
+    """TVM's RPC server with gimlet's runtime in its sessions (`init_server`), registered with
+    `tracker` ("HOST:PORT") if given: what `gimlet-tvm rpc server` and the runtime bundle's
+    rpc_server.py run."""
+    warn_if_exposed(host)
+    tracker_addr = parse_address(tracker, "--tracker") if tracker else None
+    return rpc.Server(host=host, port=port, port_end=port_end, tracker_addr=tracker_addr,
+                      key=key, server_init_callback=init_server, silent=True)
+
+
+def warn_if_exposed(host: str) -> None:
+    """Warn on stderr when a server or tracker listens on every interface."""
+    if host in _ALL_INTERFACES:
+        print(
+            "gimlet-tvm: WARNING: listening on all interfaces. TVM RPC has no authentication: "
+            "anyone who can reach this port can run code on this machine.",
+            file=sys.stderr,
+        )
+
+
+def serve_until_stopped(kind: str, host: str, port: int, stop: Callable[[], None]) -> int:
+    """Say where `kind` listens, wait for Ctrl-C or SIGTERM, then `stop()` it; returns 0."""
+    print(f"{kind} listening on {host}:{port} (Ctrl-C to stop)", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        signal.pause()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        stop()
+    return 0

@@ -34,7 +34,7 @@ LAYERS = (
     ("schedules", ("gimlet_tvm.schedules",)),
     ("frontend", ("gimlet_tvm.frontend", "gimlet_tvm.onnx_ops", "gimlet_tvm.models")),
     ("compiler", ("gimlet_tvm.compiler", "gimlet_tvm.tuning", "gimlet_tvm.selection", "gimlet_tvm.op_timing",
-                  "gimlet_tvm.peers")),
+                  "gimlet_tvm.peers", "gimlet_tvm.runtime_bundle")),
     ("cli", ("gimlet_tvm.cli", "gimlet_tvm.__main__")),
 )
 # What each room owns, for the picture.
@@ -45,7 +45,7 @@ OWNS = {
     "relax_passes": "fusion, library dispatch, placement",
     "schedules": "rules, tuning records, selection parts",
     "frontend": "ONNX import, converters, suite models",
-    "compiler": "build, tune, select drivers",
+    "compiler": "build, tune, select, runtime bundle",
     "cli": "gimlet-tvm subcommands",
 }
 # The package's own __init__ is the public surface: it re-exports from every room (lazily) and

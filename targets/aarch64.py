@@ -17,7 +17,6 @@ from typing import Any
 import tvm
 
 from ..errors import CodeCheckError
-from ..runtime.extensions import load_extensions
 from .cpu import CPU_KERNELS, cpu_perf, num_cores, vector_bits
 from .gpu import device_modules
 from .libraries import CPU_LIBRARY
@@ -85,6 +84,5 @@ TARGET = TargetSpec(
     check_code=check_code,
     can_compile=_missing_toolchain,
     can_run=_cannot_run,
-    load_runtime_library=load_extensions,
     perf_facts=lambda: cpu_perf(default_target()),
 )

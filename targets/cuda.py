@@ -16,7 +16,7 @@ from pathlib import Path
 import tvm
 
 from ..errors import CodeCheckError
-from ..runtime.cuda_runtime import NVIDIA_WHEELS, find_cudart, load_cuda_library, load_cuda_runtime
+from ..runtime.cuda_runtime import NVIDIA_WHEELS, find_cudart, load_cuda_runtime
 from .toolchain import find_tool, run_tool
 from .gpu import (
     binaries_on_disk,
@@ -133,7 +133,6 @@ CUDA = TargetSpec(
     check_code=check_code,
     can_compile=_missing_toolchain,
     can_run=lambda: None if tvm.cuda(0).exist else "no CUDA device or driver",
-    load_runtime_library=load_cuda_library,
 )
 
 TARGET = CUDA

@@ -7,7 +7,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import tvm
 import tvm_ffi

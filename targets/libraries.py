@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+from ..runtime.libraries import CPU_LIBRARY as CPU_RUNTIME
+from ..runtime.libraries import CUDA_LIBRARY as CUDA_RUNTIME
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelLibrary:
@@ -19,11 +22,13 @@ class KernelLibrary:
     name: the prefix of its packed functions (`"gimlet.cpu"` for `gimlet.cpu.matmul`).
     ops: op kind (`"matmul"`, `"conv2d"`, `"attention"`) -> element types it takes.
     source: where its code lives, for tables and provenance.
+    runtime: the runtime extension that registers its functions (`runtime.libraries`).
     """
 
     name: str
     ops: Mapping[str, tuple[str, ...]]
     source: str
+    runtime: str
 
     def takes(self, op: str, dtype: str) -> bool:
         return dtype in self.ops.get(op, ())
@@ -35,7 +40,9 @@ CPU_LIBRARY = KernelLibrary(
     "gimlet.cpu",
     {"matmul": ("float32",), "conv2d": ("float32",), "attention": ("float32",)},
     "runtime/ext/cpu_library.cc (OpenBLAS)",
+    CPU_RUNTIME,
 )
 
 # gimlet's CUDA runtime extension (runtime/ext/cuda_library.cc): cuBLAS's SGEMM.
-CUDA_LIBRARY = KernelLibrary("gimlet.cuda", {"matmul": ("float32",)}, "runtime/ext/cuda_library.cc (cuBLAS)")
+CUDA_LIBRARY = KernelLibrary("gimlet.cuda", {"matmul": ("float32",)}, "runtime/ext/cuda_library.cc (cuBLAS)",
+                             CUDA_RUNTIME)

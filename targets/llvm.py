@@ -8,7 +8,6 @@ from typing import Any
 
 import tvm
 
-from ..runtime.extensions import load_extensions
 from .cpu import CPU_KERNELS, cpu_perf, num_cores, vector_bits
 from .libraries import CPU_LIBRARY
 from .spec import PerfFacts, TargetSpec
@@ -46,7 +45,6 @@ LLVM_CPU = TargetSpec(
     handwritten_kernels=CPU_KERNELS,
     fast_math=True,
     can_run=lambda: None,
-    load_runtime_library=load_extensions,
     perf_facts=host_perf,
 )
 

@@ -107,8 +107,9 @@ class TargetSpec:
     codegen_hooks / check_code: how to generate device code, and how to check it.
     can_compile / can_run: whether this machine can generate code for / execute on it; each
       returns None when it can, else the reason it can't.
-    load_runtime_library: loads the runtime library functions its executables may call
-      (its `libraries`); returns why it cannot, None when it did or has none.
+    device_runtime: the runtime extension that provides its device where TVM's runtime has
+      none (`runtime.libraries.VULKAN_RUNTIME`); artifacts record it with its libraries'
+      (`runtime_libraries`), so a device loads what they need without the compiler.
     perf_facts: the device's roofline, for cross-device placement.
     """
 
@@ -130,7 +131,7 @@ class TargetSpec:
     extra_facts: Callable[[], Mapping[str, Any]] = dict
     can_compile: Callable[[], str | None] = lambda: None
     can_run: Callable[[], str | None] = lambda: "no runtime for this target in this build"
-    load_runtime_library: Callable[[], str | None] = lambda: None
+    device_runtime: str | None = None
     perf_facts: Callable[[], PerfFacts] = lambda: DISCRETE_GPU
 
     @property
@@ -141,6 +142,12 @@ class TargetSpec:
     def runs_here(self) -> bool:
         """Whether it is this machine's CPU, so C compiled here for it runs here."""
         return self.is_cpu and self.can_run() is None
+
+    @property
+    def runtime_libraries(self) -> tuple[str, ...]:
+        """The runtime extensions its executables need: the device's, then its libraries'."""
+        names = [self.device_runtime] if self.device_runtime else []
+        return tuple(dict.fromkeys(names + [lib.runtime for lib in self.libraries]))
 
     def library_for(self, op: str, dtype: str) -> KernelLibrary | None:
         """The first of its libraries that takes `op` on `dtype` tensors, if any."""

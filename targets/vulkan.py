@@ -15,6 +15,7 @@ from typing import Any
 import tvm
 
 from ..errors import CodeCheckError
+from ..runtime.libraries import VULKAN_RUNTIME
 from ..runtime.vulkan_runtime import missing_toolchain, no_device_reason, vulkan_devices
 from .toolchain import find_tool, run_tool
 from .gpu import (
@@ -161,6 +162,7 @@ VULKAN = TargetSpec(
     default_target=default_target,
     host=lambda: {"kind": "llvm"},
     device_type="vulkan",
+    device_runtime=VULKAN_RUNTIME,
     dtypes=("float32", "int32", "int64", "bool", "int8", "uint8"),
     schedule_rules_without=VULKAN_RULES_WITHOUT,
     codegen_hooks=codegen_hooks,

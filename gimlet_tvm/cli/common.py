@@ -1,15 +1,11 @@
-"""Helpers shared by subcommands: reading shapes, loading models or artifacts, npz files."""
+"""Helpers shared by subcommands: reading shapes, loading models or artifacts."""
 
 from __future__ import annotations
 
 import os
-from typing import Mapping
-
-import numpy as np
 
 from .. import build, load
-from ..errors import GimletError, InputError
-from ..files import atomic_path
+from ..errors import InputError
 from ..runtime import CompiledModel
 from ..runtime.artifact import MAGIC
 from ..runtime.remote import RemoteDevice
@@ -92,25 +88,6 @@ def model_or_artifact(path: str, args) -> CompiledModel:
     if is_artifact(path):
         return load(path)
     return build_from_args(path, args)
-
-
-def read_npz(path: str) -> dict[str, np.ndarray]:
-    if not os.path.isfile(path):
-        raise InputError(f"inputs file not found: {path}")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return {name: data[name] for name in data.files}
-    except (ValueError, OSError) as err:
-        raise InputError(f"cannot read inputs file {path} as .npz: {err}") from None
-
-
-def write_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:
-    """Write arrays to `path` atomically (a temp file renamed into place)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise GimletError(f"output folder does not exist: {folder}")
-    with atomic_path(path, suffix=".npz") as tmp, open(tmp, "wb") as f:
-        np.savez(f, **arrays)
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:

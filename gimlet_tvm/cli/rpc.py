@@ -6,15 +6,9 @@ TVM RPC has no authentication and lets any client run code on the server: both b
 
 from __future__ import annotations
 
-import signal
-import sys
-
-from tvm import rpc
 from tvm.rpc.tracker import Tracker
 
-from ..runtime.remote import init_server, parse_address
-
-_ALL_INTERFACES = ("0.0.0.0", "::", "")
+from ..runtime.remote import serve_until_stopped, start_server, warn_if_exposed
 
 
 def add_parser(sub) -> None:
@@ -38,38 +32,12 @@ def _port_end(args) -> int:
     return args.port_end if args.port_end is not None else args.port + 100
 
 
-def _warn_if_exposed(host: str) -> None:
-    if host in _ALL_INTERFACES:
-        print(
-            "gimlet-tvm: WARNING: listening on all interfaces. TVM RPC has no authentication: "
-            "anyone who can reach this port can run code on this machine.",
-            file=sys.stderr,
-        )
-
-
-def _serve_until_stopped(kind: str, host: str, port: int, stop) -> int:
-    print(f"{kind} listening on {host}:{port} (Ctrl-C to stop)", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        signal.pause()
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    finally:
-        stop()
-    return 0
-
-
 def run_server(args) -> int:
-    _warn_if_exposed(args.host)
-    tracker = parse_address(args.tracker, "--tracker") if args.tracker else None
-    server = rpc.Server(
-        host=args.host, port=args.port, port_end=_port_end(args), tracker_addr=tracker,
-        key=args.key, server_init_callback=init_server, silent=True,
-    )
-    return _serve_until_stopped("RPC server", args.host, server.port, server.terminate)
+    server = start_server(args.host, args.port, _port_end(args), args.tracker, args.key)
+    return serve_until_stopped("RPC server", args.host, server.port, server.terminate)
 
 
 def run_tracker(args) -> int:
-    _warn_if_exposed(args.host)
+    warn_if_exposed(args.host)
     tracker = Tracker(host=args.host, port=args.port, port_end=_port_end(args), silent=True)
-    return _serve_until_stopped("RPC tracker", args.host, tracker.port, tracker.terminate)
+    return serve_until_stopped("RPC tracker", args.host, tracker.port, tracker.terminate)

@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 from ..runtime import random_inputs
-from .common import (
-    add_remote_args,
-    add_target_args,
-    model_or_artifact,
-    read_npz,
-    remote_device,
-    write_npz,
-)
+from ..runtime.tensors import read_npz, write_npz
+from .common import add_remote_args, add_target_args, model_or_artifact, remote_device
 
 
 def add_parser(sub) -> None:

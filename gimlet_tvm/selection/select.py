@@ -27,7 +27,7 @@ import tvm
 from tvm import relax
 
 from ..compiler import canonicalize_passes
-from ..errors import GimletError, RemoteDeviceError
+from ..errors import RemoteDeviceError
 from ..logs import quiet_tvm_logs
 from ..peers import PairedRatio
 from ..relax_passes.graph_fusion import graph_fusion_passes

@@ -1,0 +1,35 @@
+"""benchmarks/gpu_bundle.py: prepared here, its check.py runs the CPU artifacts from the runtime
+bundle and reports the CUDA ones as skipped (no GPU here); the folder fits the device's 64 MiB."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu_bundle.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpu_bundle", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prepared_check_runs_the_cpu_part(tmp_path) -> None:
+    out = tmp_path / "gpu"
+    script = load_script()
+    assert script.main(["prepare", str(out), "--targets", "cuda", "llvm", "--models", "mobilenet_cnn"]) == 0
+    assert script.size_of(out) <= script.MAX_BYTES
+    entries = json.loads((out / "manifest.json").read_text())["artifacts"]
+    assert [e["target"] for e in entries] == ["cuda", "llvm"]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, out / "check.py", "--repeat", "2"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| mobilenet")]
+    assert [(row[1], row[3]) for row in rows] == [("cuda", "skipped"), ("llvm", "ok")]
