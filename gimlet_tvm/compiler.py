@@ -347,4 +347,4 @@ def _build(
             "selected_kernels": chosen.applied if chosen is not None and index == 0 else 0,
             "planned_memory": memory.bytes_per_device.get(index, 0),
         })
-    return CompiledModel(executable.mod, io, built_for, placement=placement), proto
+    return CompiledModel(executable.mod, io, built_for, placement=placement, linker=devices[0][0].linker), proto

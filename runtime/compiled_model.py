@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import tvm
@@ -14,7 +14,7 @@ from tvm.runtime.vm import VirtualMachine
 
 from .. import __version__
 from ..carriers import from_carrier
-from ..errors import ArtifactError, GimletError, TargetUnavailableError
+from ..errors import ArtifactError, GimletError, TargetUnavailableError, summary
 from ..io_spec import IOSpec, TensorSpec
 from . import artifact
 from .libraries import target_runtimes
@@ -70,9 +70,11 @@ class CompiledModel:
         targets: Sequence[Mapping[str, Any]],
         artifact_path: str | None = None,
         placement: Mapping[str, Any] | None = None,
+        linker: Callable[..., Any] | None = None,
     ):
         self._module = module
         self._artifact_path = artifact_path  # set when loaded from an artifact file
+        self._linker = linker  # links the artifact's library (TVM's fcompile); None: the host's
         self.io = io
         self.targets = [dict(t) for t in targets]
         self._placement = dict(placement) if placement is not None else None
@@ -229,7 +231,16 @@ class CompiledModel:
         if self._artifact_path is not None:
             artifact.copy(self._artifact_path, path)
         else:
-            artifact.write(path, self._module.export_library, self.metadata)
+            artifact.write(path, self._export_library, self.metadata)
+
+    def _export_library(self, path: str) -> None:
+        """The shared library, linked by the build's linker; a failed link names the linker's
+        first error."""
+        try:
+            self._module.export_library(path, fcompile=self._linker)
+        except RuntimeError as err:
+            first = next((line for line in str(err).splitlines() if "error" in line.lower()), summary(err))
+            raise ArtifactError(f"linking the artifact's library failed: {first.strip()}") from None
 
 
 def load(path: str | os.PathLike) -> CompiledModel:

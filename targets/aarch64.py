@@ -15,6 +15,7 @@ import tempfile
 from typing import Any
 
 import tvm
+from tvm.support import cc
 
 from ..errors import CodeCheckError
 from .cpu import CPU_KERNELS, cpu_perf, num_cores, vector_bits
@@ -60,8 +61,19 @@ def check_code(module: tvm.runtime.Module, record: CodegenRecord, target: tvm.ta
                       "llvm-readelf")
 
 
+def link(output: str, objects: list[str], **kwargs: Any) -> None:
+    """Link an artifact's objects into an AArch64 shared library with clang and lld (TVM's
+    `fcompile`): without libc, whose symbols the device's loader resolves."""
+    cc.cross_compiler(llvm_tool("clang"), options=[f"--target={TRIPLE}", "-fuse-ld=lld", "-nostdlib"])(
+        output, objects, **kwargs)
+
+
+link.output_format = "so"
+
+
 def _missing_toolchain() -> str | None:
-    return None if llvm_tool("llvm-readelf") else "llvm-readelf not found (Debian: llvm-22)"
+    missing = [tool for tool in ("llvm-readelf", "clang", "ld.lld") if llvm_tool(tool) is None]
+    return f"{', '.join(missing)} not found (Debian: llvm-22, clang-22, lld-22)" if missing else None
 
 
 def _cannot_run() -> str | None:
@@ -82,6 +94,7 @@ TARGET = TargetSpec(
     handwritten_kernels=CPU_KERNELS,
     fast_math=True,
     check_code=check_code,
+    linker=link,
     can_compile=_missing_toolchain,
     can_run=_cannot_run,
     perf_facts=lambda: cpu_perf(default_target()),

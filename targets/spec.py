@@ -107,6 +107,8 @@ class TargetSpec:
     codegen_hooks / check_code: how to generate device code, and how to check it.
     can_compile / can_run: whether this machine can generate code for / execute on it; each
       returns None when it can, else the reason it can't.
+    linker: how an exported artifact's shared library is linked (TVM's `fcompile`, e.g. a
+      cross linker); None: this machine's C++ compiler.
     device_runtime: the runtime extension that provides its device where TVM's runtime has
       none (`runtime.libraries.VULKAN_RUNTIME`); artifacts record it with its libraries'
       (`runtime_libraries`), so a device loads what they need without the compiler.
@@ -132,6 +134,7 @@ class TargetSpec:
     can_compile: Callable[[], str | None] = lambda: None
     can_run: Callable[[], str | None] = lambda: "no runtime for this target in this build"
     device_runtime: str | None = None
+    linker: Callable[..., Any] | None = None
     perf_facts: Callable[[], PerfFacts] = lambda: DISCRETE_GPU
 
     @property

@@ -52,3 +52,16 @@ def test_does_not_run_on_another_machine() -> None:
     model = gimlet_tvm.build(models.SUITE["mlp"].builder(), "aarch64")
     with pytest.raises(GimletError, match="for aarch64; this machine is"):
         model.run(models.SUITE["mlp"].example_inputs())
+
+
+def test_exported_artifact_is_an_aarch64_library_refused_here(tmp_path) -> None:
+    """Export links with the target's cross linker (clang + lld); loading it here says why not."""
+    path = tmp_path / "mlp.so"
+    gimlet_tvm.build(models.SUITE["mlp"].builder(), "aarch64").export(path)
+    header = subprocess.run([llvm_tool("llvm-readelf"), "--file-header", str(path)], capture_output=True, text=True,
+                            check=True).stdout
+    assert re.search(r"Type:\s+DYN", header) and re.search(r"Machine:\s+AArch64", header)
+    if SPEC.can_run() is None:
+        pytest.skip("this machine is AArch64")
+    with pytest.raises(GimletError, match="for aarch64; this machine is"):
+        gimlet_tvm.load(path).run(models.SUITE["mlp"].example_inputs())
