@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import tvm
 
 from ..errors import GimletError, InputError
-from .compiled_model import load
+from .compiled_model import CompiledModel, load
 from .remote import serve_until_stopped, start_server
 from .tensors import random_inputs, read_npz, write_npz
 
@@ -30,22 +30,29 @@ def _reporting_errors(main: Callable[[argparse.Namespace], int], args: argparse.
         return 2
 
 
+def run_and_report(model: CompiledModel, run: Callable[[dict], dict], inputs: str | None,
+                   outputs: str | None) -> None:
+    """`run` the model on the `inputs` .npz (random inputs without one), print each output's
+    dtype and shape, and write them to the `outputs` .npz if given (`run.py`, `gimlet-tvm run`)."""
+    if inputs:
+        arrays = read_npz(inputs)
+    else:
+        arrays = dict(zip(model.input_names, random_inputs(model.io)))
+        print("no --inputs given: using random inputs (symbolic dims = 1)")
+    results = run(arrays)
+    for name, array in results.items():
+        print(f"  {name}: {array.dtype}{list(array.shape)}")
+    if outputs:
+        write_npz(outputs, results)
+        print(f"outputs written to {outputs}")
+
+
 def _run(args: argparse.Namespace) -> int:
     model = load(args.artifact)
     if args.device is not None and model.device.dlpack_device_type() != _device_type(args.device):
         raise InputError(f"{args.artifact} is built for '{model.targets[0]['name']}' "
                          f"({model.device}), not for --device {args.device}")
-    if args.inputs:
-        inputs = read_npz(args.inputs)
-    else:
-        inputs = dict(zip(model.input_names, random_inputs(model.io)))
-        print("no --inputs given: using random inputs (symbolic dims = 1)")
-    outputs = model.run(inputs)
-    for name, array in outputs.items():
-        print(f"  {name}: {array.dtype}{list(array.shape)}")
-    if args.outputs:
-        write_npz(args.outputs, outputs)
-        print(f"outputs written to {args.outputs}")
+    run_and_report(model, model.run, args.inputs, args.outputs)
     return 0
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
+import types
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -18,6 +21,18 @@ pytest_plugins = ["tests.rpc_plugin"]
 
 TEST_MODELS = [name for name, info in SUITE.items() if info.in_tests]
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str) -> types.ModuleType:
+    """A script of the repository (`benchmarks/gpu_check.py`) loaded as a module, for tests."""
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.lru_cache(maxsize=None)

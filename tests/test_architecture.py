@@ -17,11 +17,10 @@ import pytest
 import gimlet_tvm
 from gimlet_tvm.targets import registered
 
+from .conftest import load_script
+
 # The rooms and the import scan live with the picture of them (scripts/module_graph.py).
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "module_graph.py"
-_spec = importlib.util.spec_from_file_location("module_graph", _SCRIPT)
-graph = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(graph)
+graph = load_script("scripts/module_graph.py")
 LAYERS, SURFACE, FOLDER_ROOMS = graph.LAYERS, graph.SURFACE, graph.FOLDER_ROOMS
 MODULES = graph.modules()
 _layer = graph.layer_of

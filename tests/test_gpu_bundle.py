@@ -3,26 +3,17 @@ bundle and reports the CUDA ones as skipped (no GPU here); the folder fits the d
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu_bundle.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_bundle", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from .conftest import load_script
 
 
 def test_prepared_check_runs_the_cpu_part(tmp_path) -> None:
     out = tmp_path / "gpu"
-    script = load_script()
+    script = load_script("benchmarks/gpu_bundle.py")
     assert script.main(["prepare", str(out), "--targets", "cuda", "llvm", "--models", "mobilenet_cnn"]) == 0
     assert script.size_of(out) <= script.MAX_BYTES
     entries = json.loads((out / "manifest.json").read_text())["artifacts"]

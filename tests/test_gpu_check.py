@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from .conftest import load_script
 
 
 def test_checks_and_times_on_cpu(capsys) -> None:
-    assert load_script().main(["--target", "llvm", "--models", "mlp", "--repeat", "2"]) == 0
+    assert load_script("benchmarks/gpu_check.py").main(["--target", "llvm", "--models", "mlp", "--repeat", "2"]) == 0
     row = capsys.readouterr().out.strip().splitlines()[-1].split(" | ")
     assert row[0] == "| mlp" and row[2] == "yes"
     assert float(row[-1].rstrip(" |")) > 0
 
 
 def test_fails_clearly_without_the_device(capsys) -> None:
-    assert load_script().main(["--target", "cuda", "--models", "mlp", "--repeat", "1"]) == 1
+    assert load_script("benchmarks/gpu_check.py").main(["--target", "cuda", "--models", "mlp", "--repeat", "1"]) == 1
     assert "cannot run on this machine" in capsys.readouterr().out

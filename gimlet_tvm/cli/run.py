@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from ..runtime import random_inputs
-from ..runtime.tensors import read_npz, write_npz
+from ..runtime.standalone import run_and_report
 from .common import add_remote_args, add_target_args, model_or_artifact, remote_device
 
 
@@ -20,18 +19,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     model = model_or_artifact(args.artifact, args)
     device = remote_device(args)
-    runner = model.remote(device) if device else model
-    if args.inputs:
-        inputs = read_npz(args.inputs)
-    else:
-        inputs = dict(zip(model.input_names, random_inputs(model.io)))
-        print("no --inputs given: using random inputs (symbolic dims = 1)")
-    outputs = runner.run(inputs)
+    run_and_report(model, (model.remote(device) if device else model).run, args.inputs, args.outputs)
     if device:
         print(f"ran on {device.describe()}")
-    for name, array in outputs.items():
-        print(f"  {name}: {array.dtype}{list(array.shape)}")
-    if args.outputs:
-        write_npz(args.outputs, outputs)
-        print(f"outputs written to {args.outputs}")
     return 0
