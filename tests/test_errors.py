@@ -157,7 +157,7 @@ def test_missing_artifact(tmp_path) -> None:
 def test_failed_export_leaves_no_file(tmp_path, monkeypatch) -> None:
     model = compiled_suite_model("mlp")
 
-    def broken_export(path: str) -> None:
+    def broken_export(path: str, **kwargs) -> None:
         with open(path, "wb") as f:
             f.write(b"half a library")
         raise OSError("disk full")
