@@ -30,27 +30,30 @@ def num_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+CPU = tuple[tuple[str, str], ...]
+"""The kind, CPU model and triple of an LLVM target, as hashable pairs (the cache's key)."""
+
+
 @functools.lru_cache(maxsize=None)
-def _vector_registers(target_json: str) -> tuple[int, int]:
-    target = tvm.target.Target(target_json)
+def _vector_registers(cpu: CPU) -> tuple[int, int]:
+    target = tvm.target.Target(dict(cpu))
     features = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target)}
     return next(((bits, count) for feature, bits, count in _VECTOR_REGISTERS if feature in features), (128, 16))
 
 
-def _cpu_json(target: tvm.target.Target | dict) -> str:
-    """The CPU model and triple of an LLVM target, as JSON text (hashable, for the cache)."""
+def _cpu(target: tvm.target.Target | dict) -> CPU:
     attrs = dict(target.export()) if isinstance(target, tvm.target.Target) else dict(target)
-    return tvm.target.Target({key: attrs[key] for key in ("kind", "mcpu", "mtriple") if key in attrs}).__str__()
+    return tuple((key, str(attrs[key])) for key in ("kind", "mcpu", "mtriple") if key in attrs)
 
 
 def vector_bits(target: tvm.target.Target | dict) -> int:
     """Widest vector width (bits) the target's CPU model has (128 when none is recognised)."""
-    return _vector_registers(_cpu_json(target))[0]
+    return _vector_registers(_cpu(target))[0]
 
 
 def vector_registers(target: tvm.target.Target | dict) -> int:
     """How many of those vector registers it has (AVX-512 and NEON 32, AVX2 16)."""
-    return _vector_registers(_cpu_json(target))[1]
+    return _vector_registers(_cpu(target))[1]
 
 
 def _clock_ghz() -> float:
