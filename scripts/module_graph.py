@@ -35,6 +35,7 @@ LAYERS = (
     ("frontend", ("gimlet_tvm.frontend", "gimlet_tvm.onnx_ops", "gimlet_tvm.models")),
     ("compiler", ("gimlet_tvm.compiler", "gimlet_tvm.tuning", "gimlet_tvm.selection", "gimlet_tvm.op_timing",
                   "gimlet_tvm.peers", "gimlet_tvm.runtime_bundle")),
+    ("llm", ("gimlet_tvm.llm",)),
     ("cli", ("gimlet_tvm.cli", "gimlet_tvm.__main__")),
 )
 # What each room owns, for the picture.
@@ -46,6 +47,7 @@ OWNS = {
     "schedules": "rules, tuning records, selection parts",
     "frontend": "ONNX import, converters, suite models",
     "compiler": "build, tune, select, runtime bundle",
+    "llm": "LLM families, weights, KV-cache engine",
     "cli": "gimlet-tvm subcommands",
 }
 # The package's own __init__ is the public surface: it re-exports from every room (lazily) and

@@ -1,0 +1,141 @@
+"""An architecture compiled for a target: the family's Relax module through our pipeline.
+
+The module exported from the family (`prefill`, `decode`, `create_paged_kv_cache`, weights as
+one packed parameter tuple) goes through the same Relax pipeline as an ONNX model: graph
+fusion, library dispatch, the target's default schedules, tuning records when given. The
+result depends on the architecture (`LLMConfig`), the weights' format and the target, never on
+the weights themselves: one artifact serves every checkpoint of that architecture, and
+`compiled_for` keeps one per key in a cache folder so a model compiles once per machine.
+
+The artifact is our usual one file (`runtime.artifact`: shared library + JSON metadata) with
+the config and the parameters' names, shapes and dtypes in its metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import tvm
+
+from .. import __version__
+from ..compiler import device_pipeline, resolve_target
+from ..errors import ArtifactError, CompileError, GimletError, TargetUnavailableError, summary
+from ..logs import quiet_tvm_logs
+from ..runtime import artifact
+from ..runtime.libraries import TargetRuntime
+from ..schedules.tuning.records import ApplyRecords, RecordsDB
+from ..targets import TargetLike
+from .config import LLMConfig
+from .families import FAMILIES
+from .quantization import QUANTIZATIONS, quantize_module
+
+logger = logging.getLogger(__name__)
+ARTIFACT_KIND = "llm"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclasses.dataclass
+class CompiledLLM:
+    """The executable of one architecture for one target, and what its weights must be."""
+
+    module: tvm.runtime.Module
+    config: LLMConfig
+    quantization: str | None
+    params: list[ParamSpec]
+    target: dict[str, Any]
+
+    @property
+    def runtime(self) -> TargetRuntime:
+        return TargetRuntime.from_metadata(self.target)
+
+    def metadata(self) -> dict[str, Any]:
+        return {"kind": ARTIFACT_KIND, "gimlet_tvm_version": __version__, "tvm_version": tvm.__version__,
+                "config": self.config.to_json(), "quantization": self.quantization,
+                "params": [dataclasses.asdict(p) for p in self.params], "targets": [self.target]}
+
+    def export(self, path: str | os.PathLike) -> None:
+        """One file, written atomically: the library and its metadata."""
+        artifact.write(path, self.module.export_library, self.metadata())
+
+
+def compile_llm(config: LLMConfig, target: TargetLike, quantization: str | None = None,
+                records: str | os.PathLike | None = None) -> CompiledLLM:
+    """Build `config`'s architecture for `target`; `quantization` ("q8", "q4") keeps linear
+    weights quantized; `records` are tuning records for the target's kernels."""
+    if quantization not in QUANTIZATIONS:
+        raise GimletError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "
+                          f"not {quantization!r}")
+    spec, tvm_target = resolve_target(target)
+    reason = spec.can_compile()
+    if reason is not None:
+        raise TargetUnavailableError(f"cannot compile for {spec.name} on this machine: {reason}")
+    family = FAMILIES[config.family]
+    with quiet_tvm_logs(), tvm_target:
+        model = family.model(config)
+        quantize_module(model, quantization)
+        mod, named = model.export_tvm(spec=model.export_spec())
+        tuned = ApplyRecords(RecordsDB(records), tvm_target) if records is not None else None
+        try:
+            with spec.codegen_hooks(tvm_target):
+                executable = tvm.compile(mod, tvm_target,
+                                         relax_pipeline=device_pipeline([(spec, tvm_target)], tuned))
+        except Exception as err:
+            raise CompileError(f"compiling {config.family} for {spec.name} failed: {summary(err)}") from err
+    params = [ParamSpec(name, tuple(int(d) for d in p.shape), p.dtype) for name, p in named]
+    built_for = {"name": spec.name, "device_type": spec.device_type,
+                 "runtime_libraries": list(spec.runtime_libraries), "arch": spec.arch,
+                 "target": json.loads(json.dumps(dict(tvm_target.export()), default=list))}
+    return CompiledLLM(executable.mod, config, quantization, params, built_for)
+
+
+def load_compiled(path: str | os.PathLike) -> CompiledLLM:
+    """An artifact written by `CompiledLLM.export`, checked to be an LLM this TVM can load."""
+    meta = artifact.read_metadata(path)
+    if meta.get("kind") != ARTIFACT_KIND:
+        raise ArtifactError(f"{os.fspath(path)} is a compiled model, not a compiled LLM")
+    if meta.get("tvm_version") != tvm.__version__:
+        raise ArtifactError(f"{os.fspath(path)} was built with TVM {meta.get('tvm_version')}, "
+                            f"this is TVM {tvm.__version__}: rebuild it")
+    try:
+        module = tvm.runtime.load_module(os.fspath(path))
+    except Exception as err:
+        raise ArtifactError(f"cannot load {os.fspath(path)}: {summary(err)}") from err
+    return CompiledLLM(module, LLMConfig.from_json(meta["config"]), meta["quantization"],
+                       [ParamSpec(p["name"], tuple(p["shape"]), p["dtype"]) for p in meta["params"]],
+                       meta["targets"][0])
+
+
+def cache_dir() -> Path:
+    """Where compiled architectures are kept: $GIMLET_TVM_CACHE or ~/.cache/gimlet-tvm."""
+    root = os.environ.get("GIMLET_TVM_CACHE") or Path.home() / ".cache" / "gimlet-tvm"
+    return Path(root) / "llm"
+
+
+def compiled_for(config: LLMConfig, target: TargetLike, quantization: str | None = None) -> CompiledLLM:
+    """The compiled architecture from the cache, compiled and stored on first use."""
+    spec, tvm_target = resolve_target(target)
+    key = json.dumps([config.to_json(), quantization, str(tvm_target), __version__, tvm.__version__],
+                     sort_keys=True, default=str)
+    path = cache_dir() / f"{config.family}-{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    if path.exists():
+        try:
+            return load_compiled(path)
+        except ArtifactError as err:
+            logger.warning(f"recompiling: the cached {path.name} is unusable ({err})")
+    compiled = compile_llm(config, target, quantization)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    compiled.export(path)
+    return compiled
+
