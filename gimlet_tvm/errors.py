@@ -60,3 +60,13 @@ class CodeCheckError(GimletError):
 
 class RemoteDeviceError(GimletError):
     """A remote device (TVM RPC) failed or stopped answering; names the device and the step."""
+
+
+class LLMError(GimletError):
+    """A language-model request is invalid: an empty prompt, a token id outside the vocabulary,
+    a prompt longer than the context window, bad sampling parameters."""
+
+
+class WeightsError(GimletError):
+    """An LLM checkpoint is unreadable, truncated, or does not fit the architecture (names the
+    tensor), or uses an architecture or tensor type that is not supported (lists what is)."""
