@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from gimlet_tvm.errors import LLMError, WeightsError
+from gimlet_tvm.llm.sampling import Sampler, SamplingParams, find_stop, stop_holdback
 from gimlet_tvm.llm.tokenizer import Tokenizer
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # read before transformers is imported: never ask the Hub
+import torch  # noqa: E402
 import transformers  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -156,3 +158,105 @@ def test_unsupported_gguf_tokenizers(tmp_path: Path) -> None:
     assert Tokenizer.from_gguf(_write_gguf(tmp_path / "bpe.gguf", "gpt2", "qwen2")).encode("abab") == [2, 2]
     with pytest.raises(WeightsError, match="not a readable GGUF"):
         Tokenizer.from_gguf(tmp_path / "missing.gguf")
+
+
+def _random_logits(seed: int, vocab: int = 1000) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(vocab) * 3).astype(np.float32)
+
+
+def _transformers_scores(processors: list, logits: np.ndarray, history: list[int]) -> np.ndarray:
+    ids, scores = torch.tensor([history]), torch.from_numpy(logits.copy())[None]
+    for processor in processors:
+        scores = processor(ids, scores)
+    return scores[0].numpy()
+
+
+def test_greedy_is_argmax() -> None:
+    sampler = Sampler(SamplingParams())
+    for seed in range(5):
+        logits = _random_logits(seed)
+        assert sampler.next_token(logits, [1, 2]) == int(np.argmax(logits))
+    tied = np.array([0.0, 2.0, 1.0, 2.0], np.float32)
+    assert sampler.next_token(tied, []) == int(torch.argmax(torch.from_numpy(tied))) == 1
+
+
+def test_seeded_sampling() -> None:
+    logits = np.zeros(1000, np.float32)  # uniform: any two runs that differ show it
+
+    def run(seed: int) -> list[int]:
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
+        return [sampler.next_token(logits, []) for _ in range(20)]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+    # The draws follow the softmax.
+    logits = np.log(np.array([0.1, 0.2, 0.3, 0.4], np.float32))
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0))
+    counts = np.bincount([sampler.next_token(logits, []) for _ in range(20000)], minlength=4)
+    np.testing.assert_allclose(counts / counts.sum(), [0.1, 0.2, 0.3, 0.4], atol=0.015)
+
+
+@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6)], ids=["top_k=1", "top_p tiny"])
+def test_narrowest_sampling_is_greedy(params: dict) -> None:
+    for seed in range(5):
+        logits = _random_logits(seed)
+        sampler = Sampler(SamplingParams(temperature=1.5, seed=seed, **params))
+        assert sampler.next_token(logits, []) == int(np.argmax(logits))
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    history = [3, 17, 17, 512, 999, 0, 3]
+    for penalty in (0.7, 1.3):
+        logits = _random_logits(int(penalty * 10))
+        ours = Sampler(SamplingParams(repetition_penalty=penalty)).process(logits, history)
+        theirs = _transformers_scores([transformers.RepetitionPenaltyLogitsProcessor(penalty)], logits, history)
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+        assert not np.allclose(ours, logits)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (0.7, 0, 1.0), (1.0, 50, 1.0), (1.3, 0, 0.9), (0.8, 20, 0.5), (2.0, 400, 0.95), (1.0, 0, 0.3)])
+def test_filtering_matches_transformers(temperature: float, top_k: int, top_p: float) -> None:
+    warpers = [transformers.TemperatureLogitsWarper(temperature)]
+    warpers += [transformers.TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [transformers.TopPLogitsWarper(top_p)] if top_p < 1 else []
+    sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    for seed in range(10):
+        logits = _random_logits(seed)
+        ours, theirs = sampler.process(logits, []), _transformers_scores(warpers, logits, [0])
+        kept = np.isfinite(ours)
+        np.testing.assert_array_equal(kept, np.isfinite(theirs))
+        np.testing.assert_allclose(ours[kept], theirs[kept], rtol=1e-6)
+        assert 1 <= kept.sum() <= (top_k or logits.size)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("top_k", 2.5),
+    ("repetition_penalty", 0.0), ("seed", -1), ("stop", ("",))])
+def test_invalid_sampling_params(field: str, value) -> None:
+    with pytest.raises(LLMError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_penalty_rejects_ids_outside_vocabulary() -> None:
+    with pytest.raises(LLMError, match="1000"):
+        Sampler(SamplingParams(repetition_penalty=1.2)).next_token(_random_logits(0), [5, 1000])
+
+
+def test_stop_strings() -> None:
+    assert SamplingParams(stop="User:").stop == ("User:",)
+    stop = ("\nUser:", "###")
+    assert find_stop("Sure.\nUser: hi ###", stop) == 5
+    assert find_stop("Sure. ## User:", stop) is None
+    assert stop_holdback("Sure.\nUs", stop) == 3  # "\nUs" may become "\nUser:"
+    assert stop_holdback("Sure. ##", stop) == 2
+    assert stop_holdback("Sure.", stop) == 0
+    # Streaming with the holdback gives out exactly the text before the stop string.
+    text, given = "", ""
+    for piece in ["Sure", ".\n", "U", "ser", ": hi"]:
+        text += piece
+        if (at := find_stop(text, stop)) is not None:
+            given += text[len(given):at]
+            break
+        given += text[len(given):len(text) - stop_holdback(text, stop)]
+    assert given == "Sure."
