@@ -86,9 +86,11 @@ def test_gguf_special_tokens(tokenizer: Tokenizer, reference) -> None:
     assert tokenizer.encode("Hi", add_special_tokens=True) == tokenizer.encode("Hi", add_special_tokens=False)
 
 
-def test_llama_cpp_ids(tokenizer: Tokenizer) -> None:
-    """SmolLM's pre-tokenizer ("smollm") splits digits one by one, then as GPT-2 does."""
+def test_digits_one_by_one(tokenizer: Tokenizer) -> None:
+    """SmolLM's pre-tokenizer ("smollm" in llama.cpp) splits digits one by one, then as GPT-2
+    does."""
     assert tokenizer.encode("Hello world! 123") == [19556, 905, 17, 216, 33, 34, 35]
+    assert tokenizer.encode("x 2024")[-4:] == [tokenizer.encode(digit)[0] for digit in "2024"]
 
 
 @pytest.mark.parametrize("generation_prompt", [True, False])
