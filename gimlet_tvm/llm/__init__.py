@@ -4,7 +4,15 @@
     print(llm.generate("The capital of France is", max_new_tokens=16).text)
 
 Modules: `config` (one `LLMConfig` from an HF `config.json` or GGUF metadata), `weights`
-(safetensors and GGUF readers, quantized blocks kept quantized), `families/` (one module per
-architecture family, built with `tvm.relax.frontend.nn`), `tokenizer` and `sampling`, `compile`
-(the family's Relax module through our pipeline), `engine` (KV cache, prefill/decode, batches).
+(safetensors and GGUF readers), `families/` (one module per architecture family, built with
+`tvm.relax.frontend.nn`), `quantization` (weights kept quantized), `tokenizer` and `sampling`,
+`compile` (the family's Relax module through our pipeline, cached per architecture), `engine`
+(KV cache, prefill/decode, batches, the token loop).
 """
+
+from .config import LLMConfig
+from .engine import LLM, Generation, load
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+
+__all__ = ["LLM", "Generation", "LLMConfig", "SamplingParams", "Tokenizer", "load"]

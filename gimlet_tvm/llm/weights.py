@@ -37,10 +37,11 @@ class Checkpoint:
 
     def __init__(self, path: Path, config: LLMConfig, names: list[str], read: Callable[[str], np.ndarray],
                  raw: Callable[[str], tuple[str, np.ndarray]] | None = None,
-                 metadata: dict[str, Any] | None = None):
+                 metadata: dict[str, Any] | None = None, gguf_reader: Any = None):
         self.path, self.config, self.names = path, config, names
         self._read, self._raw = read, raw
         self.metadata = metadata or {}
+        self.gguf_reader = gguf_reader   # a GGUF's open reader (its tokenizer is read from it)
 
     def get(self, name: str) -> np.ndarray:
         if name not in self.names:
@@ -179,8 +180,8 @@ def _open_gguf(path: Path) -> Checkpoint:
             fields[key] = field.contents()
         except Exception:  # noqa: BLE001  (a field of a type the reader cannot decode: unused)
             continue
-    fields["tokenizer.ggml.tokens"] = reader.fields.get("tokenizer.ggml.tokens") and \
-        reader.fields["tokenizer.ggml.tokens"].contents()
+    if "tokenizer.ggml.tokens" in reader.fields:   # the vocabulary's size, where no field says it
+        fields["tokenizer.ggml.tokens"] = range(len(reader.fields["tokenizer.ggml.tokens"].data))
     tensors = {t.name: t for t in reader.tensors}
     config = LLMConfig.from_gguf(fields, set(tensors))
     by_hf = {}
@@ -213,4 +214,4 @@ def _open_gguf(path: Path) -> Checkpoint:
         tensor = by_hf[name]
         return tensor.tensor_type.name, unpermute(name, np.asarray(tensor.data))
 
-    return Checkpoint(path, config, list(by_hf), read, raw, metadata=fields)
+    return Checkpoint(path, config, list(by_hf), read, raw, metadata=fields, gguf_reader=reader)
