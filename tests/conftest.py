@@ -63,9 +63,9 @@ def cli(tmp_path):
 
     script = os.path.join(os.path.dirname(sys.executable), "gimlet-tvm")
 
-    def run(*args: str) -> tuple[int, str, str]:
+    def run(*args: str, input: str | None = None) -> tuple[int, str, str]:
         proc = subprocess.run(
-            [script, *args], capture_output=True, text=True, cwd=tmp_path, timeout=600
+            [script, *args], capture_output=True, text=True, cwd=tmp_path, timeout=600, input=input
         )
         return proc.returncode, proc.stdout, proc.stderr
 

@@ -14,6 +14,7 @@ the config and the parameters' names, shapes and dtypes in its metadata.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import tvm
+
+import gimlet_tvm
 
 from .. import __version__
 from ..compiler import device_pipeline, resolve_target
@@ -123,10 +126,21 @@ def cache_dir() -> Path:
     return Path(root) / "llm"
 
 
+@functools.lru_cache(maxsize=1)
+def _compiler_fingerprint() -> str:
+    """A hash of the compiler's sources (our packages and TVM's version): a cached artifact
+    from other code is never reused."""
+    digest = hashlib.sha256(tvm.__version__.encode())
+    for package in (gimlet_tvm, gimlet_tvm.targets, gimlet_tvm.relax_passes, gimlet_tvm.schedules):
+        for source in sorted(Path(package.__file__).parent.rglob("*.py")):
+            digest.update(source.read_bytes())
+    return digest.hexdigest()
+
+
 def compiled_for(config: LLMConfig, target: TargetLike, quantization: str | None = None) -> CompiledLLM:
     """The compiled architecture from the cache, compiled and stored on first use."""
     spec, tvm_target = resolve_target(target)
-    key = json.dumps([config.to_json(), quantization, str(tvm_target), __version__, tvm.__version__],
+    key = json.dumps([config.to_json(), quantization, str(tvm_target), _compiler_fingerprint()],
                      sort_keys=True, default=str)
     path = cache_dir() / f"{config.family}-{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     if path.exists():

@@ -88,6 +88,9 @@ class LLMConfig:
             raise WeightsError("sliding-window attention is not supported (the window must "
                                "cover the whole context)")
         heads = config["num_attention_heads"]
+        # transformers 5 writes `rope_parameters` (theta and scaling together); older,
+        # `rope_theta` and `rope_scaling`.
+        rope = dict(config.get("rope_parameters") or {})
         return cls(
             family=family, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
@@ -95,8 +98,8 @@ class LLMConfig:
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             context_length=config["max_position_embeddings"], norm_eps=config["rms_norm_eps"],
             hidden_act=config.get("hidden_act", "silu"),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(config.get("rope_scaling")),
+            rope_theta=float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(config.get("rope_scaling") or rope),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", family == "qwen2")),
         )
@@ -152,6 +155,6 @@ def _rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """HF's `rope_scaling` with its kind under "rope_type" (older configs say "type")."""
     if not scaling:
         return None
-    scaling = dict(scaling)
+    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
     scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
     return None if scaling["rope_type"] == "default" else scaling

@@ -76,8 +76,9 @@ class DecoderLM(nn.Module):
                               support_sliding_window: tvm.tirx.Var) -> PagedKVCache:
         c = self.config
         scaling = dict(c.rope_scaling or {})
-        # TVM's kernels take linear scaling as a scale of the positions, other kinds as a dict.
-        rope_scale = scaling.pop("factor", 1) if scaling.get("rope_type") == "linear" else 1
+        # TVM's kernels take linear scaling as a factor on the positions (HF divides them by
+        # "factor"), other kinds as a dict.
+        rope_scale = 1.0 / scaling.pop("factor") if scaling.get("rope_type") == "linear" else 1.0
         return TIRPagedKVCache(
             attn_kind="mha", max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size, page_size=page_size,
