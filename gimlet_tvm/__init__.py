@@ -33,19 +33,23 @@ from .runtime import BenchmarkResult, CompiledModel, load
 
 _COMPILER_SIDE = {"build": "gimlet_tvm.compiler", "tune": "gimlet_tvm.tuning"}
 """Public names imported on first use, and the module each comes from."""
+_LAZY_PACKAGES = ("llm",)
+"""Subpackages on the compiler side, imported on first use (`gimlet_tvm.llm.load(...)`)."""
 
 
 def __getattr__(name: str) -> Any:
-    """PEP 562: import `build` / `tune` (and with them the compiler) when first asked for."""
+    """PEP 562: import `build` / `tune` / `llm` (and with them the compiler) when first asked for."""
     if name in _COMPILER_SIDE:
         value = getattr(importlib.import_module(_COMPILER_SIDE[name]), name)
         globals()[name] = value
         return value
+    if name in _LAZY_PACKAGES:
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'gimlet_tvm' has no attribute '{name}'")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_COMPILER_SIDE))
+    return sorted(set(globals()) | set(_COMPILER_SIDE) | set(_LAZY_PACKAGES))
 
 
 __all__ = [
@@ -63,6 +67,7 @@ __all__ = [
     "UnsupportedOpError",
     "__version__",
     "build",
+    "llm",
     "load",
     "tune",
 ]
