@@ -15,7 +15,8 @@ import transformers  # noqa: E402
 
 import gimlet_tvm.llm as gllm  # noqa: E402
 from gimlet_tvm.errors import LLMError, WeightsError  # noqa: E402
-from gimlet_tvm.llm.compile import load_compiled  # noqa: E402
+from gimlet_tvm.llm.compile import compile_llm, load_compiled  # noqa: E402
+from gimlet_tvm.llm.config import LLMConfig  # noqa: E402
 from tests.llm_models import SMOLLM2_GGUF, random_model, reference_greedy, smollm2_reference  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
@@ -186,3 +187,19 @@ def test_cli_generate_streams_and_reports_timings(cli):
     assert code == 0 and "Paris" in out, err
     code, _, err = cli("generate", SMOLLM2_GGUF, "--prompt", "Hi", "--temperature", "-2")
     assert code == 2 and "temperature" in err
+
+
+def test_cuda_build_compiles_and_checks_the_kv_cache_kernels(tmp_path):
+    """The CUDA target goes through the same path: TVM's GPU attention kernels for the KV
+    cache, compiled by nvcc and read back from the fatbin (no GPU here to run them)."""
+    config = LLMConfig(family="llama", vocab_size=300, hidden_size=64, intermediate_size=96,
+                       num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, context_length=256,
+                       norm_eps=1e-5)
+    compiled = compile_llm(config, "cuda")
+    code = compiled.target["device_code"]
+    assert code["checked_with"] == "cuobjdump" and "fatbin" in code["format"]
+    for kernel in ("batch_decode_paged_kv_kernel", "batch_prefill_ragged_kv_kernel",
+                   "tir_kv_cache_transpose_append_kernel", "fused_rope_kernel"):
+        assert kernel in code["kernels"]
+    compiled.export(tmp_path / "llama-cuda.so")
+    assert load_compiled(tmp_path / "llama-cuda.so").runtime.device_type == "cuda"

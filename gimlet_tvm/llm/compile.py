@@ -91,15 +91,17 @@ def compile_llm(config: LLMConfig, target: TargetLike, quantization: str | None 
         mod, named = model.export_tvm(spec=model.export_spec())
         tuned = ApplyRecords(RecordsDB(records), tvm_target) if records is not None else None
         try:
-            with spec.codegen_hooks(tvm_target):
+            with spec.codegen_hooks(tvm_target) as codegen:
                 executable = tvm.compile(mod, tvm_target,
                                          relax_pipeline=device_pipeline([(spec, tvm_target)], tuned))
         except Exception as err:
             raise CompileError(f"compiling {config.family} for {spec.name} failed: {summary(err)}") from err
+        device_code = spec.check_code(executable.mod, codegen, tvm_target)
     params = [ParamSpec(name, tuple(int(d) for d in p.shape), p.dtype) for name, p in named]
     built_for = {"name": spec.name, "device_type": spec.device_type,
                  "runtime_libraries": list(spec.runtime_libraries), "arch": spec.arch,
-                 "target": json.loads(json.dumps(dict(tvm_target.export()), default=list))}
+                 "target": json.loads(json.dumps(dict(tvm_target.export()), default=list)),
+                 "device_code": device_code.to_json()}
     return CompiledLLM(executable.mod, config, quantization, params, built_for)
 
 
