@@ -13,6 +13,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import gimlet_tvm.llm as gllm  # noqa: E402
+from gimlet_tvm.errors import CompileError  # noqa: E402
+from gimlet_tvm.llm.compile import compile_llm  # noqa: E402
+from gimlet_tvm.llm.config import LLMConfig  # noqa: E402
 from tests.llm_models import SMOLLM2_GGUF, random_model, reference_greedy, smollm2_reference  # noqa: E402
 
 # Weights at 15x transformers' default scale: attention is far from uniform, so a kernel that
@@ -27,8 +30,7 @@ def last_logits(model, ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("family,options", [
     ("llama", dict(num_attention_heads=8, num_key_value_heads=2)),
-    # head_dim 16: TVM's GPU prefill kernel splits its tiles over 128 threads and refuses a
-    # head_dim that is not a multiple of 8 (48 / 4 = 12, test_llm's GPT-2, fails to compile).
+    # head_dim 16: test_llm's GPT-2 (48 / 4 = 12) is refused (the next test).
     ("gpt2", dict(n_embd=64, n_head=4)),
 ])
 def test_random_models_match_transformers(family, options, tmp_path):
@@ -55,6 +57,16 @@ def test_random_models_match_transformers(family, options, tmp_path):
     more = rng.integers(0, llm.config.vocab_size, 21).tolist()
     logits = llm.prefill(seqs[:1], [more])[0]
     np.testing.assert_allclose(logits, last_logits(model, histories[0] + more), atol=1e-3, rtol=0)
+
+
+def test_head_dim_not_a_multiple_of_8_is_a_compile_error():
+    # TVM's GPU prefill kernel splits its tiles over 128 threads: head_dim must be a multiple
+    # of 8. Exporting the model builds that kernel, so the refusal is a CompileError too.
+    config = LLMConfig(family="gpt2", vocab_size=211, hidden_size=48, intermediate_size=192,
+                       num_layers=2, num_heads=4, num_kv_heads=4, head_dim=12, context_length=128,
+                       norm_eps=1e-5, hidden_act="gelu_new")
+    with pytest.raises(CompileError, match="compiling gpt2 for vulkan failed: .*Prefill tile"):
+        compile_llm(config, "vulkan")
 
 
 @pytest.mark.slow
