@@ -10,7 +10,12 @@ shader with the calling convention of `runtime/ext/vulkan/vulkan_module.cc`:
 - then the logical grid (x, y, total: 3 x uint32) as push constants; blockIdx comes from the
   linear workgroup index (the runtime folds big grids to fit maxComputeWorkGroupCount);
   threadIdx is gl_LocalInvocationID, its extents the compile-time workgroup size;
-- shared arrays: `shared` arrays; `tvm_storage_sync` : workgroup barriers;
+- shared arrays: `shared` arrays; `tvm_storage_sync` : workgroup barriers; local arrays:
+  module-scope arrays (private to each invocation), so helper functions can read them too;
+- vectors (float32x4, int64x2...: TVM's vectorized loads, KV-cache kernels' float32x4 locals):
+  GLSL vec2..vec4 of the element type. An index vector (a Ramp) reads one element per lane
+  through a gather helper and writes one per lane; comparisons and logic on vectors use GLSL's
+  component-wise functions; math whose GLSL form branches per element runs lane by lane;
 - int64 (TVM's index type here) through GL_EXT_shader_explicit_arithmetic_types: the target
   must support shaderInt64 (lavapipe does). Array indices are converted to int: a storage
   buffer holds at most maxStorageBufferRange bytes (128 MiB on lavapipe), far below 2^31
@@ -53,6 +58,13 @@ _SCALAR_TYPES = {
 }
 # Types a storage buffer element may have: bool tensors are 1 byte per element in memory.
 _STORAGE_TYPES = {**_SCALAR_TYPES, "bool": "uint8_t"}
+# GLSL vector types (2 to 4 lanes) by element type: vec4, i64vec2...
+_VECTOR_PREFIX = {
+    "float32": "vec", "float64": "dvec", "int64": "i64vec", "int32": "ivec", "int16": "i16vec",
+    "int8": "i8vec", "uint64": "u64vec", "uint32": "uvec", "uint16": "u16vec", "uint8": "u8vec",
+    "bool": "bvec",
+}
+_LANE_NAMES = "xyzw"
 
 _PREAMBLE = """#version 450
 #extension GL_EXT_shader_explicit_arithmetic_types : require
@@ -133,6 +145,11 @@ _BINARY = {
     tirx.BitwiseAnd: "&", tirx.BitwiseOr: "|", tirx.BitwiseXor: "^", tirx.LShift: "<<",
     tirx.RShift: ">>",
 }
+# Comparisons of vectors: GLSL's operators compare whole vectors to one bool.
+_VECTOR_COMPARE = {
+    tirx.EQ: "equal", tirx.NE: "notEqual", tirx.LT: "lessThan", tirx.LE: "lessThanEqual",
+    tirx.GT: "greaterThan", tirx.GE: "greaterThanEqual",
+}
 _THREAD_BUILTINS = {"blockIdx": "g_block", "threadIdx": "gl_LocalInvocationID"}
 # TVM's grid (blockIdx extents, in pc.grid_*) is folded by the runtime into a dispatch within
 # maxComputeWorkGroupCount: each workgroup recovers its blockIdx from its linear index, and the
@@ -175,8 +192,17 @@ def _bytes(dtype: str) -> int:
 
 
 def _dtype(e: Any) -> str:
-    """An expression's element type, from its IR type (`"handle"` for pointers)."""
+    """An expression's type, from its IR type (`"handle"` for pointers)."""
     return str(e.ty.dtype) if isinstance(e.ty, tvm.ir.PrimType) else "handle"
+
+
+def _lanes(dtype: str) -> int:
+    return tvm.DataType(dtype).lanes
+
+
+def _element(dtype: str) -> str:
+    """The element type of a (vector) type: float32 for float32x4."""
+    return str(tvm.DataType(dtype).with_lanes(1))
 
 
 class _Printer:
@@ -191,8 +217,8 @@ class _Printer:
         self.globals: dict[Any, str] = {}  # pointer argument -> its storage block instance
         self.storage_dtype: dict[Any, str] = {}  # pointer argument -> its element type
         self.views: dict[Any, Any] = {}  # declared buffer (DeclBuffer) -> its pointer argument
-        self.arrays: dict[Any, str] = {}  # allocated buffer (AllocBuffer) -> its array name
-        self.shared_decls: list[str] = []
+        self.arrays: dict[Any, str] = {}  # allocated or declared-over buffer -> its array name
+        self.array_decls: list[str] = []  # shared and local arrays, at module scope
         self.shared_bytes = 0
         self.helpers: dict[str, str] = {}
         self.workgroup = [1, 1, 1]
@@ -206,15 +232,16 @@ class _Printer:
         return VulkanCodegenError(f"Vulkan code generation failed for kernel '{self.name}': {what}")
 
     def type_of(self, dtype: Any, table: dict[str, str] = _SCALAR_TYPES) -> str:
-        dt = tvm.DataType(str(dtype))
-        if dt.lanes != 1:
-            raise self.fail(f"vector type {dtype} is not supported")
-        key = str(dtype)
-        if key not in table:
-            raise self.fail(f"element type {dtype} is not supported")
-        if key in ("int64", "uint64"):
+        element, lanes = _element(str(dtype)), _lanes(str(dtype))
+        if element not in table:
+            raise self.fail(f"element type {element} is not supported")
+        if element in ("int64", "uint64"):
             self.uses_int64 = True
-        return table[key]
+        if lanes == 1:
+            return table[element]
+        if not 2 <= lanes <= 4 or table is not _SCALAR_TYPES:
+            raise self.fail(f"vector type {dtype} is not supported (GLSL vectors have 2 to 4 lanes)")
+        return f"{_VECTOR_PREFIX[element]}{lanes}"
 
     def ident(self, var: Any, hint: str | None = None) -> str:
         if var not in self.names:
@@ -232,6 +259,10 @@ class _Printer:
     def helper(self, name: str) -> str:
         self.helpers[name] = _HELPERS[name]
         return name
+
+    def helper_call(self, name: str) -> Callable[[list[str]], str]:
+        """Printed arguments -> a call of helper `name` (emitted into the shader when used)."""
+        return lambda texts: f"{self.helper(name)}({', '.join(texts)})"
 
     # -- kernel --------------------------------------------------------------------------------
     def kernel(self) -> Kernel:
@@ -286,7 +317,7 @@ class _Printer:
             f"// kernel {self.name}",
             f"layout(local_size_x = {x}, local_size_y = {y}, local_size_z = {z}) in;",
             *decls,
-            *self.shared_decls,
+            *self.array_decls,
             *self.helpers.values(),
             "void main() {",
             *body_prefix,
@@ -333,17 +364,11 @@ class _Printer:
                 self.block(s.else_case)
             self.emit("}")
         elif isinstance(s, tirx.BufferStore):
-            target = self.access(s.buffer, s.indices)
-            value = self.expr(s.value)
-            if self.is_bool_storage(s.buffer):
-                value = f"(({value}) ? uint8_t(1) : uint8_t(0))"
-            self.emit(f"{target} = {value};")
+            self.store(s)
         elif isinstance(s, tirx.AllocBuffer):
             self.allocate(s.buffer)
         elif isinstance(s, tirx.DeclBuffer):
-            if s.data not in self.globals:
-                raise self.fail(f"buffer '{s.buffer.name}' is declared over an unknown pointer")
-            self.views[s.buffer] = s.data
+            self.declare(s.buffer, s.data)
         elif isinstance(s, tirx.Evaluate):
             self.evaluate(s.value)
         else:
@@ -394,12 +419,27 @@ class _Printer:
         self.arrays[buffer] = name
         glsl_type = self.type_of(buffer.dtype)
         if scope == "shared":
-            self.shared_decls.append(f"shared {glsl_type} {name}[{size}];")
+            self.array_decls.append(f"shared {glsl_type} {name}[{size}];")
             self.shared_bytes += size * _bytes(str(buffer.dtype))
         elif scope == "local":
-            self.emit(f"{glsl_type} {name}[{size}];")
+            self.array_decls.append(f"{glsl_type} {name}[{size}];")
         else:
             raise self.fail(f"allocation in scope '{scope}' ('{buffer.name}') is not supported")
+
+    def declare(self, buffer: Any, data: Any) -> None:
+        """A buffer declared over an argument's pointer, or over an allocated array (a view of
+        shared memory under another name or shape, as the KV-cache kernels declare)."""
+        if data in self.globals:
+            self.views[buffer] = data
+            return
+        # An array's pointer is `buffer_data(array)`.
+        base = data.args[0] if isinstance(data, tvm.ir.Call) and data.op.name == "tirx.buffer_data" else None
+        if base not in self.arrays:
+            raise self.fail(f"buffer '{buffer.name}' is declared over an unknown pointer")
+        if str(base.dtype) != str(buffer.dtype):
+            raise self.fail(f"buffer '{buffer.name}' views the {base.dtype} array '{base.name}' "
+                            f"as {buffer.dtype}")
+        self.arrays[buffer] = self.arrays[base]
 
     def evaluate(self, value: Any) -> None:
         if isinstance(value, tvm.ir.Call) and value.op.name == "tirx.tvm_storage_sync":
@@ -420,25 +460,72 @@ class _Printer:
     def is_bool_storage(self, buffer: Any) -> bool:
         return buffer in self.views and str(buffer.dtype) == "bool"
 
-    def access(self, buffer: Any, indices: Any) -> str:
-        if len(indices) != 1:
-            raise self.fail(f"buffer '{buffer.name}' is not flattened ({len(indices)} indices)")
-        index = indices[0]
-        if tvm.DataType(_dtype(index)).lanes != 1:
-            raise self.fail(f"vectorized access to '{buffer.name}' is not supported")
-        text = self.expr(index)
-        if _dtype(index) != "int32":
-            text = f"int({text})"
+    def array_of(self, buffer: Any) -> str:
+        """The GLSL array holding `buffer`'s elements: a storage block's data, or an array."""
         if buffer in self.views:
             data = self.views[buffer]
             declared = self.storage_dtype[data]
             if declared != str(buffer.dtype):
                 raise self.fail(f"buffer '{buffer.name}' is accessed as {buffer.dtype} but the "
                                 f"argument is {declared}")
-            return f"{self.globals[data]}.data[{text}]"
+            return f"{self.globals[data]}.data"
         if buffer in self.arrays:
-            return f"{self.arrays[buffer]}[{text}]"
+            return self.arrays[buffer]
         raise self.fail(f"buffer '{buffer.name}' is neither an argument nor allocated")
+
+    def index(self, buffer: Any, indices: Any) -> tuple[str, int]:
+        """The printed index of an access (int, or ivecN for N lanes) and its lanes."""
+        if len(indices) != 1:
+            raise self.fail(f"buffer '{buffer.name}' is not flattened ({len(indices)} indices)")
+        index = indices[0]
+        lanes = _lanes(_dtype(index))
+        if lanes > 1 and _lanes(str(buffer.dtype)) > 1:
+            raise self.fail(f"vectorized access to the vector array '{buffer.name}' is not supported")
+        text = self.expr(index)
+        if _element(_dtype(index)) != "int32":
+            text = f"{self.type_of(f'int32x{lanes}' if lanes > 1 else 'int32')}({text})"
+        return text, lanes
+
+    def load(self, e: Any) -> str:
+        array = self.array_of(e.source)
+        index, lanes = self.index(e.source, e.indices)
+        if lanes > 1:
+            return f"{self.gather(array, _dtype(e), self.is_bool_storage(e.source))}({index})"
+        text = f"{array}[{index}]"
+        return f"({text} != uint8_t(0))" if self.is_bool_storage(e.source) else text
+
+    def gather(self, array: str, dtype: str, bool_storage: bool) -> str:
+        """A helper reading one element of `array` per lane of an index vector (GLSL indexes
+        one element at a time; the helper evaluates the index once)."""
+        lanes = _lanes(dtype)
+        name = f"g_load_{array.replace('.', '_')}_{lanes}"
+        if name not in self.helpers:
+            vector = self.type_of(dtype)
+            parts = [f"{array}[i.{lane}]" for lane in _LANE_NAMES[:lanes]]
+            if bool_storage:
+                parts = [f"{part} != uint8_t(0)" for part in parts]
+            self.helpers[name] = (f"{vector} {name}(ivec{lanes} i) {{ "
+                                  f"return {vector}({', '.join(parts)}); }}")
+        return name
+
+    def store(self, s: Any) -> None:
+        array = self.array_of(s.buffer)
+        index, lanes = self.index(s.buffer, s.indices)
+        value = self.expr(s.value)
+        bool_storage = self.is_bool_storage(s.buffer)
+        if lanes == 1:
+            if bool_storage:
+                value = f"(({value}) ? uint8_t(1) : uint8_t(0))"
+            self.emit(f"{array}[{index}] = {value};")
+            return
+        # One element per lane, the index and value evaluated once.
+        self.emit("{")
+        self.emit(f"  const ivec{lanes} g_i = {index};")
+        self.emit(f"  const {self.type_of(_dtype(s.value))} g_v = {value};")
+        for lane in _LANE_NAMES[:lanes]:
+            element = f"(g_v.{lane} ? uint8_t(1) : uint8_t(0))" if bool_storage else f"g_v.{lane}"
+            self.emit(f"  {array}[g_i.{lane}] = {element};")
+        self.emit("}")
 
     def expr(self, e: Any) -> str:
         if isinstance(e, tirx.IntImm):
@@ -449,6 +536,19 @@ class _Printer:
             if e not in self.names:
                 raise self.fail(f"variable '{e.name}' is used but never defined")
             return self.names[e]
+        if isinstance(e, tirx.Broadcast):
+            return f"{self.type_of(_dtype(e))}({self.expr(e.value)})"
+        if isinstance(e, tirx.Ramp):
+            return self.ramp(e)
+        if isinstance(e, tirx.Shuffle):
+            return self.shuffle(e)
+        vector = _lanes(_dtype(e)) > 1
+        if vector and type(e) in _VECTOR_COMPARE:
+            return f"{_VECTOR_COMPARE[type(e)]}({self.expr(e.a)}, {self.expr(e.b)})"
+        if vector and isinstance(e, (tirx.And, tirx.Or)):
+            # GLSL has no && / || on bvecN: combine the lanes as 0/1 integers.
+            uvec, op = f"uvec{_lanes(_dtype(e))}", "&" if isinstance(e, tirx.And) else "|"
+            return f"bvec{_lanes(_dtype(e))}({uvec}({self.expr(e.a)}) {op} {uvec}({self.expr(e.b)}))"
         if type(e) in _BINARY:
             return f"({self.expr(e.a)} {_BINARY[type(e)]} {self.expr(e.b)})"
         if isinstance(e, tirx.Div):
@@ -459,21 +559,43 @@ class _Printer:
             fn = "min" if isinstance(e, tirx.Min) else "max"
             return f"{fn}({self.expr(e.a)}, {self.expr(e.b)})"
         if isinstance(e, tirx.Not):
-            return f"(!{self.expr(e.a)})"
+            return f"not({self.expr(e.a)})" if vector else f"(!{self.expr(e.a)})"
         if isinstance(e, tirx.BitwiseNot):
             return f"(~{self.expr(e.a)})"
         if isinstance(e, tirx.Select):
-            return f"({self.expr(e.condition)} ? {self.expr(e.true_value)} : {self.expr(e.false_value)})"
+            c, t, f = self.expr(e.condition), self.expr(e.true_value), self.expr(e.false_value)
+            # A lane-wise condition picks per lane (both sides are evaluated, as in TIR).
+            return f"mix({f}, {t}, {c})" if _lanes(_dtype(e.condition)) > 1 else f"({c} ? {t} : {f})"
         if isinstance(e, tirx.Cast):
             return self.cast(e)
         if isinstance(e, tvm.ir.TensorLoad):
-            text = self.access(e.source, e.indices)
-            return f"({text} != uint8_t(0))" if self.is_bool_storage(e.source) else text
+            return self.load(e)
         if isinstance(e, tvm.ir.Call):
             return self.call(e)
         if isinstance(e, tirx.Let):
             return self.let(e)
         raise self.fail(f"unsupported expression {type(e).__name__}: {e}")
+
+    def ramp(self, e: Any) -> str:
+        """`base + stride * (0, 1, ..., lanes - 1)`."""
+        vector = self.type_of(_dtype(e))
+        offsets = f"{vector}({', '.join(str(k) for k in range(_lanes(_dtype(e))))})"
+        if not _is_one(e.stride):
+            offsets = f"{offsets} * {self.expr(e.stride)}"
+        return f"({self.expr(e.base)} + {offsets})"
+
+    def shuffle(self, e: Any) -> str:
+        """Lanes picked from one vector (a swizzle), or vectors and scalars concatenated."""
+        if not all(isinstance(i, tirx.IntImm) for i in e.indices):
+            raise self.fail("a shuffle with computed lane indices is not supported")
+        indices = [int(i.value) for i in e.indices]
+        vectors = list(e.vectors)
+        if len(vectors) == 1 and _lanes(_dtype(vectors[0])) > 1:
+            swizzle = "".join(_LANE_NAMES[i] for i in indices)
+            return f"({self.expr(vectors[0])}).{swizzle}"
+        if indices == list(range(sum(_lanes(_dtype(v)) for v in vectors))):
+            return f"{self.type_of(_dtype(e))}({', '.join(self.expr(v) for v in vectors)})"
+        raise self.fail(f"a shuffle of {len(vectors)} vectors with lanes {indices} is not supported")
 
     def let(self, e: Any) -> str:
         """A let expression, its value printed in place of each use (GLSL has no expression
@@ -521,11 +643,13 @@ class _Printer:
         if to == src:
             return value
         glsl = self.type_of(to)
-        if to == "bool":
-            return f"({value} != {self.type_of(src)}(0))"
-        if src == "bool":
+        vector = _lanes(to) > 1
+        if _element(to) == "bool":
+            zero = f"{self.type_of(src)}(0)"
+            return f"notEqual({value}, {zero})" if vector else f"({value} != {zero})"
+        if _element(src) == "bool" and not vector:
             return f"({value} ? {glsl}(1) : {glsl}(0))"
-        return f"{glsl}({value})"
+        return f"{glsl}({value})"  # vector constructors convert bool lanes to 0 and 1
 
     def division(self, e: Any) -> str:
         a, b = self.expr(e.a), self.expr(e.b)
@@ -535,15 +659,15 @@ class _Printer:
                 return f"floor({a} / {b})"
             if isinstance(e, tirx.FloorMod):
                 return f"({a} - floor({a} / {b}) * {b})"
-            return f"{self.helper('g_fmod')}({a}, {b})"
+            return self.lanewise("g_fmod", self.helper_call("g_fmod"), e, [e.a, e.b], [a, b])
         if dtype.startswith("uint"):
             return f"({a} / {b})" if isinstance(e, tirx.FloorDiv) else f"({a} % {b})"
-        glsl = self.type_of(dtype)
+        glsl = self.type_of(_element(dtype))
         if glsl not in ("int", "int64_t"):
             raise self.fail(f"integer division of {dtype} is not supported")
         kind = {tirx.Mod: "truncmod", tirx.FloorDiv: "floordiv", tirx.FloorMod: "floormod"}[type(e)]
         self.helper(f"g_{kind}_{glsl}")
-        return f"g_{kind}({a}, {b})"
+        return self.lanewise(f"g_{kind}", lambda t: f"g_{kind}({t[0]}, {t[1]})", e, [e.a, e.b], [a, b])
 
     def call(self, e: Any) -> str:
         op = e.op.name.replace("prim.", "tirx.", 1)  # if_then_else, likely live in "prim."
@@ -558,8 +682,8 @@ class _Printer:
             # GLSL evaluates only the selected operand, like TIR's if_then_else (guarded loads).
             c, t, f = (self.expr(a) for a in args)
             return f"({c} ? {t} : {f})"
-        if op == "tirx.likely":
-            return self.expr(args[0])
+        if op in ("tirx.likely", "tirx.tvm_thread_invariant"):
+            return self.expr(args[0])  # hints: the condition itself
         if op == "tirx.reinterpret":
             return self.reinterpret(args[0], _dtype(e))
         if op.startswith("tirx."):
@@ -567,25 +691,46 @@ class _Printer:
         raise self.fail(f"unsupported call {op}")
 
     def math(self, name: str, args: list, e: Any) -> str:
-        if _dtype(e) not in ("float32", "bool") and name not in ("fabs", "abs", "fmin", "fmax"):
+        if _element(_dtype(e)) not in ("float32", "bool") and name not in ("fabs", "abs", "fmin", "fmax"):
             raise self.fail(f"{name} on {_dtype(e)} is not supported (float32 only)")
         texts = [self.expr(a) for a in args]
         if name in _MATH_EXPR:
-            return _MATH_EXPR[name](texts)
-        if name not in _MATH:
+            scalar = _MATH_EXPR[name]
+        elif name in _MATH and _MATH[name] in _HELPERS:
+            scalar = self.helper_call(_MATH[name])
+        elif name in _MATH:
+            return f"{_MATH[name]}({', '.join(texts)})"  # GLSL builtins apply lane by lane
+        else:
             raise self.fail(f"unsupported math function '{name}'")
-        fn = _MATH[name]
-        if fn in _HELPERS:
-            self.helper(fn)
-        return f"{fn}({', '.join(texts)})"
+        return self.lanewise(f"g_{name}", scalar, e, args, texts)
+
+    def lanewise(self, name: str, scalar: Callable[[list[str]], str], e: Any, args: list,
+                 texts: list[str]) -> str:
+        """`scalar` (printed arguments -> printed result) applied to `texts`: directly for a
+        scalar `e`, else through an overload `name` that applies it to each lane, for
+        functions whose GLSL form works on one element (branches, helpers with ifs)."""
+        lanes = _lanes(_dtype(e))
+        if lanes == 1:
+            return scalar(texts)
+        result = self.type_of(_dtype(e))
+        params = [self.type_of(_dtype(a)) for a in args]
+        key = f"{name}({', '.join(params)})"
+        if key not in self.helpers:
+            def lane(k: int) -> str:
+                return scalar([f"a{i}.{_LANE_NAMES[k]}" if _lanes(_dtype(a)) > 1 else f"a{i}"
+                               for i, a in enumerate(args)])
+            values = ", ".join(lane(k) for k in range(lanes))
+            signature = ", ".join(f"{t} a{i}" for i, t in enumerate(params))
+            self.helpers[key] = f"{result} {name}({signature}) {{ return {result}({values}); }}"
+        return f"{name}({', '.join(texts)})"
 
     def reinterpret(self, value: Any, to: str) -> str:
         src = _dtype(value)
         fn = {("float32", "int32"): "floatBitsToInt", ("float32", "uint32"): "floatBitsToUint",
               ("int32", "float32"): "intBitsToFloat", ("uint32", "float32"): "uintBitsToFloat"}
-        if (src, to) not in fn:
+        if (_element(src), _element(to)) not in fn or _lanes(src) != _lanes(to):
             raise self.fail(f"reinterpret from {src} to {to} is not supported")
-        return f"{fn[(src, to)]}({self.expr(value)})"
+        return f"{fn[(_element(src), _element(to))]}({self.expr(value)})"
 
 
 def _is_zero(e: Any) -> bool:

@@ -209,6 +209,48 @@ def test_math_builtins_match_numpy() -> None:
 
 
 @T.prim_func
+def _vectors(a: T.Buffer((512,), "float32"), b: T.Buffer((512,), "float32"),
+             picked: T.Buffer((512,), "float32"), cube: T.Buffer((512,), "float32"),
+             reversed_next: T.Buffer((512,), "float32"), q: T.Buffer((512,), "int64"),
+             either_not_positive: T.Buffer((512,), "bool")):
+    # Four lanes per thread, as the KV cache's attention kernels use them: index vectors (Ramp)
+    # into scalar buffers, float32x4 shared and local arrays, lane-wise compare/select/pow.
+    for i in T.thread_binding(4, thread="blockIdx.x"):
+        for j in T.thread_binding(32, thread="threadIdx.x"):
+            tile = T.alloc_buffer((32,), "float32x4", scope="shared")
+            half = T.alloc_buffer((1,), "float32x4", scope="local")
+            lanes = T.Ramp(i * 128 + j * 4, 1, 4)
+            tile[j] = a[lanes]
+            half[0] = T.Broadcast(T.float32(0.5), 4) * b[lanes]
+            T.tvm_storage_sync("shared")
+            picked[lanes] = T.Select(a[lanes] < b[lanes], a[lanes], half[0])
+            cube[lanes] = T.pow(a[lanes], T.Broadcast(T.float32(3.0), 4))
+            reversed_next[lanes] = T.Shuffle([tile[(j + 1) % 32]], [3, 2, 1, 0])
+            q[lanes] = T.floordiv(T.Ramp(T.int64(i * 128 + j * 4) - T.int64(256), T.int64(1), 4),
+                                  T.Broadcast(T.int64(7), 4))
+            either_not_positive[lanes] = T.Not(T.And(a[lanes] > T.Broadcast(T.float32(0.0), 4),
+                                                     b[lanes] > T.Broadcast(T.float32(0.0), 4)))
+
+
+def test_vector_lanes_match_numpy() -> None:
+    ex = build_kernel(_vectors)
+    dev = tvm.vulkan(0)
+    rng = np.random.default_rng(0)
+    x, y = (rng.standard_normal(512).astype("float32") for _ in range(2))
+    args = [tvm.runtime.tensor(x, dev), tvm.runtime.tensor(y, dev)]
+    args += [tvm.runtime.empty((512,), "float32", dev) for _ in range(3)]
+    args += [tvm.runtime.empty((512,), "int64", dev), tvm.runtime.empty((512,), "bool", dev)]
+    ex["main"](*args)
+    picked, cube, reversed_next, q, either_not_positive = (t.numpy() for t in args[2:])
+    np.testing.assert_array_equal(picked, np.where(x < y, x, 0.5 * y))
+    np.testing.assert_allclose(cube, x.astype("float64") ** 3, rtol=2e-6)
+    rows = x.reshape(4, 32, 4)
+    np.testing.assert_array_equal(reversed_next, np.roll(rows, -1, axis=1)[:, :, ::-1].reshape(-1))
+    np.testing.assert_array_equal(q, (np.arange(512) - 256) // 7)
+    np.testing.assert_array_equal(either_not_positive, (x <= 0) | (y <= 0))
+
+
+@T.prim_func
 def _wide(a: T.Buffer((4096,), "float32"), b: T.Buffer((4096,), "float32")):
     # 64 x 32 = 2048 invocations per workgroup: each dimension fits, the total does not.
     for i in T.thread_binding(2, thread="blockIdx.x"):

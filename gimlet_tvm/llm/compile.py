@@ -88,9 +88,10 @@ def compile_llm(config: LLMConfig, target: TargetLike, quantization: str | None 
     with quiet_tvm_logs(), tvm_target:
         model = family.model(config)
         quantize_module(model, quantization)
-        mod, named = model.export_tvm(spec=model.export_spec())
         tuned = ApplyRecords(RecordsDB(records), tvm_target) if records is not None else None
         try:
+            # Exporting builds the KV cache's kernels for the target, which may refuse the shape.
+            mod, named = model.export_tvm(spec=model.export_spec())
             with spec.codegen_hooks(tvm_target) as codegen:
                 executable = tvm.compile(mod, tvm_target,
                                          relax_pipeline=device_pipeline([(spec, tvm_target)], tuned))
