@@ -102,15 +102,20 @@ def test_load_quantized_takes_stored_blocks_and_quantizes_the_rest() -> None:
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-def test_quantize_module_swaps_every_linear_layer() -> None:
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_quantize_module_swaps_every_linear_layer(tied: bool) -> None:
+    """Every linear layer becomes Q4_1 under "q4"; the output head too, or, with tied
+    embeddings, a Q8_0 copy of them (the float32 table stays)."""
     config = LLMConfig(family="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=16, context_length=64, norm_eps=1e-5)
+                       num_heads=4, num_kv_heads=2, head_dim=16, context_length=64, norm_eps=1e-5,
+                       tie_word_embeddings=tied)
     model = FAMILIES["llama"].model(config)
     quant.quantize_module(model, "q4")
     names = [name for name, _ in model.named_parameters()]
     assert not [n for n in names if n.endswith("proj.weight") or n == "lm_head.weight"]
     assert len([n for n in names if n.endswith(quant.QUANTS)]) == 4 * 2 + 1
     assert model.layers[1].mlp.down_proj.weight_quants.shape == [64, 64]
+    assert model.lm_head.fmt is (quant.Q8_0 if tied else quant.Q4_1)
     assert model.embed_tokens.weight.dtype == "float32"
 
 
@@ -137,6 +142,12 @@ def _assert_same_greedy(tokens: list[int], logits: np.ndarray, reference: np.nda
     assert tokens == [int(t) for t in np.argmax(reference, axis=-1)]
     scale = np.abs(reference).max()
     np.testing.assert_allclose(logits, reference, rtol=1e-3, atol=1e-3 * scale)
+
+
+def _requantized(weights: np.ndarray, kind: GGMLQuantizationType) -> torch.Tensor:
+    """dequantize(quantize(weights)), as torch wants it."""
+    blocks = gguf.quants.quantize(np.ascontiguousarray(weights), kind)
+    return torch.from_numpy(gguf.quants.dequantize(blocks, kind))
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +179,31 @@ def test_small_llama_quantized_on_load(small_llama, quantization: str) -> None:
     with torch.no_grad():
         for module in reference.modules():
             if isinstance(module, torch.nn.Linear):
-                blocks = gguf.quants.quantize(module.weight.numpy(), kind)
-                module.weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, kind)))
+                module.weight.copy_(_requantized(module.weight.numpy(), kind))
     _assert_same_greedy(tokens, logits, _reference_logits(reference, prompt, tokens))
+
+
+def test_small_gpt2_quantized_on_load(tmp_path) -> None:
+    """GPT-2 under "q4": biases in the kernel, `Conv1D` weights ([in, out]) transposed before
+    quantizing, and the tied embeddings' Q8_0 copy as the output head (the float32 table
+    still looked up): the greedy tokens of the float32 model with those weights."""
+    config = transformers.GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=128,
+                                     initializer_range=0.1)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    checkpoint = open_checkpoint(tmp_path)
+    llm = LLM(compile_llm(checkpoint.config, TARGET, "q4"), checkpoint, None)
+    prompt = [1, 17, 42, 99, 3, 250, 7]
+    tokens, logits = _run_greedy(llm, prompt)
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, transformers.pytorch_utils.Conv1D):
+                module.weight.copy_(_requantized(module.weight.numpy().T, GGMLQuantizationType.Q4_1).T)
+        model.lm_head.weight = torch.nn.Parameter(
+            _requantized(model.lm_head.weight.numpy(), GGMLQuantizationType.Q8_0))  # unties it
+    _assert_same_greedy(tokens, logits, _reference_logits(model, prompt, tokens))
 
 
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -185,21 +218,28 @@ def smollm2() -> Path:
 
 
 def test_smollm2_q4_takes_the_gguf_blocks(smollm2: Path, monkeypatch) -> None:
-    """SmolLM2's Q4_1 tensors become the kernels' arrays byte for byte; the model generates
-    the greedy tokens of the float32 transformers model dequantized from the same file (the
-    tied embeddings, Q8_0 in the file, are float in both)."""
+    """SmolLM2's Q4_1 tensors become the kernels' arrays byte for byte, and so do its Q8_0
+    embeddings for the output head; the model generates the greedy tokens of the float32
+    transformers model dequantized from the same file."""
     checkpoint = open_checkpoint(smollm2)
-    down = "model.layers.0.mlp.down_proj.weight"
+    embeddings = "model.embed_tokens.weight"
+    kind, data = checkpoint.raw(embeddings)
+    assert kind == "Q8_0" and checkpoint.config.tie_word_embeddings
+    head = quant.load_quantized("lm_head.weight", WeightSource(embeddings), checkpoint, "q4")
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 34)
+    assert np.array_equal(head["lm_head.weight_quants"].view(np.uint8), blocks[..., 2:].reshape(rows, -1))
+    assert np.array_equal(head["lm_head.weight_scales"].view(np.uint8), blocks[..., :2].reshape(rows, -1))
+
+    layer, down = "layers.0.mlp.down_proj", "model.layers.0.mlp.down_proj.weight"
     kind, data = checkpoint.raw(down)
     assert kind == "Q4_1"
-    arrays = quant.load_quantized("layers.0.mlp.down_proj.weight", WeightSource(down), checkpoint, "q4")
-    blocks = data.reshape(data.shape[0], -1, 20)
-    assert np.array_equal(arrays["layers.0.mlp.down_proj.weight_quants"],
-                          blocks[..., 4:].reshape(data.shape[0], -1))
-    assert np.array_equal(arrays["layers.0.mlp.down_proj.weight_scales"].view(np.uint8),
-                          blocks[..., 0:2].reshape(data.shape[0], -1))
-    assert np.array_equal(arrays["layers.0.mlp.down_proj.weight_mins"].view(np.uint8),
-                          blocks[..., 2:4].reshape(data.shape[0], -1))
+    arrays = quant.load_quantized(f"{layer}.weight", WeightSource(down), checkpoint, "q4")
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 20)
+    assert np.array_equal(arrays[f"{layer}.weight_quants"], blocks[..., 4:].reshape(rows, -1))
+    assert np.array_equal(arrays[f"{layer}.weight_scales"].view(np.uint8), blocks[..., 0:2].reshape(rows, -1))
+    assert np.array_equal(arrays[f"{layer}.weight_mins"].view(np.uint8), blocks[..., 2:4].reshape(rows, -1))
 
     llm = LLM(compile_llm(checkpoint.config, TARGET, "q4"), checkpoint, None)
     prompt = [504, 3575, 282, 4649, 314]

@@ -10,19 +10,23 @@ into arrays, each a parameter of its `QuantizedLinear`: `<layer>.weight_scales` 
 int8 [out, in]; Q4_1: uint8 [out, in / 2], GGUF's bytes).
 
 `quantize_module` swaps every `nn.Linear` of a model whose input size is a multiple of 32 for
-a `QuantizedLinear`; embeddings, norms and biases stay float32, and so does a tied output
-head (the logits multiply by the token embeddings, which are looked up as floats). On load
+a `QuantizedLinear`; embeddings, norms and biases stay float32. A model with tied embeddings
+gets a Q8_0 copy of them as its output head (`lm_head`, made from the embeddings' tensor),
+whatever the quantization: the float32 table stays for the lookup (one row per token), and
+decode reads the copy's quarter of its bytes (in SmolLM2, the table is a fifth of the model;
+llama.cpp keeps it at Q8_0 too). On load
 (`load_quantized`), a GGUF tensor stored in the chosen format is taken as it is, bit for bit
 (and a Q4_0 one under "q4": it is Q4_1 with m = -8 d, exactly); any other tensor (float, or
 another GGUF type, dequantized first) is quantized with llama.cpp's reference rounding (the
 `gguf` package's, which matches it).
 
-The kernels: a decode step (one token per sequence) runs one TIR function per linear layer
-that reads each block, dequantizes it in registers and multiplies it into the input rows, the
-output rows split across the cores (`_gemv`). On CPUs that is the only pass over the weight.
-Prefill (many tokens), and every step on other targets, dequantizes the weight into a float32
-temporary and multiplies as `nn.Linear` does (the CPU library's GEMM on CPUs): there the
-matrix product, not the weight's bytes, is the cost.
+The kernels: an input of one row per sequence ([rows, 1, in]: every layer's in decode, the
+output head's in prefill too) goes through one TIR function per layer that reads each block,
+dequantizes it in registers and multiplies it into the input rows, the output rows split
+across the cores (`_gemv`): on CPUs the only pass over the weight. Prefill's tokens ([1, n,
+in]), and every input on other targets, multiply as `nn.Linear` does (the CPU library's GEMM
+on CPUs) with the weight dequantized into a float32 temporary first: there the matrix
+product, not the weight's bytes, is the cost.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from tvm.script import tirx as T
 
 from ..errors import WeightsError
 from ..targets import spec_for
+from .config import LLMConfig
 from .families.base import DecoderLM, WeightSource
 from .weights import Checkpoint
 
@@ -72,6 +77,8 @@ Q8_0 = BlockFormat(gguf.GGMLQuantizationType.Q8_0, "int8", 1, False)
 Q4_0 = BlockFormat(gguf.GGMLQuantizationType.Q4_0, "uint8", 2, False)
 Q4_1 = BlockFormat(gguf.GGMLQuantizationType.Q4_1, "uint8", 2, True)
 FORMAT_OF = {"q8": Q8_0, "q4": Q4_1}
+TIED_HEAD_FORMAT = Q8_0  # the output head copied from tied embeddings
+HEAD, EMBEDDINGS = "lm_head.weight", "embed_tokens.weight"  # `DecoderLM`'s parameters
 # GGUF types read from a file as they are, by the format they are kept in.
 TAKEN_AS_IS = {Q8_0: (Q8_0,), Q4_1: (Q4_1, Q4_0)}
 READABLE = {f.name: f for f in (Q8_0, Q4_0, Q4_1)}
@@ -297,7 +304,8 @@ _SIGNATURES: dict[tuple[bool, bool], Callable[..., tvm.tirx.PrimFunc]] = {
 
 def quantize_module(model: DecoderLM, quantization: str | None) -> None:
     """Swap the model's linear layers (input size a multiple of 32) for `QuantizedLinear`s in
-    `quantization`'s format (None: keep them float)."""
+    `quantization`'s format, and give a model with tied embeddings a Q8_0 output head (None:
+    keep them float)."""
     if quantization is None:
         return
     fmt = FORMAT_OF[quantization]
@@ -316,9 +324,21 @@ def quantize_module(model: DecoderLM, quantization: str | None) -> None:
         return module
 
     swap(model)
+    config = model.config
+    if config.tie_word_embeddings and config.hidden_size % BLOCK == 0:
+        model.lm_head = QuantizedLinear(config.hidden_size, config.vocab_size, TIED_HEAD_FORMAT,
+                                        bias=False, dtype=model.dtype)
 
 
 # --- the load side ------------------------------------------------------------------------
+
+def quantized_sources(sources: dict[str, WeightSource], config: LLMConfig) -> dict[str, WeightSource]:
+    """A family's `weight_sources` and, with tied embeddings, the quantized output head's:
+    the embeddings' tensor."""
+    if not config.tie_word_embeddings:
+        return sources
+    return {**sources, HEAD: sources[EMBEDDINGS]}
+
 
 def quantized_weight(param: str) -> str | None:
     """The weight a quantized parameter is part of (`x.weight_quants` -> `x.weight`), or None."""
@@ -344,8 +364,9 @@ def load_quantized(weight: str, source: WeightSource, checkpoint: Checkpoint,
     """The arrays of the quantized `weight` (a parameter name ending in `.weight`) by parameter
     name, made from `source`'s tensors: each one stored in the format (or one it converts from
     exactly) is taken as it is, any other quantized from its float values; then joined along
-    the output axis."""
-    fmt = FORMAT_OF[quantization]
+    the output axis. The head copied from tied embeddings is Q8_0 under every quantization."""
+    tied_head = weight == HEAD and checkpoint.config.tie_word_embeddings
+    fmt = TIED_HEAD_FORMAT if tied_head else FORMAT_OF[quantization]
     parts = []
     for name in source.names:
         kind, data = checkpoint.raw(name)
