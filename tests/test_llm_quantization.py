@@ -171,6 +171,26 @@ def test_small_llama_quantized_on_load(quantization: str, tmp_path) -> None:
     _assert_same_greedy(tokens, logits, _reference_logits(model, PROMPT, tokens))
 
 
+def test_batched_decode_matches_one_sequence_at_a_time(tmp_path) -> None:
+    """Five sequences in one decode step (a tile of four rows sharing each dequantized block,
+    then one row alone) give each one's logits as decoding it alone does."""
+    folder, _ = random_model("llama", dict(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
+        tie_word_embeddings=False, initializer_range=0.1), tmp_path)
+    llm = gllm.load(folder, quantization="q4")
+    prompts = [PROMPT[:n] for n in range(3, 8)]
+    alone = []
+    for prompt in prompts:
+        seq = llm.add_sequence()
+        llm.prefill([seq], [prompt])
+        alone.append(llm.decode([seq], [11])[0])
+        llm.remove_sequence(seq)
+    seqs = [llm.add_sequence() for _ in prompts]
+    llm.prefill(seqs, prompts)
+    together = llm.decode(seqs, [11] * len(seqs))
+    np.testing.assert_allclose(together, np.stack(alone), rtol=1e-4, atol=1e-4 * np.abs(together).max())
+
+
 def test_small_gpt2_quantized_on_load(tmp_path) -> None:
     """GPT-2 under "q4": biases in the kernel, `Conv1D` weights ([in, out]) transposed before
     quantizing, and the tied embeddings' Q8_0 copy as the output head (the float32 table

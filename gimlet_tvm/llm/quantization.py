@@ -14,11 +14,12 @@ a `QuantizedLinear`; embeddings, norms and biases stay float32. A model with tie
 gets a Q8_0 copy of them as its output head (`lm_head`, made from the embeddings' tensor),
 whatever the quantization: the float32 table stays for the lookup (one row per token), and
 decode reads the copy's quarter of its bytes (in SmolLM2, the table is a fifth of the model;
-llama.cpp keeps it at Q8_0 too). On load
-(`load_quantized`), a GGUF tensor stored in the chosen format is taken as it is, bit for bit
-(and a Q4_0 one under "q4": it is Q4_1 with m = -8 d, exactly); any other tensor (float, or
-another GGUF type, dequantized first) is quantized with llama.cpp's reference rounding (the
-`gguf` package's, which matches it).
+llama.cpp keeps it at Q8_0 too).
+
+On load (`load_quantized`), a GGUF tensor stored in the chosen format is taken as it is, bit
+for bit (and a Q4_0 one under "q4": it is Q4_1 with m = -8 d, the same values); any other
+tensor (float, or another GGUF type, dequantized first) is quantized with llama.cpp's
+reference rounding (the `gguf` package's, which matches it).
 
 The kernels: an input of one row per sequence ([rows, 1, in]: every layer's in decode, the
 output head's in prefill too) goes through one TIR function per layer that reads each block,
@@ -150,9 +151,12 @@ def _weight(fmt: BlockFormat, scales, mins, quants, j, b, half, i) -> tvm.tirx.P
     return weight + tvm.tirx.Cast("float32", mins[j, b]) if fmt.has_mins else weight
 
 
-# Output rows per parallel task: each task first sums the input's blocks (for the minimums'
-# term), once per this many rows.
+# Output rows per parallel task: a task sums each lone input row's blocks (for the minimums'
+# term) once for this many rows.
 ROWS_PER_TASK = 32
+# Input rows that share each dequantized block (batched decode; the logits of a prefill of
+# several sequences); the rows left over go one at a time.
+TILE = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,11 +165,13 @@ def _gemv(fmt: BlockFormat, n: int, k: int, bias: bool) -> tvm.tirx.PrimFunc:
     out = x W^T (+ bias), W dequantized block by block in registers.
 
     Tasks of `ROWS_PER_TASK` output rows run in parallel (each core streams its own part of
-    the weight once). Per output row j and input row, a block's 32 products are summed as 16
-    lanes (its two halves: a Q4_1 byte's low and high nibbles) before one multiply by its
-    scale: sum_b d_b (sum_l q_bl x_bl) + sum_b m_b (sum_l x_bl), the blocks' sums of x made
-    once per task. Even and odd blocks go to two accumulators, so consecutive blocks do not
-    wait on each other's adds."""
+    the weight once). Input rows go in tiles of `TILE` (`tile`): each block is dequantized
+    once (w = d q + m, 32 lanes) and multiplied into all of them. The rows left over, and so
+    batch-1 decode, go one at a time (`row`), with less arithmetic per block: its 32 products
+    are summed as 16 lanes (its two halves: a Q4_1 byte's low and high nibbles) before one
+    multiply by its scale, sum_b d_b (sum_l q_bl x_bl) + sum_b m_b (sum_l x_bl), the
+    blocks' sums of x made once per task; even and odd blocks go to two accumulators, so
+    consecutive blocks do not wait on each other's adds."""
     blocks = k // BLOCK
     tasks = -(-n // ROWS_PER_TASK)
     vectors, tail = blocks // HALF, blocks % HALF  # per-block values of a row, as vectors of 16
@@ -228,15 +234,42 @@ def _gemv(fmt: BlockFormat, n: int, k: int, bias: bool) -> tvm.tirx.PrimFunc:
         out[r, 0, j] = bias_of(acc[0] + acc[1] + acc[2] + acc[3], j)
 
     @T.macro
+    def tile(x, scales, mins, quants, bias_of, out, r0, j):
+        acc = T.decl_buffer((TILE, HALF), "float32", scope="global")
+        for r in T.unroll(TILE):
+            for i in T.vectorized(HALF):
+                acc[r, i] = T.float32(0)
+        for b in range(blocks):
+            w = T.decl_buffer((BLOCK,), "float32", scope="global")
+            for half in T.unroll(2):
+                for i in T.vectorized(HALF):
+                    w[half * HALF + i] = _weight(fmt, scales, mins, quants, j, b, half, i)
+            for r in T.unroll(TILE):
+                for i in T.vectorized(HALF):
+                    acc[r, i] = acc[r, i] + w[i] * x[r0 + r, 0, b * BLOCK + i] + w[HALF + i] * x[
+                        r0 + r, 0, b * BLOCK + HALF + i]
+        for r in T.unroll(TILE):
+            for i in T.vectorized(8):
+                acc[r, i] = acc[r, i] + acc[r, 8 + i]
+            for i in T.vectorized(4):
+                acc[r, i] = acc[r, i] + acc[r, 4 + i]
+            out[r0 + r, 0, j] = bias_of(acc[r, 0] + acc[r, 1] + acc[r, 2] + acc[r, 3], j)
+
+    @T.macro
     def body(x, scales, mins, quants, bias_of, out, m):
         for task in T.parallel(tasks):
-            for r in range(m):
-                sums = T.decl_buffer((blocks,), "float32", scope="global")
-                if fmt.has_mins:
-                    block_sums(x, r, sums)
+            for t in range(m // TILE):
                 for jj in range(ROWS_PER_TASK):
                     if task * ROWS_PER_TASK + jj < n:
-                        row(x, scales, mins, quants, sums, bias_of, out, r, task * ROWS_PER_TASK + jj)
+                        tile(x, scales, mins, quants, bias_of, out, t * TILE, task * ROWS_PER_TASK + jj)
+            for rr in range(m % TILE):
+                sums = T.decl_buffer((blocks,), "float32", scope="global")
+                if fmt.has_mins:
+                    block_sums(x, m // TILE * TILE + rr, sums)
+                for jj in range(ROWS_PER_TASK):
+                    if task * ROWS_PER_TASK + jj < n:
+                        row(x, scales, mins, quants, sums, bias_of, out, m // TILE * TILE + rr,
+                            task * ROWS_PER_TASK + jj)
 
     # Made once per shape (parsing TVMScript takes a while; a model repeats its layers); no
     # global symbol, so every call site shares one function.
