@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType  # noqa: E402
 
 import gimlet_tvm.llm as gllm  # noqa: E402
 from gimlet_tvm.llm import quantization as quant  # noqa: E402
+from gimlet_tvm.llm.compile import compile_llm  # noqa: E402
 from gimlet_tvm.llm.config import LLMConfig  # noqa: E402
 from gimlet_tvm.llm.families import FAMILIES  # noqa: E402
 from gimlet_tvm.llm.families.base import WeightSource  # noqa: E402
@@ -189,6 +190,18 @@ def test_batched_decode_matches_one_sequence_at_a_time(tmp_path) -> None:
     llm.prefill(seqs, prompts)
     together = llm.decode(seqs, [11] * len(seqs))
     np.testing.assert_allclose(together, np.stack(alone), rtol=1e-4, atol=1e-4 * np.abs(together).max())
+
+
+def test_other_targets_dequantize_then_multiply() -> None:
+    """Off the CPU (CUDA here, compiled only) every linear layer dequantizes its weight into a
+    float32 temporary and multiplies as `nn.Linear` does: the fused CPU kernel is not used."""
+    config = LLMConfig(family="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                       num_heads=8, num_kv_heads=2, head_dim=8, context_length=256, norm_eps=1e-5,
+                       tie_word_embeddings=True)
+    kernels = compile_llm(config, "cuda", "q4").target["device_code"]["kernels"]
+    dequantized = {kernel.split("_")[2] for kernel in kernels if kernel.startswith("fused_dequantize_")}
+    assert dequantized == {"q4", "q8"}  # the layers, and the tied embeddings' head
+    assert not [kernel for kernel in kernels if "gemv" in kernel]
 
 
 def test_small_gpt2_quantized_on_load(tmp_path) -> None:
