@@ -58,15 +58,20 @@ class DecoderLM(nn.Module):
         raise NotImplementedError
 
     def logits(self, hidden: Tensor) -> Tensor:
-        if self.config.tie_word_embeddings:
-            logits = op.matmul(hidden, op.permute_dims(self.embed_tokens.weight))
-        else:
+        """[rows, 1, hidden] -> [rows, 1, vocab]: one row per sequence, in decode and prefill.
+        Tied embeddings multiply as they are, unless the model has an `lm_head` anyway (a
+        quantized copy of them: `quantization`)."""
+        if hasattr(self, "lm_head"):
             logits = self.lm_head(hidden)
+        else:
+            logits = op.matmul(hidden, op.permute_dims(self.embed_tokens.weight))
         return logits.astype("float32") if logits.dtype != "float32" else logits
 
     def prefill(self, input_ids: Tensor, logit_positions: Tensor, kv: PagedKVCache):
         hidden = self.hidden_states(self.embed_tokens(input_ids), kv)
-        return self.logits(op.take(hidden, logit_positions, axis=1)), kv
+        rows = logit_positions.shape[0]
+        last = op.reshape(op.take(hidden, logit_positions, axis=1), (rows, 1, self.config.hidden_size))
+        return op.reshape(self.logits(last), (1, rows, self.config.vocab_size)), kv
 
     def decode(self, input_ids: Tensor, kv: PagedKVCache):
         return self.logits(self.hidden_states(self.embed_tokens(input_ids), kv)), kv
