@@ -28,6 +28,7 @@ from ..errors import LLMError, WeightsError
 from ..targets import DEFAULT_TARGET, TargetLike
 from .compile import CompiledLLM, compiled_for, load_compiled
 from .families import FAMILIES
+from .quantization import load_quantized, quantized_sources, quantized_weight
 from .sampling import Sampler, SamplingParams, find_stop, stop_holdback
 from .tokenizer import Tokenizer
 from .weights import Checkpoint, open_checkpoint
@@ -358,22 +359,29 @@ def _stream_safe_length(request: _Request) -> int:
 def load_params(compiled: CompiledLLM, checkpoint: Checkpoint, device: tvm.runtime.Device) -> list:
     """The compiled model's parameters from the checkpoint, on the device, one at a time (the
     host copy of each is freed before the next is read)."""
-    sources = FAMILIES[compiled.config.family].weight_sources(compiled.config)
-    params = []
+    sources = quantized_sources(FAMILIES[compiled.config.family].weight_sources(compiled.config),
+                                compiled.config)
+    params, quantized = [], {}
     for spec in compiled.params:
-        source = sources.get(spec.name)
+        weight = quantized_weight(spec.name)
+        source = sources.get(weight or spec.name)
         if source is None:
             raise WeightsError(f"the compiled model has a parameter '{spec.name}' that the "
                                f"{compiled.config.family} family does not define")
-        parts = [checkpoint.get(name) for name in source.names]
-        array = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        if source.transposed:
-            array = array.T
+        if weight is not None:
+            if spec.name not in quantized:  # the layer's arrays, made together
+                quantized = load_quantized(weight, source, checkpoint, compiled.quantization)
+            array = quantized.pop(spec.name)
+        else:
+            parts = [checkpoint.get(name) for name in source.names]
+            array = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            if source.transposed:
+                array = array.T
         if array.shape != spec.shape:
             raise WeightsError(f"{checkpoint.path.name}: tensor {' + '.join(source.names)} has shape "
                                f"{list(array.shape)}; the architecture needs {list(spec.shape)}")
         params.append(tvm.runtime.tensor(np.ascontiguousarray(array, dtype=spec.dtype), device))
-        del parts, array
+        del array
     return params
 
 
