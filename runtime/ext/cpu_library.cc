@@ -238,7 +238,8 @@ void Launch(FTVMParallelLambda task, void* cdata, bool parallel) {
 
 // A GEMM this skinny with B transposed (LLM decode: a few token rows against a weight matrix
 // [n, k]) is memory-bound on B: read each B row once, dot it with every A row while it sits in
-// L1, never pack B. OpenBLAS's sgemv reached ~11 GB/s on SmolLM2's decode here, this ~XX.
+// L1, never pack B (OpenBLAS's sgemv, and sgemm's packing, read B well below the memory's
+// bandwidth here: benchmarks/README.md, Language models).
 constexpr int64_t kSkinnyRows = 8;
 
 void SkinnyGemmTransposedB(int64_t m, int64_t n, int64_t k, const float* a, const float* b,
