@@ -490,6 +490,28 @@ def run_worker(engine: str, spec: dict, timeout: float) -> dict:
                 "reason": f"worker exited with {proc.returncode}: {tail}"}
 
 
+def _cpu_seconds() -> tuple[float, float, float]:
+    """(wall clock, busy CPU seconds of the whole machine, CPU seconds of this process and its
+    waited-for children, i.e. the workers)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    ours = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        ours += usage.ru_utime + usage.ru_stime
+    return time.perf_counter(), busy, ours
+
+
+def _other_load(before: tuple, after: tuple) -> float | None:
+    """Cores kept busy by other processes than this one and its workers, on average between
+    ``before`` and ``after`` (from `_cpu_seconds`)."""
+    wall = after[0] - before[0]
+    if wall <= 0:
+        return None
+    return max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / wall)
+
+
 def _log(msg: str) -> None:
     print(f"[llm-bench] {msg}", file=sys.stderr, flush=True)
 
@@ -529,6 +551,14 @@ def first_divergence(a: list[int], b: list[int], k: int) -> int | None:
     return None
 
 
+def _bandwidth_text(bw: dict) -> str:
+    if bw.get("given"):
+        return f"Read bandwidth {bw['median']:.1f} GB/s (given with --bandwidth, not measured)."
+    return (f"Read bandwidth {bw['median']:.1f} GB/s (p10–p90 {bw['p10']:.1f}–{bw['p90']:.1f}, "
+            f"{bw['threads']} threads summing 1 GiB of float32; other processes kept "
+            f"{_fmt(bw.get('other_cpu_load'), 2)} cores busy meanwhile).")
+
+
 def report(results: dict, meta: dict) -> tuple[str, dict, list[str]]:
     """Markdown report, ratios ours/peer and warnings."""
     bw = meta["bandwidth"]["median"]
@@ -544,9 +574,7 @@ def report(results: dict, meta: dict) -> tuple[str, dict, list[str]]:
         "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v) + ".",
         f"Model: {meta['model']}. Prompts: {', '.join(map(str, lengths))} tokens (prefill), "
         f"{meta['decode_length']} (decode); {meta['new_tokens']} greedy new tokens; "
-        f"{meta['repeat']} timed runs each after warm-up. Read bandwidth {bw:.1f} GB/s "
-        f"(p10–p90 {meta['bandwidth']['p10']:.1f}–{meta['bandwidth']['p90']:.1f}, "
-        f"{meta['bandwidth']['threads']} threads summing 1 GiB of float32).",
+        f"{meta['repeat']} timed runs each after warm-up. " + _bandwidth_text(meta["bandwidth"]),
         "Decode tok/s excludes the prefill (first token to last); b" + str(batch) +
         " counts all sequences. Roofline: bandwidth / weight bytes read per token (KV cache "
         "reads ignored).",
@@ -554,7 +582,7 @@ def report(results: dict, meta: dict) -> tuple[str, dict, list[str]]:
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",
     ]
-    notes, warnings = [], []
+    notes, warnings, busy = [], [], []
     for engine, r in results.items():
         wb = r.get("weight_bytes") or {}
         per_token = wb.get("bytes_per_token")
@@ -580,6 +608,12 @@ def report(results: dict, meta: dict) -> tuple[str, dict, list[str]]:
             ]
             if r.get("batch_note"):
                 notes.append(f"- {engine}, batch {batch}: {r['batch_note']}")
+            if r.get("other_cpu_load") is not None:
+                notes.append(f"- {engine}: other processes kept {r['other_cpu_load']:.2f} of "
+                             f"the {meta['cores']} cores busy during its run "
+                             f"({r.get('os_threads', '?')} OS threads in the worker)")
+                if r["other_cpu_load"] > 0.25:
+                    busy.append(f"{engine} {r['other_cpu_load']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
 
     ratios = {}
@@ -601,6 +635,11 @@ def report(results: dict, meta: dict) -> tuple[str, dict, list[str]]:
         for pair, entry in ratios.items():
             lines.append(f"| {pair} | " + " | ".join(_fmt(entry.get(k), 2) for k in keys) + " |")
 
+    if (meta["bandwidth"].get("other_cpu_load") or 0) > 0.25:
+        busy.insert(0, f"bandwidth {meta['bandwidth']['other_cpu_load']:.2f}")
+    if busy:
+        warnings.append("WARNING: the machine was not idle (other processes' busy cores during "
+                        "the run: " + ", ".join(busy) + "); those engines' figures are low")
     reference = ok.get("transformers", {}).get("greedy_ids")
     k = min(AGREE_TOKENS, meta["new_tokens"])
     if all(e in ok for e in AGREE):
@@ -662,6 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--decode-length", type=int, default=32, help="prompt tokens for decode")
     parser.add_argument("--cache-dir", type=Path, default=llm_models.default_cache_dir())
+    parser.add_argument("--bandwidth", type=float,
+                        help="read bandwidth in GB/s for the roofline, instead of measuring it")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument("--png", type=Path, help="write a decode tok/s chart here")
@@ -684,8 +725,14 @@ def main(argv: list[str] | None = None) -> int:
     paths, problems = prepare(engines, args.cache_dir)
     prompts = make_prompts(Path(paths["hf_dir"]), args.prompt_lengths, args.batch,
                            args.decode_length)
-    _log("measuring read bandwidth")
-    bandwidth = measure_bandwidth(args.threads)
+    if args.bandwidth:
+        bandwidth = {"threads": None, "given": True, "median": args.bandwidth,
+                     "p10": args.bandwidth, "p90": args.bandwidth}
+    else:
+        _log("measuring read bandwidth")
+        before = _cpu_seconds()
+        bandwidth = measure_bandwidth(args.threads)
+        bandwidth["other_cpu_load"] = _other_load(before, _cpu_seconds())
     _log(f"read bandwidth {bandwidth['median']:.1f} GB/s")
 
     results = {}
@@ -699,8 +746,10 @@ def main(argv: list[str] | None = None) -> int:
                     "prompts": prompts, "gguf": paths["gguf"], "hf_dir": paths["hf_dir"],
                     "model_dir": paths.get(engine), "quantization": OURS.get(engine),
                     "n_ctx": max(max(args.prompt_lengths), args.decode_length) + args.new_tokens + 8}
+            before = _cpu_seconds()
             results[engine] = run_worker(engine, spec, args.timeout)
             r = results[engine]
+            r["other_cpu_load"] = _other_load(before, _cpu_seconds())
             _log(f"{engine}: {r.get('status')}" + (
                 f", decode b1 {r['decode_b1']['median']:.1f} tok/s" if r.get("status") == "ok"
                 else f" ({r.get('reason')})"))
@@ -720,8 +769,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     table, ratios, warnings = report(results, meta)
     print(table)
-    for w in warnings:
-        print(w, file=sys.stderr)
     if args.json:
         from gimlet_tvm.files import atomic_path
 
