@@ -512,6 +512,18 @@ def _other_load(before: tuple, after: tuple) -> float | None:
     return max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / wall)
 
 
+def wait_idle(limit_s: float, window_s: float = 5.0, threshold: float = 0.25) -> float | None:
+    """Wait until other processes keep under ``threshold`` cores busy for two windows in a
+    row, at most ``limit_s`` seconds; returns the load of the last window."""
+    deadline, quiet, load = time.monotonic() + limit_s, 0, None
+    while time.monotonic() < deadline and quiet < 2:
+        before = _cpu_seconds()
+        time.sleep(window_s)
+        load = _other_load(before, _cpu_seconds())
+        quiet = quiet + 1 if load is not None and load < threshold else 0
+    return load
+
+
 def _log(msg: str) -> None:
     print(f"[llm-bench] {msg}", file=sys.stderr, flush=True)
 
@@ -703,6 +715,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=llm_models.default_cache_dir())
     parser.add_argument("--bandwidth", type=float,
                         help="read bandwidth in GB/s for the roofline, instead of measuring it")
+    parser.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
+                        help="before the bandwidth and each engine, wait up to this long for "
+                             "other processes to leave the cores idle (a shared machine)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument("--png", type=Path, help="write a decode tok/s chart here")
@@ -729,6 +744,8 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = {"threads": None, "given": True, "median": args.bandwidth,
                      "p10": args.bandwidth, "p90": args.bandwidth}
     else:
+        if args.wait_idle:
+            wait_idle(args.wait_idle)
         _log("measuring read bandwidth")
         before = _cpu_seconds()
         bandwidth = measure_bandwidth(args.threads)
@@ -746,6 +763,11 @@ def main(argv: list[str] | None = None) -> int:
                     "prompts": prompts, "gguf": paths["gguf"], "hf_dir": paths["hf_dir"],
                     "model_dir": paths.get(engine), "quantization": OURS.get(engine),
                     "n_ctx": max(max(args.prompt_lengths), args.decode_length) + args.new_tokens + 8}
+            if args.wait_idle:
+                waited = time.monotonic()
+                load = wait_idle(args.wait_idle)
+                _log(f"waited {time.monotonic() - waited:.0f} s for idle cores (other load "
+                     f"{_fmt(load, 2)})")
             before = _cpu_seconds()
             results[engine] = run_worker(engine, spec, args.timeout)
             r = results[engine]
