@@ -48,6 +48,8 @@ WEIGHTS = {
     "ours-q4": "quantization=q4",
     "ours-q8": "quantization=q8",
 }
+# Other processes keeping more cores than this busy during a measurement mark it as disturbed.
+BUSY = 0.25
 # Greedy tokens of these two fp32 engines should agree at first (same weights, same math).
 AGREE = ("transformers", "ort-genai-fp32")
 AGREE_TOKENS = 16
@@ -315,10 +317,14 @@ def measure(name: str, spec: dict) -> dict:
     else:
         engine.generate(decode_ids, min(n, 8))
 
+    # Cores other processes kept busy during each timed phase: a check on a shared machine.
+    out["other_cpu_load"] = contention = {}
+    mark = _cpu_seconds()
     out["prefill"] = {}
     for length, ids in prompts["prefill"].items():
         rates = [len(ids) / engine.prefill(ids) for _ in range(repeat)]
         out["prefill"][length] = _percentiles(rates)
+    contention["prefill"], mark = _other_load(mark, _cpu_seconds()), _cpu_seconds()
 
     rates, first = [], None
     for _ in range(repeat):
@@ -331,6 +337,7 @@ def measure(name: str, spec: dict) -> dict:
         first = first or tokens
     out["decode_b1"] = _percentiles(rates)
     out["greedy_ids"] = first
+    contention["decode_b1"] = _other_load(mark, _cpu_seconds())
 
     out["batch"] = len(batch_ids)
     try:
@@ -342,7 +349,7 @@ def measure(name: str, spec: dict) -> dict:
         out["decode_batch"] = None
         out["batch_note"] = str(exc) or engine.batch_note or "not supported"
     else:
-        rates, walls = [], []
+        rates, walls, mark = [], [], _cpu_seconds()
         for _ in range(repeat):
             if ours:
                 tokens, rate, wall = engine.generate_batch_result(batch_ids, n)
@@ -352,6 +359,7 @@ def measure(name: str, spec: dict) -> dict:
                 rate = _decode_rate(len(batch_ids), times)
             rates.append(rate)
         out["decode_batch"] = _percentiles(rates)
+        contention["decode_batch"] = _other_load(mark, _cpu_seconds())
         if walls:
             out["batch_wall_tokens_per_s"] = _percentiles(walls)
             out["batch_note"] = ("sum of the results' decode_tokens_per_s; wall-clock tokens/s "
@@ -589,7 +597,7 @@ def report(results: dict, meta: dict) -> tuple[str, dict, list[str]]:
         f"{meta['repeat']} timed runs each after warm-up. " + _bandwidth_text(meta["bandwidth"]),
         "Decode tok/s excludes the prefill (first token to last); b" + str(batch) +
         " counts all sequences. Roofline: bandwidth / weight bytes read per token (KV cache "
-        "reads ignored).",
+        f"reads ignored). *: other processes kept over {BUSY} cores busy during that measurement.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",
@@ -608,11 +616,14 @@ def report(results: dict, meta: dict) -> tuple[str, dict, list[str]]:
         else:
             d = r["decode_b1"]
             db = r.get("decode_batch")
+            loads = r.get("other_cpu_load") or {}
+            star = {k: "*" if (v or 0) > BUSY else "" for k, v in loads.items()}
             cells = [
                 engine, WEIGHTS[engine],
-                *(_fmt(r["prefill"][str(n)]["median"]) for n in lengths),
-                f"{d['median']:.1f} [{d['p10']:.1f}–{d['p90']:.1f}]",
-                _fmt(db["median"]) if db else "n/a",
+                *(_fmt(r["prefill"][str(n)]["median"]) + star.get("prefill", "")
+                  for n in lengths),
+                f"{d['median']:.1f} [{d['p10']:.1f}–{d['p90']:.1f}]" + star.get("decode_b1", ""),
+                (_fmt(db["median"]) + star.get("decode_batch", "")) if db else "n/a",
                 f"{r['peak_rss_mib']:.0f}",
                 _fmt(per_token / 1e6 if per_token else None) + est,
                 _fmt(roof),
@@ -620,12 +631,13 @@ def report(results: dict, meta: dict) -> tuple[str, dict, list[str]]:
             ]
             if r.get("batch_note"):
                 notes.append(f"- {engine}, batch {batch}: {r['batch_note']}")
-            if r.get("other_cpu_load") is not None:
-                notes.append(f"- {engine}: other processes kept {r['other_cpu_load']:.2f} of "
-                             f"the {meta['cores']} cores busy during its run "
-                             f"({r.get('os_threads', '?')} OS threads in the worker)")
-                if r["other_cpu_load"] > 0.25:
-                    busy.append(f"{engine} {r['other_cpu_load']:.2f}")
+            loads = r.get("other_cpu_load") or {}
+            if loads:
+                notes.append(f"- {engine}: other processes kept " + ", ".join(
+                    f"{_fmt(v, 2)} cores busy during {k}" for k, v in loads.items()) +
+                    f" ({r.get('os_threads', '?')} OS threads in the worker)")
+                busy += [f"{engine} {k} {v:.2f}" for k, v in loads.items()
+                         if v is not None and v > BUSY]
         lines.append("| " + " | ".join(cells) + " |")
 
     ratios = {}
@@ -647,11 +659,11 @@ def report(results: dict, meta: dict) -> tuple[str, dict, list[str]]:
         for pair, entry in ratios.items():
             lines.append(f"| {pair} | " + " | ".join(_fmt(entry.get(k), 2) for k in keys) + " |")
 
-    if (meta["bandwidth"].get("other_cpu_load") or 0) > 0.25:
+    if (meta["bandwidth"].get("other_cpu_load") or 0) > BUSY:
         busy.insert(0, f"bandwidth {meta['bandwidth']['other_cpu_load']:.2f}")
     if busy:
-        warnings.append("WARNING: the machine was not idle (other processes' busy cores during "
-                        "the run: " + ", ".join(busy) + "); those engines' figures are low")
+        warnings.append("WARNING: the machine was not idle (other processes' busy cores: " +
+                        ", ".join(busy) + "); figures marked * were measured so and are low")
     reference = ok.get("transformers", {}).get("greedy_ids")
     k = min(AGREE_TOKENS, meta["new_tokens"])
     if all(e in ok for e in AGREE):
@@ -771,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
             before = _cpu_seconds()
             results[engine] = run_worker(engine, spec, args.timeout)
             r = results[engine]
-            r["other_cpu_load"] = _other_load(before, _cpu_seconds())
+            r["other_cpu_load_run"] = _other_load(before, _cpu_seconds())
             _log(f"{engine}: {r.get('status')}" + (
                 f", decode b1 {r['decode_b1']['median']:.1f} tok/s" if r.get("status") == "ok"
                 else f" ({r.get('reason')})"))
