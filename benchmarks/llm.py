@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -38,7 +39,6 @@ import llm_models  # noqa: E402  (benchmarks/ is not a package)
 ENGINES = ("transformers", "ort-genai-fp32", "ort-genai-int4", "llamacpp",
            "ours", "ours-q4", "ours-q8")
 OURS = {"ours": None, "ours-q4": "q4", "ours-q8": "q8"}
-PEERS = tuple(e for e in ENGINES if e not in OURS)
 WEIGHTS = {
     "transformers": "fp32 (dequantized GGUF)",
     "ort-genai-fp32": "fp32 (model builder)",
@@ -466,13 +466,12 @@ def prepare(engines: list[str], cache_dir: Path) -> tuple[dict, dict]:
     paths["hf_dir"] = str(llm_models.hf_copy(cache_dir))
     for engine in engines:
         if engine.startswith("ort-genai"):
+            if importlib.util.find_spec("onnxruntime_genai") is None:
+                problems[engine] = ("not available", "onnxruntime-genai is not installed")
+                continue
             try:
-                import onnxruntime_genai  # noqa: F401
-
                 paths[engine] = str(llm_models.ort_genai_model(
                     engine.rsplit("-", 1)[1], cache_dir, log=lambda s: _log(f"building: {s}")))
-            except ImportError as exc:
-                problems[engine] = ("not available", _brief(exc))
             except Exception as exc:  # noqa: BLE001
                 problems[engine] = ("failed", f"model build: {_brief(exc)}")
     return paths, problems
