@@ -250,6 +250,10 @@ class Ours(Engine):
     ``decode_tokens_per_s``. The engine's own timings are used, so there are no timestamps."""
 
     def __init__(self, spec: dict):
+        # tvm-ffi imports torch whenever it is installed (it is here, for the peers and the
+        # tests); ours never uses it and a deployment need not have it, so it is kept out of
+        # this worker: otherwise its ~240 MiB would count in our RSS.
+        sys.modules.setdefault("torch", None)
         import gimlet_tvm.llm as gllm
 
         self.llm = gllm.load(spec["gguf"], target="llvm", quantization=spec["quantization"])
