@@ -198,12 +198,15 @@ class LLM:
         if len(seq_ids) > self.max_batch_size:
             raise LLMError(f"{len(seq_ids)} sequences in one step; max_batch_size is {self.max_batch_size}")
 
-    def _check_tokens(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
+    def _check_vocabulary(self, tokens: Sequence[int]) -> None:
         vocab = self.config.vocab_size
+        bad = [t for t in tokens if not 0 <= int(t) < vocab]
+        if bad:
+            raise LLMError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+
+    def _check_tokens(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
         for t in tokens:
-            bad = [x for x in t if not 0 <= int(x) < vocab]
-            if bad:
-                raise LLMError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            self._check_vocabulary(t)
         for seq_id, t in zip(seq_ids, tokens):
             if self._sequences[seq_id] + len(t) > self.context_window:
                 raise LLMError(f"{self._sequences[seq_id] + len(t)} tokens do not fit the context "
@@ -275,10 +278,7 @@ class LLM:
             params = SamplingParams(**sampling)
         except TypeError as err:
             raise LLMError(f"unknown sampling parameter: {err}") from err
-        vocab = self.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise LLMError(f"token id {next(t for t in ids if not 0 <= t < vocab)} is outside the "
-                           f"vocabulary (0..{vocab - 1})")
+        self._check_vocabulary(ids)
         if len(ids) >= self.context_window:
             raise LLMError(f"the prompt's {len(ids)} tokens do not fit the context window of "
                            f"{self.context_window} (with room for one new token)")
