@@ -29,7 +29,8 @@ from ..targets import DEFAULT_TARGET, TargetLike
 from .compile import CompiledLLM, compiled_for, load_compiled
 from .families import FAMILIES
 from .quantization import load_quantized, quantized_sources, quantized_weight
-from .sampling import Sampler, SamplingParams, find_stop, stop_holdback
+from .request import Request
+from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .weights import Checkpoint, open_checkpoint
 
@@ -60,18 +61,6 @@ class Generation:
         """Tokens made by decode steps (all but the first, which prefill makes) per second."""
         steps = len(self.token_ids) - 1
         return steps / (self.decode_ms / 1e3) if steps > 0 and self.decode_ms > 0 else 0.0
-
-
-@dataclasses.dataclass
-class _Request:
-    prompt: list[int]
-    max_new_tokens: int
-    sampler: Sampler
-    params: SamplingParams
-    seq_id: int = -1
-    new: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
 
 
 class LLM:
@@ -226,14 +215,14 @@ class LLM:
                        **sampling) -> list[Generation]:
         """Complete several prompts together: one prefill, then every decode step batched
         (the timings are the batch's)."""
-        requests = [self._request(p, max_new_tokens, sampling) for p in prompts]
+        requests = [self.request(p, max_new_tokens, **sampling) for p in prompts]
         clock = _Clock()
         for _ in clock.time(self._steps(requests)):
             pass
         return [self._result(r, clock) for r in requests]
 
     @staticmethod
-    def _result(request: _Request, clock: "_Clock") -> Generation:
+    def _result(request: Request, clock: "_Clock") -> Generation:
         return Generation(request.new, request.text, request.finish_reason or "length",
                           len(request.prompt), clock.prefill_ms, clock.decode_ms)
 
@@ -241,13 +230,13 @@ class LLM:
                **sampling) -> Generator[str, None, Generation]:
         """The completion's text as it is made (a stop string's possible start is held back
         until ruled out); the generator's return value is the whole `Generation`."""
-        request = self._request(prompt, max_new_tokens, sampling)
+        request = self.request(prompt, max_new_tokens, **sampling)
         shown, clock = 0, _Clock()
         for _ in clock.time(self._steps([request])):
-            safe = len(request.text) if request.finish_reason else _stream_safe_length(request)
-            if safe > shown:
-                yield request.text[shown:safe]
-                shown = safe
+            visible = request.visible_text()
+            if len(visible) > shown:
+                yield visible[shown:]
+                shown = len(visible)
         return self._result(request, clock)
 
     def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
@@ -265,7 +254,9 @@ class LLM:
             raise LLMError("this model has no tokenizer: give token ids")
         return self.tokenizer
 
-    def _request(self, prompt: str | Sequence[int], max_new_tokens: int, sampling: dict) -> _Request:
+    def request(self, prompt: str | Sequence[int], max_new_tokens: int = 128, **sampling) -> Request:
+        """A checked request (not yet in the KV cache): the prompt in the vocabulary and the
+        context window, the sampling parameters valid."""
         if isinstance(prompt, str):
             ids = self._tokenizer().encode(prompt) if prompt else []
         else:
@@ -282,9 +273,9 @@ class LLM:
         if len(ids) >= self.context_window:
             raise LLMError(f"the prompt's {len(ids)} tokens do not fit the context window of "
                            f"{self.context_window} (with room for one new token)")
-        return _Request(ids, max_new_tokens, Sampler(params), params)
+        return Request(ids, max_new_tokens, params, self.tokenizer, self.context_window)
 
-    def _steps(self, requests: list[_Request]) -> Iterator[None]:
+    def _steps(self, requests: list[Request]) -> Iterator[None]:
         """Prefill every request, then decode until all are done; yields after each step."""
         if len(requests) > self.max_batch_size - len(self._sequences):
             raise LLMError(f"{len(requests)} requests do not fit: max_batch_size is {self.max_batch_size}")
@@ -298,37 +289,21 @@ class LLM:
             r.seq_id = self.add_sequence()
         try:
             logits = self.prefill([r.seq_id for r in requests], [r.prompt for r in requests])
-            self._accept(requests, logits)
+            for r, row in zip(requests, logits):
+                r.accept(r.choose(row))
             yield
             while True:
-                active = [r for r in requests if r.finish_reason is None]
+                active = [r for r in requests if not r.done]
                 if not active:
                     return
                 logits = self.decode([r.seq_id for r in active], [r.new[-1] for r in active])
-                self._accept(active, logits)
+                for r, row in zip(active, logits):
+                    r.accept(r.choose(row))
                 yield
         finally:
             for r in requests:
                 if r.seq_id in self._sequences:
                     self.remove_sequence(r.seq_id)
-
-    def _accept(self, requests: list[_Request], logits: np.ndarray) -> None:
-        """Sample each request's next token and decide whether it is done."""
-        ends = self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
-        for r, row in zip(requests, logits):
-            token = r.sampler.next_token(row, r.prompt + r.new)
-            if token in ends:
-                r.finish_reason = "stop"
-                continue
-            r.new.append(token)
-            if self.tokenizer is not None:
-                r.text = self.tokenizer.decode(r.new)
-                cut = find_stop(r.text, r.params.stop) if r.params.stop else None
-                if cut is not None:
-                    r.text, r.finish_reason = r.text[:cut], "stop"
-                    continue
-            if len(r.new) >= r.max_new_tokens or self._sequences[r.seq_id] + 1 >= self.context_window:
-                r.finish_reason = "length"
 
 
 class _Clock:
@@ -347,13 +322,6 @@ class _Clock:
                 self.decode_ms += (now - start) * 1e3
             yield
             start = time.perf_counter()
-
-
-def _stream_safe_length(request: _Request) -> int:
-    """How much of the text can be shown: not a trailing half character, nor a tail that may
-    still grow into a stop string."""
-    text = request.text.rstrip("\ufffd")
-    return len(text) - stop_holdback(text, request.params.stop)
 
 
 def load_params(compiled: CompiledLLM, checkpoint: Checkpoint, device: tvm.runtime.Device) -> list:
