@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# Tests marked `slow` (real models run for minutes on lavapipe) are left out here and in CI;
-# `bash scripts/test.sh -m slow` runs them (a later -m wins).
+# Tests marked `slow` (the whole conformance lists, real models on lavapipe, tuning runs: the
+# default run has a fixed subset of each) are left out here and in CI, which keeps CI under an
+# hour on 2 cores; `bash scripts/test.sh -m slow` runs them (a later -m wins).
 exec .venv/bin/python -m pytest -m "not slow" "$@"

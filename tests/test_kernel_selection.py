@@ -357,6 +357,7 @@ def test_two_c_kernels_with_the_same_helper_link_into_one_model(tmp_path):
     assert len(mod.attrs["external_mods"]) == 2
 
 
+@pytest.mark.slow
 def test_selection_on_an_architecture_from_outside_the_suite():
     """ShuffleNet as onnx ships it (its bundled "light" model: grouped 1x1 convs, depthwise
     convs, channel shuffles, a Gemm classifier; weights are constant fills, so each group's own

@@ -236,6 +236,7 @@ def test_three_targets_build_into_one_artifact(tmp_path):
     assert (tmp_path / "three.tar").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_tuning_records_give_op_times(tmp_path):
     """Ops whose kernels have tuning records for a device's target take their time from the
     records (here the softmax on llvm); the others keep the roofline."""
