@@ -1,12 +1,18 @@
 """`gimlet-tvm generate MODEL --prompt TEXT`: stream a completion from an LLM (an HF folder or
-a GGUF file), then one line of timings. Also the model and sampling options `chat` shares."""
+a GGUF file), then one line of timings. Also the model and sampling options `chat` shares.
+
+With `--draft`, decoding is speculative (prompt lookup, or a draft model: another model with
+the same vocabulary, or this one cut to `--draft-layers` or quantized with
+`--draft-quantization`); the same prompt then runs once more without the draft, and a second
+line compares the two."""
 
 from __future__ import annotations
 
 import sys
 from typing import Generator
 
-from ..llm import LLM, Generation, load
+from ..llm import LLM, Draft, Generation, load
+from ..llm.speculative import PROMPT_LOOKUP
 from ..llm.quantization import QUANTIZATIONS
 from ..targets import DEFAULT_TARGET
 
@@ -54,20 +60,48 @@ def timings_line(result: Generation) -> str:
             f"{result.decode_tokens_per_s:.1f} tokens/s; finished: {result.finish_reason}]")
 
 
+def speculation_line(draft: Draft, result: Generation, plain: Generation) -> str:
+    stats = result.speculation
+    same = "same tokens" if result.token_ids == plain.token_ids else "other tokens (sampled)"
+    return (f"[speculative, {draft.name}: {stats.accepted} of {stats.proposed} proposals accepted "
+            f"({stats.acceptance_rate:.0%}), decode {result.decode_tokens_per_s:.1f} tokens/s; without: "
+            f"{plain.decode_tokens_per_s:.1f} tokens/s ({result.decode_tokens_per_s / plain.decode_tokens_per_s:.2f}x), "
+            f"{same}]")
+
+
 def add_parser(sub) -> None:
     parser = sub.add_parser("generate", help="stream an LLM's completion of a prompt")
     add_llm_args(parser)
     parser.add_argument("-p", "--prompt", required=True)
     parser.add_argument("--export-compiled", metavar="PATH",
                         help="also write the compiled architecture (no weights) to PATH")
+    parser.add_argument("--draft", metavar=f"MODEL|{PROMPT_LOOKUP}",
+                        help="speculative decoding: proposals from prompt lookup or a draft model")
+    parser.add_argument("--draft-target", help="where the draft model runs (default: --target)")
+    parser.add_argument("--draft-quantization", choices=[q for q in QUANTIZATIONS if q])
+    parser.add_argument("--draft-layers", type=int, help="keep only the draft model's first layers")
+    parser.add_argument("--draft-k", type=int, default=4, help="proposals per round at most")
     parser.set_defaults(handler=run)
+
+
+def draft_from_args(args) -> Draft | None:
+    if args.draft is None:
+        return None
+    if args.draft == PROMPT_LOOKUP:
+        return Draft(PROMPT_LOOKUP, k=args.draft_k)
+    model = load(args.draft, args.draft_target or args.target, args.draft_quantization, layers=args.draft_layers)
+    return Draft(model, k=args.draft_k)
 
 
 def run(args) -> int:
     llm = load_from_args(args)
     if args.export_compiled:
         llm.export_compiled(args.export_compiled)
-    result = print_stream(llm.stream(args.prompt, args.max_new_tokens, **sampling_from_args(args)))
+    draft = draft_from_args(args)
+    sampling = sampling_from_args(args)
+    result = print_stream(llm.stream(args.prompt, args.max_new_tokens, speculative=draft, **sampling))
     print()
     print(timings_line(result))
+    if draft is not None:
+        print(speculation_line(draft, result, llm.generate(args.prompt, args.max_new_tokens, **sampling)))
     return 0

@@ -6,15 +6,16 @@
 Modules: `config` (one `LLMConfig` from an HF `config.json` or GGUF metadata), `weights`
 (safetensors and GGUF readers), `families/` (one module per architecture family, built with
 `tvm.relax.frontend.nn`), `quantization` (weights kept quantized), `tokenizer` and `sampling`,
-`request` (one completion's state), `compile` (the family's Relax module through our
-pipeline, cached per architecture), `engine` (KV cache, prefill/decode, batches, the token
-loop).
+`request` (one completion's state), `speculative` (a draft's proposals checked in one
+pass), `compile` (the family's Relax module through our pipeline, cached per architecture),
+`engine` (KV cache, prefill/decode, batches, the token loop).
 """
 
 from .config import LLMConfig
 from .engine import LLM, Generation, load
 from .request import Request
 from .sampling import SamplingParams
+from .speculative import Draft
 from .tokenizer import Tokenizer
 
-__all__ = ["LLM", "Generation", "LLMConfig", "Request", "SamplingParams", "Tokenizer", "load"]
+__all__ = ["Draft", "LLM", "Generation", "LLMConfig", "Request", "SamplingParams", "Tokenizer", "load"]

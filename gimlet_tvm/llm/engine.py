@@ -29,8 +29,9 @@ from ..targets import DEFAULT_TARGET, TargetLike
 from .compile import CompiledLLM, compiled_for, load_compiled
 from .families import FAMILIES
 from .quantization import load_quantized, quantized_sources, quantized_weight
-from .request import Request
+from .request import Request, SpeculationStats
 from .sampling import SamplingParams
+from .speculative import Draft, speculative_rounds
 from .tokenizer import Tokenizer
 from .weights import Checkpoint, open_checkpoint
 
@@ -55,6 +56,7 @@ class Generation:
     prompt_tokens: int
     prefill_ms: float
     decode_ms: float
+    speculation: SpeculationStats | None = None   # with a draft: proposed and accepted tokens
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -158,6 +160,18 @@ class LLM:
             pending = [i for i in pending if offsets[i] < len(lists[i])]
         return logits
 
+    def score(self, seq_id: int, tokens: Sequence[int]) -> np.ndarray:
+        """Append `tokens` to a sequence in one pass; the logits after each of them
+        ([len(tokens), vocab]): how speculative decoding checks a draft's proposals."""
+        if len(tokens) == 1:
+            return self.decode([seq_id], tokens)
+        if not 0 < len(tokens) <= self.prefill_chunk:
+            raise LLMError(f"{len(tokens)} tokens to score; one pass takes 1 to {self.prefill_chunk}")
+        self._check_sequences([seq_id])
+        self._check_tokens([seq_id], [tokens])
+        ids = np.asarray(tokens, dtype="int32")[None, :]
+        return self._forward("prefill", [seq_id], [len(tokens)], ids, np.arange(len(tokens), dtype="int32"))[0]
+
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """Append one token to each sequence; their next-token logits ([len, vocab])."""
         self._check_sequences(seq_ids)
@@ -207,9 +221,16 @@ class LLM:
 
     # --- the token loop --------------------------------------------------------------------
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128, **sampling) -> Generation:
-        """Complete one prompt (text, or token ids); `sampling`: `SamplingParams` fields."""
-        return self.generate_batch([prompt], max_new_tokens, **sampling)[0]
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 128,
+                 speculative: Draft | None = None, **sampling) -> Generation:
+        """Complete one prompt (text, or token ids); `sampling`: `SamplingParams` fields.
+        With a `speculative` draft, decode checks the draft's proposals (the same tokens
+        under greedy decoding, the same distribution when sampling)."""
+        request = self.request(prompt, max_new_tokens, **sampling)
+        clock = _Clock()
+        for _ in clock.time(self._steps([request], speculative)):
+            pass
+        return self._result(request, clock)
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 128,
                        **sampling) -> list[Generation]:
@@ -224,15 +245,15 @@ class LLM:
     @staticmethod
     def _result(request: Request, clock: "_Clock") -> Generation:
         return Generation(request.new, request.text, request.finish_reason or "length",
-                          len(request.prompt), clock.prefill_ms, clock.decode_ms)
+                          len(request.prompt), clock.prefill_ms, clock.decode_ms, request.speculation)
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128,
-               **sampling) -> Generator[str, None, Generation]:
+               speculative: Draft | None = None, **sampling) -> Generator[str, None, Generation]:
         """The completion's text as it is made (a stop string's possible start is held back
         until ruled out); the generator's return value is the whole `Generation`."""
         request = self.request(prompt, max_new_tokens, **sampling)
         shown, clock = 0, _Clock()
-        for _ in clock.time(self._steps([request])):
+        for _ in clock.time(self._steps([request], speculative)):
             visible = request.visible_text()
             if len(visible) > shown:
                 yield visible[shown:]
@@ -275,8 +296,9 @@ class LLM:
                            f"{self.context_window} (with room for one new token)")
         return Request(ids, max_new_tokens, params, self.tokenizer, self.context_window)
 
-    def _steps(self, requests: list[Request]) -> Iterator[None]:
-        """Prefill every request, then decode until all are done; yields after each step."""
+    def _steps(self, requests: list[Request], draft: Draft | None = None) -> Iterator[None]:
+        """Prefill every request, then decode until all are done (with a draft: speculative
+        rounds, one request); yields after each step."""
         if len(requests) > self.max_batch_size - len(self._sequences):
             raise LLMError(f"{len(requests)} requests do not fit: max_batch_size is {self.max_batch_size}")
         need = sum(math.ceil(min(len(r.prompt) + r.max_new_tokens, self.context_window) / PAGE_SIZE)
@@ -292,6 +314,11 @@ class LLM:
             for r, row in zip(requests, logits):
                 r.accept(r.choose(row))
             yield
+            if draft is not None:
+                (request,) = requests
+                request.speculation = SpeculationStats()
+                yield from speculative_rounds(self, request, draft, request.speculation)
+                return
             while True:
                 active = [r for r in requests if not r.done]
                 if not active:
@@ -355,15 +382,19 @@ def load_params(compiled: CompiledLLM, checkpoint: Checkpoint, device: tvm.runti
 
 def load(path: str | os.PathLike, target: TargetLike = DEFAULT_TARGET, quantization: str | None = None,
          *, compiled: str | os.PathLike | None = None, max_batch_size: int = 8,
-         context_window: int | None = None, kv_cache_tokens: int | None = None) -> LLM:
+         context_window: int | None = None, kv_cache_tokens: int | None = None,
+         layers: int | None = None) -> LLM:
     """A model from an HF folder or a GGUF file, ready to generate.
 
     The architecture is compiled for `target` once per machine (cached; `compiled` names an
     artifact from `LLM.export_compiled` instead, and its target and quantization are used).
     `quantization`: None (weights as float32), "q8" or "q4" (kept quantized in memory).
     `context_window` caps a sequence's tokens (default: the model's); `kv_cache_tokens` is the
-    cache's room for all sequences together (default: one context window)."""
+    cache's room for all sequences together (default: one context window). `layers` keeps
+    only the first decoder layers: the model cut short, as a draft for speculative decoding."""
     checkpoint = open_checkpoint(path)
+    if layers is not None:
+        checkpoint = checkpoint.first_layers(layers)
     if compiled is not None:
         built = load_compiled(compiled)
     else:

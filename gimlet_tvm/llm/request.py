@@ -19,6 +19,19 @@ from .tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
+class SpeculationStats:
+    """What the draft proposed and the model accepted, over a request."""
+
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+@dataclasses.dataclass
 class Request:
     """A prompt (token ids) being completed. `seq_id` is its sequence in the KV cache once
     added; `new` the tokens accepted so far; `finish_reason` is None while it runs, then
@@ -33,6 +46,7 @@ class Request:
     new: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    speculation: SpeculationStats | None = None   # set when a draft proposes its tokens
 
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.params)

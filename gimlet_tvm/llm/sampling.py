@@ -59,12 +59,29 @@ class Sampler:
     def next_token(self, logits: np.ndarray, history: Sequence[int]) -> int:
         """The next token id, from the logits (shape (vocab,)) of the last position and the
         ids so far (prompt and generated), which the repetition penalty looks at."""
+        if self.params.temperature == 0:
+            return int(np.argmax(self.process(logits, history)))  # the first of equal maxima, as torch.argmax
+        return self.draw(self.probabilities(logits, history))
+
+    def probabilities(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """The distribution `next_token` draws from (float64, sums to 1); greedy is all on
+        the most likely token. Speculative decoding compares the model's and the draft's."""
         scores = self.process(logits, history)
         if self.params.temperature == 0:
-            return int(np.argmax(scores))  # the first of equal maxima, as torch.argmax
+            probs = np.zeros(scores.size)
+            probs[np.argmax(scores)] = 1.0
+            return probs
         probs = np.exp(scores.astype(np.float64) - scores.max())
+        return probs / probs.sum()
+
+    def draw(self, probs: np.ndarray) -> int:
+        """A token drawn from `probs` (weights; they need not sum to 1)."""
         cdf = np.cumsum(probs)
         return int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
+
+    def uniform(self) -> float:
+        """A draw in [0, 1) from the request's generator (a draft token's acceptance test)."""
+        return float(self._rng.random())
 
     def process(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """The logits the draw uses: penalized, divided by the temperature, the tokens top-k

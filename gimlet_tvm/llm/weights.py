@@ -13,6 +13,8 @@ architecture needs but the file lacks, a tensor of the wrong shape or of an unsu
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import re
 import struct
@@ -53,6 +55,15 @@ class Checkpoint:
             raise
         except (ValueError, TypeError, IndexError, NotImplementedError) as err:
             raise WeightsError(f"{self.path.name}: cannot read the tensor '{name}': {err}") from err
+
+    def first_layers(self, layers: int) -> "Checkpoint":
+        """The same file as a model of its first `layers` layers (the rest are not read): a
+        cheap draft of the model for speculative decoding."""
+        if not 1 <= layers <= self.config.num_layers:
+            raise WeightsError(f"{self.path.name} has {self.config.num_layers} layers; cannot keep {layers}")
+        view = copy.copy(self)
+        view.config = dataclasses.replace(self.config, num_layers=layers)
+        return view
 
     def raw(self, name: str) -> tuple[str, np.ndarray]:
         """(GGUF type name, the tensor's bytes as stored) for quantized kernels; float files
