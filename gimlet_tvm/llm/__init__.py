@@ -8,14 +8,17 @@ Modules: `config` (one `LLMConfig` from an HF `config.json` or GGUF metadata), `
 `tvm.relax.frontend.nn`), `quantization` (weights kept quantized), `tokenizer` and `sampling`,
 `request` (one completion's state), `speculative` (a draft's proposals checked in one
 pass), `compile` (the family's Relax module through our pipeline, cached per architecture),
-`engine` (KV cache, prefill/decode, batches, the token loop).
+`engine` (KV cache, prefill/decode, batches, the token loop), `stages` (prefill, decode and
+draft on several devices, placed by cost).
 """
 
 from .config import LLMConfig
-from .engine import LLM, Generation, load
+from .engine import LLM, Generation, KVPages
 from .request import Request
 from .sampling import SamplingParams
 from .speculative import Draft
+from .stages import SplitLLM, Workload, load
 from .tokenizer import Tokenizer
 
-__all__ = ["Draft", "LLM", "Generation", "LLMConfig", "Request", "SamplingParams", "Tokenizer", "load"]
+__all__ = ["Draft", "Generation", "KVPages", "LLM", "LLMConfig", "Request", "SamplingParams", "SplitLLM",
+           "Tokenizer", "Workload", "load"]

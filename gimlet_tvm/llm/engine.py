@@ -15,6 +15,7 @@ prompt that fits the context window, a batch that fits the cache), so a bad requ
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
@@ -24,7 +25,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..errors import LLMError, WeightsError
+from ..errors import LLMError, WeightsError, summary
 from ..targets import DEFAULT_TARGET, TargetLike
 from .compile import CompiledLLM, compiled_for, load_compiled
 from .families import FAMILIES
@@ -36,6 +37,9 @@ from .tokenizer import Tokenizer
 from .weights import Checkpoint, open_checkpoint
 
 PAGE_SIZE = 16
+# Sequence id 0 is never handed out: TVM's page export and import work on sequence 0 only, so
+# a sequence moving out is forked to 0 first, and one moving in arrives at 0 and is forked on.
+TRANSFER_SLOT = 0
 
 _f = tvm.get_global_func
 _ADD_SEQUENCE = _f("vm.builtin.kv_state_add_sequence")
@@ -43,7 +47,12 @@ _REMOVE_SEQUENCE = _f("vm.builtin.kv_state_remove_sequence")
 _POPN = _f("vm.builtin.kv_state_popn")
 _BEGIN_FORWARD = _f("vm.builtin.kv_state_begin_forward")
 _END_FORWARD = _f("vm.builtin.kv_state_end_forward")
-_TOTAL_SEQ_LENGTH = _f("vm.builtin.attention_kv_cache_get_total_sequence_length")
+_FORK_SEQUENCE = _f("vm.builtin.kv_state_fork_sequence")
+_PAGES_METADATA = _f("vm.builtin.attention_kv_cache_get_checkpoint_metadata")
+_EXPORT_PAGES = _f("vm.builtin.attention_kv_cache_export_page_group")
+_PREPARE_IMPORT = _f("vm.builtin.attention_kv_cache_prepare_import")
+_IMPORT_PAGES = _f("vm.builtin.attention_kv_cache_import_page_group")
+_FINISH_IMPORT = _f("vm.builtin.attention_kv_cache_finish_import")
 
 
 @dataclasses.dataclass
@@ -63,6 +72,25 @@ class Generation:
         """Tokens made by decode steps (all but the first, which prefill makes) per second."""
         steps = len(self.token_ids) - 1
         return steps / (self.decode_ms / 1e3) if steps > 0 and self.decode_ms > 0 else 0.0
+
+
+@dataclasses.dataclass
+class KVPages:
+    """One sequence's KV cache in the cache's own page layout, as host arrays: to continue
+    the sequence in another cache (another device, process or machine) without running its
+    tokens again. `metadata` is the cache's description of them (JSON: layout hash, length,
+    one entry per page group); a cache of another layout refuses them."""
+
+    metadata: str
+    groups: list[np.ndarray]
+
+    @property
+    def length(self) -> int:
+        return int(json.loads(self.metadata)["seq_length"])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(group.nbytes for group in self.groups)
 
 
 class LLM:
@@ -89,11 +117,11 @@ class LLM:
         self._vm = relax.VirtualMachine(compiled.module, self.device)
         self._params = load_params(compiled, checkpoint, self.device)
         shape = tvm.runtime.ShapeTuple
-        self._kv = self._vm["create_paged_kv_cache"](
-            shape([max_batch_size]), shape([self.kv_cache_tokens]), shape([self.prefill_chunk]),
+        self._kv = self._vm["create_paged_kv_cache"](  # one more sequence: the transfer slot
+            shape([max_batch_size + 1]), shape([self.kv_cache_tokens]), shape([self.prefill_chunk]),
             shape([PAGE_SIZE]), shape([0]))
         self._sequences: dict[int, int] = {}   # id -> tokens in the cache
-        self._next_id = 0
+        self._next_id = TRANSFER_SLOT + 1
 
     def export_compiled(self, path: str | os.PathLike) -> None:
         """Write the compiled architecture (weights not included) for `load(..., compiled=path)`
@@ -124,6 +152,45 @@ class LLM:
         if n:
             _POPN(self._kv, seq_id, n)
             self._sequences[seq_id] -= n
+
+    def export_sequence(self, seq_id: int) -> KVPages:
+        """A copy of the sequence's KV pages (the sequence stays)."""
+        self._check_sequences([seq_id])
+        _FORK_SEQUENCE(self._kv, seq_id, TRANSFER_SLOT, -1)
+        try:
+            metadata = _PAGES_METADATA(self._kv, TRANSFER_SLOT)
+            groups = []
+            for group in json.loads(metadata)["groups"]:
+                pages = tvm.runtime.empty(tuple(group["shape"]), group["dtype"], self.device)
+                _EXPORT_PAGES(self._kv, TRANSFER_SLOT, group["group_index"], pages)
+                groups.append(pages.numpy())
+        finally:
+            _REMOVE_SEQUENCE(self._kv, TRANSFER_SLOT)
+        return KVPages(metadata, groups)
+
+    def import_sequence(self, pages: KVPages) -> int:
+        """A new sequence holding exported pages; returns its id."""
+        if len(self._sequences) >= self.max_batch_size:
+            raise LLMError(f"{self.max_batch_size} sequences are in the cache already (max_batch_size)")
+        length = pages.length
+        if length > self.context_window:
+            raise LLMError(f"{length} tokens do not fit the context window of {self.context_window}")
+        self._check_pages({**self._sequences, TRANSFER_SLOT: length})
+        try:
+            _PREPARE_IMPORT(self._kv, TRANSFER_SLOT, pages.metadata)
+            for group in json.loads(pages.metadata)["groups"]:
+                _IMPORT_PAGES(self._kv, TRANSFER_SLOT, group["group_index"],
+                              tvm.runtime.tensor(pages.groups[group["group_index"]], self.device))
+            _FINISH_IMPORT(self._kv, TRANSFER_SLOT)
+        except (RuntimeError, ValueError) as err:  # TVM errors: layout hash, shapes, room
+            raise LLMError(f"these KV pages do not fit this model's cache: {summary(err)}") from err
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        try:
+            _FORK_SEQUENCE(self._kv, TRANSFER_SLOT, seq_id, -1)
+        finally:
+            _REMOVE_SEQUENCE(self._kv, TRANSFER_SLOT)
+        self._sequences[seq_id] = length
+        return seq_id
 
     def sequence_length(self, seq_id: int) -> int:
         self._check_sequences([seq_id])
@@ -214,9 +281,11 @@ class LLM:
             if self._sequences[seq_id] + len(t) > self.context_window:
                 raise LLMError(f"{self._sequences[seq_id] + len(t)} tokens do not fit the context "
                                f"window of {self.context_window}")
-        pages = sum(math.ceil((self._sequences[s] + len(t)) / PAGE_SIZE) for s, t in zip(seq_ids, tokens))
-        pages += sum(math.ceil(n / PAGE_SIZE) for s, n in self._sequences.items() if s not in seq_ids)
-        if pages * PAGE_SIZE > self.kv_cache_tokens:
+        self._check_pages({**self._sequences, **{s: self._sequences[s] + len(t) for s, t in zip(seq_ids, tokens)}})
+
+    def _check_pages(self, lengths: dict[int, int]) -> None:
+        """Sequences of these lengths fit the cache's pages."""
+        if sum(math.ceil(n / PAGE_SIZE) for n in lengths.values()) * PAGE_SIZE > self.kv_cache_tokens:
             raise LLMError(f"the KV cache ({self.kv_cache_tokens} tokens) cannot hold these sequences")
 
     # --- the token loop --------------------------------------------------------------------
@@ -227,10 +296,7 @@ class LLM:
         With a `speculative` draft, decode checks the draft's proposals (the same tokens
         under greedy decoding, the same distribution when sampling)."""
         request = self.request(prompt, max_new_tokens, **sampling)
-        clock = _Clock()
-        for _ in clock.time(self._steps([request], speculative)):
-            pass
-        return self._result(request, clock)
+        return run_to_end(request, self._steps([request], speculative))
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 128,
                        **sampling) -> list[Generation]:
@@ -240,25 +306,14 @@ class LLM:
         clock = _Clock()
         for _ in clock.time(self._steps(requests)):
             pass
-        return [self._result(r, clock) for r in requests]
-
-    @staticmethod
-    def _result(request: Request, clock: "_Clock") -> Generation:
-        return Generation(request.new, request.text, request.finish_reason or "length",
-                          len(request.prompt), clock.prefill_ms, clock.decode_ms, request.speculation)
+        return [_generation(r, clock) for r in requests]
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 128,
                speculative: Draft | None = None, **sampling) -> Generator[str, None, Generation]:
         """The completion's text as it is made (a stop string's possible start is held back
         until ruled out); the generator's return value is the whole `Generation`."""
         request = self.request(prompt, max_new_tokens, **sampling)
-        shown, clock = 0, _Clock()
-        for _ in clock.time(self._steps([request], speculative)):
-            visible = request.visible_text()
-            if len(visible) > shown:
-                yield visible[shown:]
-                shown = len(visible)
-        return self._result(request, clock)
+        return stream_text(request, self._steps([request], speculative))
 
     def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
         """A conversation (`[{"role": ..., "content": ...}]`) as token ids, in the model's
@@ -299,6 +354,18 @@ class LLM:
     def _steps(self, requests: list[Request], draft: Draft | None = None) -> Iterator[None]:
         """Prefill every request, then decode until all are done (with a draft: speculative
         rounds, one request); yields after each step."""
+        self.check_room(requests)
+        try:
+            for r in requests:
+                r.seq_id = self.add_sequence()
+            self.start(requests)
+            yield
+            yield from self.advance(requests, draft)
+        finally:
+            self.release(requests)
+
+    def check_room(self, requests: Sequence[Request]) -> None:
+        """The requests fit the cache whole (each to its token budget), next to what is in it."""
         if len(requests) > self.max_batch_size - len(self._sequences):
             raise LLMError(f"{len(requests)} requests do not fit: max_batch_size is {self.max_batch_size}")
         need = sum(math.ceil(min(len(r.prompt) + r.max_new_tokens, self.context_window) / PAGE_SIZE)
@@ -307,30 +374,59 @@ class LLM:
         if (need + held) * PAGE_SIZE > self.kv_cache_tokens:
             raise LLMError(f"these requests need {need * PAGE_SIZE} tokens of KV cache; "
                            f"{self.kv_cache_tokens - held * PAGE_SIZE} are free")
-        for r in requests:
-            r.seq_id = self.add_sequence()
-        try:
-            logits = self.prefill([r.seq_id for r in requests], [r.prompt for r in requests])
-            for r, row in zip(requests, logits):
+
+    def start(self, requests: Sequence[Request]) -> None:
+        """Prefill the requests' prompts (their sequences added) and take each one's first token."""
+        logits = self.prefill([r.seq_id for r in requests], [r.prompt for r in requests])
+        for r, row in zip(requests, logits):
+            r.accept(r.choose(row))
+
+    def advance(self, requests: Sequence[Request], draft: Draft | None = None) -> Iterator[None]:
+        """Decode started requests (their last token not in the cache yet) until all are done;
+        yields after each step. With a draft: speculative rounds, one request."""
+        if draft is not None:
+            (request,) = requests
+            request.speculation = SpeculationStats()
+            yield from speculative_rounds(self, request, draft, request.speculation)
+            return
+        while True:
+            active = [r for r in requests if not r.done]
+            if not active:
+                return
+            logits = self.decode([r.seq_id for r in active], [r.new[-1] for r in active])
+            for r, row in zip(active, logits):
                 r.accept(r.choose(row))
             yield
-            if draft is not None:
-                (request,) = requests
-                request.speculation = SpeculationStats()
-                yield from speculative_rounds(self, request, draft, request.speculation)
-                return
-            while True:
-                active = [r for r in requests if not r.done]
-                if not active:
-                    return
-                logits = self.decode([r.seq_id for r in active], [r.new[-1] for r in active])
-                for r, row in zip(active, logits):
-                    r.accept(r.choose(row))
-                yield
-        finally:
-            for r in requests:
-                if r.seq_id in self._sequences:
-                    self.remove_sequence(r.seq_id)
+
+    def release(self, requests: Sequence[Request]) -> None:
+        """Remove the requests' sequences (those still in the cache)."""
+        for r in requests:
+            if r.seq_id in self._sequences:
+                self.remove_sequence(r.seq_id)
+
+
+def run_to_end(request: Request, steps: Iterator[None]) -> Generation:
+    """Run a request's steps (prefill first) to the end; its result and timings."""
+    clock = _Clock()
+    for _ in clock.time(steps):
+        pass
+    return _generation(request, clock)
+
+
+def stream_text(request: Request, steps: Iterator[None]) -> Generator[str, None, Generation]:
+    """Run a request's steps, yielding its text as it becomes visible; returns its result."""
+    shown, clock = 0, _Clock()
+    for _ in clock.time(steps):
+        visible = request.visible_text()
+        if len(visible) > shown:
+            yield visible[shown:]
+            shown = len(visible)
+    return _generation(request, clock)
+
+
+def _generation(request: Request, clock: "_Clock") -> Generation:
+    return Generation(request.new, request.text, request.finish_reason or "length",
+                      len(request.prompt), clock.prefill_ms, clock.decode_ms, request.speculation)
 
 
 class _Clock:
