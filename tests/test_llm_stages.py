@@ -14,10 +14,13 @@ import pytest  # noqa: E402
 
 import gimlet_tvm.llm as gllm  # noqa: E402
 from gimlet_tvm.errors import LLMError  # noqa: E402
+from gimlet_tvm.errors import RemoteDeviceError  # noqa: E402
 from gimlet_tvm.llm.config import LLMConfig  # noqa: E402
-from gimlet_tvm.llm.stages import Workload, place_stages  # noqa: E402
+from gimlet_tvm.llm.stages import SplitLLM, Workload, place_stages  # noqa: E402
+from gimlet_tvm.runtime.remote import RemoteDevice  # noqa: E402
 from gimlet_tvm.targets.spec import PerfFacts  # noqa: E402
 from tests.llm_models import SMOLLM2_GGUF, random_model  # noqa: E402
+from tests.test_rpc import Service, free_port  # noqa: E402
 
 STRONG_WEIGHTS = dict(initializer_range=0.3)  # attention far from uniform: a lost page shows
 
@@ -47,6 +50,31 @@ def test_split_run_gives_the_one_device_tokens(llama_folder, prefill, decode):
         assert split.kv_bytes_moved - moved == pages * 16 * 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
     for engine in split.engines.values():
         assert engine._sequences == {}
+
+
+@pytest.fixture
+def rpc_server():
+    service = Service("server", "--port", str(free_port()))
+    yield service
+    service.stop()
+
+
+@pytest.mark.parametrize("remote_stage", ["decode", "prefill"])
+def test_prefill_and_decode_in_two_processes_over_rpc(rpc_server, remote_stage):
+    """SmolLM2 (Q8) with one stage in an RPC server's process on 127.0.0.1: the pages go over
+    once, and the tokens are the one-process run's."""
+    local = gllm.load(SMOLLM2_GGUF, target="llvm", quantization="q8")
+    remote = gllm.load(SMOLLM2_GGUF, target="llvm", quantization="q8",
+                       remote=RemoteDevice(server=rpc_server.address, timeout=120))
+    assert remote.where == f"llvm on RPC server {rpc_server.address}"
+    split = SplitLLM.from_engines(**{remote_stage: remote, ("prefill" if remote_stage == "decode" else "decode"): local})
+    ids = local.chat_prompt([{"role": "user", "content": "Name three rivers in Europe."}])
+    want = local.generate(ids, max_new_tokens=32)
+    assert split.generate(ids, max_new_tokens=32).token_ids == want.token_ids
+    assert split.kv_bytes_moved > 0 and remote._sequences == {} and local._sequences == {}
+    rpc_server.stop()  # the remote stage's process dies: a typed error naming the server
+    with pytest.raises(RemoteDeviceError, match=rpc_server.address):
+        split.generate(ids, max_new_tokens=4)
 
 
 def test_exported_pages_continue_a_sequence_exactly():

@@ -58,6 +58,7 @@ class CompiledLLM:
     quantization: str | None
     params: list[ParamSpec]
     target: dict[str, Any]
+    file: str | None = None   # the artifact the module was loaded from or last written to
 
     @property
     def runtime(self) -> TargetRuntime:
@@ -69,8 +70,12 @@ class CompiledLLM:
                 "params": [dataclasses.asdict(p) for p in self.params], "targets": [self.target]}
 
     def export(self, path: str | os.PathLike) -> None:
-        """One file, written atomically: the library and its metadata."""
-        artifact.write(path, self.module.export_library, self.metadata())
+        """One file, written atomically: the library and its metadata. (A module loaded from
+        a file cannot be exported again by TVM: that file is copied.)"""
+        if self.file is not None:
+            artifact.copy(self.file, path)
+        else:
+            artifact.write(path, self.module.export_library, self.metadata())
 
 
 def compile_llm(config: LLMConfig, target: TargetLike, quantization: str | None = None,
@@ -120,7 +125,7 @@ def load_compiled(path: str | os.PathLike) -> CompiledLLM:
         raise ArtifactError(f"cannot load {os.fspath(path)}: {summary(err)}") from err
     return CompiledLLM(module, LLMConfig.from_json(meta["config"]), meta["quantization"],
                        [ParamSpec(p["name"], tuple(p["shape"]), p["dtype"]) for p in meta["params"]],
-                       meta["targets"][0])
+                       meta["targets"][0], os.fspath(path))
 
 
 def cache_dir() -> Path:
@@ -154,5 +159,6 @@ def compiled_for(config: LLMConfig, target: TargetLike, quantization: str | None
     compiled = compile_llm(config, target, quantization)
     path.parent.mkdir(parents=True, exist_ok=True)
     compiled.export(path)
+    compiled.file = str(path)
     return compiled
 

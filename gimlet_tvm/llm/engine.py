@@ -27,7 +27,9 @@ from tvm import relax
 
 from ..errors import LLMError, WeightsError, summary
 from ..targets import DEFAULT_TARGET, TargetLike
+from ..runtime.remote import RemoteDevice
 from .compile import CompiledLLM, compiled_for, load_compiled
+from .hosts import LocalHost, RemoteHost
 from .families import FAMILIES
 from .quantization import load_quantized, quantized_sources, quantized_weight
 from .request import Request, SpeculationStats
@@ -41,18 +43,24 @@ PAGE_SIZE = 16
 # a sequence moving out is forked to 0 first, and one moving in arrives at 0 and is forked on.
 TRANSFER_SLOT = 0
 
-_f = tvm.get_global_func
-_ADD_SEQUENCE = _f("vm.builtin.kv_state_add_sequence")
-_REMOVE_SEQUENCE = _f("vm.builtin.kv_state_remove_sequence")
-_POPN = _f("vm.builtin.kv_state_popn")
-_BEGIN_FORWARD = _f("vm.builtin.kv_state_begin_forward")
-_END_FORWARD = _f("vm.builtin.kv_state_end_forward")
-_FORK_SEQUENCE = _f("vm.builtin.kv_state_fork_sequence")
-_PAGES_METADATA = _f("vm.builtin.attention_kv_cache_get_checkpoint_metadata")
-_EXPORT_PAGES = _f("vm.builtin.attention_kv_cache_export_page_group")
-_PREPARE_IMPORT = _f("vm.builtin.attention_kv_cache_prepare_import")
-_IMPORT_PAGES = _f("vm.builtin.attention_kv_cache_import_page_group")
-_FINISH_IMPORT = _f("vm.builtin.attention_kv_cache_finish_import")
+
+
+class _Builtins:
+    """The VM's KV-cache builtins, from the engine's host."""
+
+    def __init__(self, host: LocalHost | RemoteHost):
+        get = host.function
+        self.add_sequence = get("vm.builtin.kv_state_add_sequence")
+        self.remove_sequence = get("vm.builtin.kv_state_remove_sequence")
+        self.fork_sequence = get("vm.builtin.kv_state_fork_sequence")
+        self.popn = get("vm.builtin.kv_state_popn")
+        self.begin_forward = get("vm.builtin.kv_state_begin_forward")
+        self.end_forward = get("vm.builtin.kv_state_end_forward")
+        self.pages_metadata = get("vm.builtin.attention_kv_cache_get_checkpoint_metadata")
+        self.export_pages = host.function_taking_tensors("vm.builtin.attention_kv_cache_export_page_group")
+        self.prepare_import = get("vm.builtin.attention_kv_cache_prepare_import")
+        self.import_pages = host.function_taking_tensors("vm.builtin.attention_kv_cache_import_page_group")
+        self.finish_import = get("vm.builtin.attention_kv_cache_finish_import")
 
 
 @dataclasses.dataclass
@@ -99,27 +107,24 @@ class LLM:
 
     def __init__(self, compiled: CompiledLLM, checkpoint: Checkpoint, tokenizer: Tokenizer | None,
                  max_batch_size: int = 8, context_window: int | None = None,
-                 kv_cache_tokens: int | None = None):
+                 kv_cache_tokens: int | None = None, remote: RemoteDevice | None = None):
         self.compiled, self.config, self.tokenizer = compiled, compiled.config, tokenizer
         if compiled.config != checkpoint.config:
             raise WeightsError(f"{checkpoint.path.name} is a different architecture than the compiled "
                                f"model: {checkpoint.config} vs {compiled.config}")
-        runtime = compiled.runtime
-        reason = runtime.cannot_run()
-        if reason is not None:
-            raise LLMError(f"the model is compiled for {runtime.name}, which cannot run here: {reason}")
-        runtime.load_libraries()
-        self.device = runtime.device()
+        self._host = RemoteHost(compiled, remote) if remote is not None else LocalHost(compiled)
+        self.device, self.where = self._host.device, self._host.name
+        self._builtins = _Builtins(self._host)
         self.context_window = min(context_window or self.config.context_length, self.config.context_length)
         self.kv_cache_tokens = kv_cache_tokens or self.context_window
         self.max_batch_size = max_batch_size
         self.prefill_chunk = min(2048, self.kv_cache_tokens)
-        self._vm = relax.VirtualMachine(compiled.module, self.device)
-        self._params = load_params(compiled, checkpoint, self.device)
-        shape = tvm.runtime.ShapeTuple
-        self._kv = self._vm["create_paged_kv_cache"](  # one more sequence: the transfer slot
-            shape([max_batch_size + 1]), shape([self.kv_cache_tokens]), shape([self.prefill_chunk]),
-            shape([PAGE_SIZE]), shape([0]))
+        host = self._host
+        self._vm = host.guard("load", lambda: relax.VirtualMachine(host.module, self.device))
+        self._params = host.params(host.guard("copy weights", lambda: load_params(compiled, checkpoint, self.device)))
+        self._kv = host.guard("create KV cache", lambda: self._vm["create_paged_kv_cache"](
+            # one more sequence: the transfer slot
+            *(host.shape([n]) for n in (max_batch_size + 1, self.kv_cache_tokens, self.prefill_chunk, PAGE_SIZE, 0))))
         self._sequences: dict[int, int] = {}   # id -> tokens in the cache
         self._next_id = TRANSFER_SLOT + 1
 
@@ -135,13 +140,13 @@ class LLM:
         if len(self._sequences) >= self.max_batch_size:
             raise LLMError(f"{self.max_batch_size} sequences are in the cache already (max_batch_size)")
         seq_id, self._next_id = self._next_id, self._next_id + 1
-        _ADD_SEQUENCE(self._kv, seq_id)
+        self._builtins.add_sequence(self._kv, seq_id)
         self._sequences[seq_id] = 0
         return seq_id
 
     def remove_sequence(self, seq_id: int) -> None:
         self._check_sequences([seq_id])
-        _REMOVE_SEQUENCE(self._kv, seq_id)
+        self._builtins.remove_sequence(self._kv, seq_id)
         del self._sequences[seq_id]
 
     def popn(self, seq_id: int, n: int) -> None:
@@ -150,22 +155,22 @@ class LLM:
         if not 0 <= n <= self._sequences[seq_id]:
             raise LLMError(f"cannot pop {n} tokens from a sequence of {self._sequences[seq_id]}")
         if n:
-            _POPN(self._kv, seq_id, n)
+            self._builtins.popn(self._kv, seq_id, n)
             self._sequences[seq_id] -= n
 
     def export_sequence(self, seq_id: int) -> KVPages:
         """A copy of the sequence's KV pages (the sequence stays)."""
         self._check_sequences([seq_id])
-        _FORK_SEQUENCE(self._kv, seq_id, TRANSFER_SLOT, -1)
+        self._builtins.fork_sequence(self._kv, seq_id, TRANSFER_SLOT, -1)
         try:
-            metadata = _PAGES_METADATA(self._kv, TRANSFER_SLOT)
+            metadata = self._builtins.pages_metadata(self._kv, TRANSFER_SLOT)
             groups = []
             for group in json.loads(metadata)["groups"]:
                 pages = tvm.runtime.empty(tuple(group["shape"]), group["dtype"], self.device)
-                _EXPORT_PAGES(self._kv, TRANSFER_SLOT, group["group_index"], pages)
-                groups.append(pages.numpy())
+                self._builtins.export_pages(self._kv, TRANSFER_SLOT, group["group_index"], pages)
+                groups.append(self._host.guard("fetch KV pages", pages.numpy))
         finally:
-            _REMOVE_SEQUENCE(self._kv, TRANSFER_SLOT)
+            self._builtins.remove_sequence(self._kv, TRANSFER_SLOT)
         return KVPages(metadata, groups)
 
     def import_sequence(self, pages: KVPages) -> int:
@@ -177,18 +182,19 @@ class LLM:
             raise LLMError(f"{length} tokens do not fit the context window of {self.context_window}")
         self._check_pages({**self._sequences, TRANSFER_SLOT: length})
         try:
-            _PREPARE_IMPORT(self._kv, TRANSFER_SLOT, pages.metadata)
+            self._builtins.prepare_import(self._kv, TRANSFER_SLOT, pages.metadata)
             for group in json.loads(pages.metadata)["groups"]:
-                _IMPORT_PAGES(self._kv, TRANSFER_SLOT, group["group_index"],
-                              tvm.runtime.tensor(pages.groups[group["group_index"]], self.device))
-            _FINISH_IMPORT(self._kv, TRANSFER_SLOT)
+                array = pages.groups[group["group_index"]]
+                on_device = self._host.guard("send KV pages", lambda: tvm.runtime.tensor(array, self.device))
+                self._builtins.import_pages(self._kv, TRANSFER_SLOT, group["group_index"], on_device)
+            self._builtins.finish_import(self._kv, TRANSFER_SLOT)
         except (RuntimeError, ValueError) as err:  # TVM errors: layout hash, shapes, room
             raise LLMError(f"these KV pages do not fit this model's cache: {summary(err)}") from err
         seq_id, self._next_id = self._next_id, self._next_id + 1
         try:
-            _FORK_SEQUENCE(self._kv, TRANSFER_SLOT, seq_id, -1)
+            self._builtins.fork_sequence(self._kv, TRANSFER_SLOT, seq_id, -1)
         finally:
-            _REMOVE_SEQUENCE(self._kv, TRANSFER_SLOT)
+            self._builtins.remove_sequence(self._kv, TRANSFER_SLOT)
         self._sequences[seq_id] = length
         return seq_id
 
@@ -248,16 +254,21 @@ class LLM:
 
     def _forward(self, function: str, seq_ids: list[int], lengths: list[int], ids: np.ndarray,
                  logit_positions: np.ndarray | None = None) -> np.ndarray:
-        shape = tvm.runtime.ShapeTuple
-        args = [tvm.runtime.tensor(ids, self.device)]
-        if logit_positions is not None:
-            args.append(tvm.runtime.tensor(logit_positions, self.device))
-        _BEGIN_FORWARD(self._kv, shape(seq_ids), shape(lengths))
-        logits, self._kv = self._vm[function](*args, self._kv, self._params)
-        _END_FORWARD(self._kv)
+        host = self._host
+
+        def run() -> np.ndarray:
+            args = [tvm.runtime.tensor(ids, self.device)]
+            if logit_positions is not None:
+                args.append(tvm.runtime.tensor(logit_positions, self.device))
+            result = self._vm[function](*args, self._kv, self._params)
+            return host.item(result, 0).numpy()
+
+        self._builtins.begin_forward(self._kv, host.shape(seq_ids), host.shape(lengths))
+        logits = host.guard(function, run)
+        self._builtins.end_forward(self._kv)
         for seq_id, n in zip(seq_ids, lengths):
             self._sequences[seq_id] += n
-        return logits.numpy()
+        return logits
 
     def _check_sequences(self, seq_ids: Sequence[int]) -> None:
         unknown = [s for s in seq_ids if s not in self._sequences]
@@ -479,7 +490,7 @@ def load_params(compiled: CompiledLLM, checkpoint: Checkpoint, device: tvm.runti
 def load(path: str | os.PathLike, target: TargetLike = DEFAULT_TARGET, quantization: str | None = None,
          *, compiled: str | os.PathLike | None = None, max_batch_size: int = 8,
          context_window: int | None = None, kv_cache_tokens: int | None = None,
-         layers: int | None = None) -> LLM:
+         layers: int | None = None, remote: RemoteDevice | None = None) -> LLM:
     """A model from an HF folder or a GGUF file, ready to generate.
 
     The architecture is compiled for `target` once per machine (cached; `compiled` names an
@@ -487,7 +498,8 @@ def load(path: str | os.PathLike, target: TargetLike = DEFAULT_TARGET, quantizat
     `quantization`: None (weights as float32), "q8" or "q4" (kept quantized in memory).
     `context_window` caps a sequence's tokens (default: the model's); `kv_cache_tokens` is the
     cache's room for all sequences together (default: one context window). `layers` keeps
-    only the first decoder layers: the model cut short, as a draft for speculative decoding."""
+    only the first decoder layers: the model cut short, as a draft for speculative decoding.
+    `remote`: run on an RPC server's device instead (weights are read here and copied there)."""
     checkpoint = open_checkpoint(path)
     if layers is not None:
         checkpoint = checkpoint.first_layers(layers)
@@ -496,7 +508,7 @@ def load(path: str | os.PathLike, target: TargetLike = DEFAULT_TARGET, quantizat
     else:
         built = compiled_for(checkpoint.config, target, quantization)
     return LLM(built, checkpoint, tokenizer_of(checkpoint), max_batch_size=max_batch_size,
-               context_window=context_window, kv_cache_tokens=kv_cache_tokens)
+               context_window=context_window, kv_cache_tokens=kv_cache_tokens, remote=remote)
 
 
 def tokenizer_of(checkpoint: Checkpoint) -> Tokenizer | None:

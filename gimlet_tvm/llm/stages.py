@@ -152,6 +152,16 @@ class SplitLLM:
         self.config, self.tokenizer = self.decoder.config, self.decoder.tokenizer
         self.kv_bytes_moved = 0
 
+    @classmethod
+    def from_engines(cls, prefill: LLM, decode: LLM) -> "SplitLLM":
+        """Prefill on one loaded engine and decode on another, as given (the engines may be in
+        other processes: `load(..., remote=...)`)."""
+        if prefill.config != decode.config:
+            raise LLMError("the prefill and decode engines hold different architectures")
+        devices = {"prefill": prefill.where, "decode": decode.where}
+        placement = StagePlacement(devices, {}, {"prefill": "given", "decode": "given"})
+        return cls({prefill.where: prefill, decode.where: decode}, placement, {})
+
     def placement(self) -> StagePlacement:
         return self._placement
 
