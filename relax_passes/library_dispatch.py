@@ -3,7 +3,8 @@
 Where it goes: after graph fusion (and kernel selection's rewrites), before LegalizeOps, which
 would otherwise turn the ops into TIR. Each library a target's spec lists
 (`TargetSpec.libraries`) that has a dispatch pass gets it, in the spec's order; then, where the
-spec asks for fast math, `FastMathTransform`. A library without a dispatch pass (cuBLAS) is
+spec asks for fast math, `FastMathTransform`; where it asks for transposed-matmul kernels,
+`FuseTransposeMatmul` (after the dispatch, so a library still gets the pairs it takes). A library without a dispatch pass (cuBLAS) is
 reached only through kernel selection, which calls it where it won.
 """
 
@@ -28,5 +29,9 @@ def dispatch_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:
 
 
 def library_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:
-    """`dispatch_passes`, then fast math where the spec asks for it."""
-    return [*dispatch_passes(spec), *([relax.transform.FastMathTransform()] if spec.fast_math else [])]
+    """`dispatch_passes`, then fast math and transposed-matmul kernels where the spec asks."""
+    return [
+        *dispatch_passes(spec),
+        *([relax.transform.FastMathTransform()] if spec.fast_math else []),
+        *([relax.transform.FuseTransposeMatmul()] if spec.transposed_matmul_kernels else []),
+    ]

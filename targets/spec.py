@@ -103,7 +103,14 @@ class TargetSpec:
     handwritten_kernels: the kernels kept in this repository for it (kernel selection's
       hand-written source).
     fast_math: whether exp, tanh and erf become fast polynomial approximations.
+    transposed_matmul_kernels: whether a matmul by a transposed weight (`matmul(x,
+      permute_dims(w))`, a linear layer) becomes one kernel reading `w` in place (TVM's
+      FuseTransposeMatmul) instead of a transpose kernel copying `w` at every call and a
+      matmul; a library's dispatch, which takes the pair itself, runs first.
     schedule_rules_without: default schedule rules (by name) known to fail this target.
+    schedule_rules_first: the target's own schedule rules (by name, from the rule set's
+      opt-in registry), tried before the defaults; a function of the TVM target, since what
+      suits a device may depend on what kind of device it is.
     codegen_hooks / check_code: how to generate device code, and how to check it.
     can_compile / can_run: whether this machine can generate code for / execute on it; each
       returns None when it can, else the reason it can't.
@@ -127,7 +134,9 @@ class TargetSpec:
     libraries: tuple[KernelLibrary, ...] = ()
     handwritten_kernels: tuple[HandwrittenKernel, ...] = ()
     fast_math: bool = False
+    transposed_matmul_kernels: bool = False
     schedule_rules_without: tuple[str, ...] = ()
+    schedule_rules_first: Callable[[tvm.target.Target], tuple[str, ...]] = lambda target: ()
     codegen_hooks: CodegenHooks = no_codegen_hooks
     check_code: CodeCheck = no_device_code
     extra_facts: Callable[[], Mapping[str, Any]] = dict

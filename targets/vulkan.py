@@ -70,6 +70,7 @@ def default_target() -> dict[str, Any]:
             max_push_constants_size=device["max_push_constants"],
             max_storage_buffer_range=device["max_storage_buffer_range"],
             device_name=device["name"],
+            device_type=device["kind"],
         )
     return target
 
@@ -84,6 +85,12 @@ def extra_facts() -> dict[str, Any]:
         "device_max_workgroup_invocations": device["max_workgroup_invocations"],
         "subgroup_size": device["subgroup_size"],
     }
+
+
+def first_rules(target: tvm.target.Target) -> tuple[str, ...]:
+    """On a CPU device (lavapipe), whose threads are SIMD lanes, matmuls reduce per thread
+    (`LaneReduction`): DLight's rules reduce across threads through shared memory."""
+    return ("LaneReduction",) if target.attrs.get("device_type") == "cpu" else ()
 
 
 def perf_facts() -> PerfFacts:
@@ -164,7 +171,9 @@ VULKAN = TargetSpec(
     device_type="vulkan",
     device_runtime=VULKAN_RUNTIME,
     dtypes=("float32", "int32", "int64", "bool", "int8", "uint8"),
+    transposed_matmul_kernels=True,
     schedule_rules_without=VULKAN_RULES_WITHOUT,
+    schedule_rules_first=first_rules,
     codegen_hooks=codegen_hooks,
     check_code=check_code,
     extra_facts=extra_facts,

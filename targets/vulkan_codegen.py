@@ -216,6 +216,10 @@ class _Printer:
         self.used_names: set[str] = set()
         self.globals: dict[Any, str] = {}  # pointer argument -> its storage block instance
         self.storage_dtype: dict[Any, str] = {}  # pointer argument -> its element type
+        self.bindings: dict[Any, int] = {}  # pointer argument -> its binding
+        self.vector_views: dict[tuple[Any, int], str] = {}  # (pointer argument, lanes) -> block
+        self.view_decls: list[str] = []  # vector views of storage buffers
+        self.analyzer = tvm.sym.Analyzer()
         self.views: dict[Any, Any] = {}  # declared buffer (DeclBuffer) -> its pointer argument
         self.arrays: dict[Any, str] = {}  # allocated or declared-over buffer -> its array name
         self.array_decls: list[str] = []  # shared and local arrays, at module scope
@@ -282,6 +286,7 @@ class _Printer:
             block = self.ident(param)
             self.globals[param] = block
             self.storage_dtype[param] = dtype
+            self.bindings[param] = i
             decls.append(
                 f"layout(std430, set = 0, binding = {i}) buffer B{i} "
                 f"{{ {self.type_of(dtype, _STORAGE_TYPES)} data[]; }} {block};"
@@ -317,6 +322,7 @@ class _Printer:
             f"// kernel {self.name}",
             f"layout(local_size_x = {x}, local_size_y = {y}, local_size_z = {z}) in;",
             *decls,
+            *self.view_decls,
             *self.array_decls,
             *self.helpers.values(),
             "void main() {",
@@ -486,7 +492,44 @@ class _Printer:
             text = f"{self.type_of(f'int32x{lanes}' if lanes > 1 else 'int32')}({text})"
         return text, lanes
 
+    def vector_element(self, buffer: Any, indices: Any) -> str | None:
+        """`view.data[i]` when the access reads or writes `lanes` consecutive elements of a
+        storage buffer starting at a multiple of `lanes`: one vector element of a view of the
+        same binding typed vecN. Else None (a gather, one element per lane).
+
+        A CPU driver (lavapipe) loads a vector element in one go per invocation, where it
+        makes one scalar load per element of a gather."""
+        if buffer not in self.views or len(indices) != 1 or self.is_bool_storage(buffer):
+            return None
+        index = indices[0]
+        lanes = _lanes(_dtype(index))
+        if not (isinstance(index, tirx.Ramp) and _is_one(index.stride) and lanes in (2, 4)):
+            return None
+        dtype = str(buffer.dtype)
+        if tvm.DataType(dtype).bits != 32 or _lanes(dtype) != 1:
+            return None
+        modular = self.analyzer.modular_set(index.base)
+        if modular.coeff % lanes or modular.base % lanes:
+            return None
+        data = self.views[buffer]
+        view = self.vector_views.get((data, lanes))
+        if view is None:
+            view = f"{self.globals[data]}_x{lanes}"
+            binding = self.bindings[data]
+            self.view_decls.append(
+                f"layout(std430, set = 0, binding = {binding}) buffer B{binding}x{lanes} "
+                f"{{ {self.type_of(f'{dtype}x{lanes}')} data[]; }} {view};")
+            self.vector_views[(data, lanes)] = view
+        element = self.analyzer.simplify(tirx.floordiv(index.base, lanes))
+        text = self.expr(element)
+        if _dtype(element) != "int32":
+            text = f"int({text})"
+        return f"{view}.data[{text}]"
+
     def load(self, e: Any) -> str:
+        vector = self.vector_element(e.source, e.indices)
+        if vector is not None:
+            return vector
         array = self.array_of(e.source)
         index, lanes = self.index(e.source, e.indices)
         if lanes > 1:
@@ -509,6 +552,10 @@ class _Printer:
         return name
 
     def store(self, s: Any) -> None:
+        vector = self.vector_element(s.buffer, s.indices)
+        if vector is not None:
+            self.emit(f"{vector} = {self.expr(s.value)};")
+            return
         array = self.array_of(s.buffer)
         index, lanes = self.index(s.buffer, s.indices)
         value = self.expr(s.value)

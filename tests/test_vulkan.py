@@ -174,6 +174,37 @@ def test_host_library_call_is_refused_at_compile_time() -> None:
         compile_alone(bb.get(), (SPEC, SPEC.make_target()))
 
 
+@pytest.mark.parametrize("k", [576, 150])
+def test_linear_layer_reduces_per_thread_on_a_cpu_device(k: int) -> None:
+    """A linear layer (`x @ w.T + r`, rows symbolic) is one kernel reading `w` in place; on a
+    CPU device each thread reduces a whole output element, without shared memory, from vector
+    loads where the reduction length allows them."""
+    rows = tvm.tirx.Var("rows", "int64")
+    x = relax.Var("x", relax.TensorType((rows, k), "float32"))
+    w = relax.Var("w", relax.TensorType((192, k), "float32"))
+    r = relax.Var("r", relax.TensorType((rows, 192), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w, r]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w)))
+            out = bb.emit_output(bb.emit(relax.op.add(y, r)))
+        bb.emit_func_output(out)
+    target = SPEC.make_target()
+    assert target.attrs["device_type"] == "cpu"
+    ex = compile_alone(bb.get(), (SPEC, target))
+    source = "\n".join(m.inspect_source("") for m in device_modules(ex.mod, "vulkan"))
+    kernels = [line for line in source.splitlines() if line.startswith("// kernel ")]
+    assert kernels == ["// kernel fused_NT_matmul_add_kernel"]
+    assert "shared " not in source and "barrier()" not in source
+    assert ("vec4 data[]" in source) == (k % 4 == 0)
+    rng = np.random.default_rng(k)
+    xs, ws, rs = (rng.standard_normal(shape, dtype="float32") for shape in ((5, k), (192, k), (5, 192)))
+    dev = tvm.vulkan(0)
+    vm = relax.VirtualMachine(ex, dev)
+    got = vm["main"](*(tvm.runtime.tensor(a, dev) for a in (xs, ws, rs))).numpy()
+    np.testing.assert_allclose(got, xs @ ws.T + rs, rtol=1e-5, atol=1e-4)
+
+
 @T.prim_func
 def _math(a: T.Buffer((1024,), "float32"), erf: T.Buffer((1024,), "float32"),
           tanh: T.Buffer((1024,), "float32"), cube: T.Buffer((1024,), "float32"),
