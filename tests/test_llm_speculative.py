@@ -55,6 +55,32 @@ def test_greedy_output_is_plain_greedy_output(smollm2, draft):
     assert smollm2._sequences == {}
 
 
+def test_draft_on_vulkan_for_a_model_on_llvm(tmp_path):
+    """A random Llama on llvm, its one-layer cut on lavapipe as the draft: the greedy tokens
+    of plain decoding, and proposals both accepted and rejected."""
+    folder, _ = random_model("llama", dict(num_attention_heads=8, num_key_value_heads=2, initializer_range=0.3),
+                             tmp_path)
+    llm = gllm.load(folder, target="llvm")
+    draft = gllm.Draft(gllm.load(folder, target="vulkan", layers=1), k=3)
+    for ids in ([3, 17, 42, 99, 5], [7, 7, 7, 1, 2, 3, 7, 7, 7, 1, 2]):
+        plain = llm.generate(ids, max_new_tokens=40)
+        fast = llm.generate(ids, max_new_tokens=40, speculative=draft)
+        assert fast.token_ids == plain.token_ids
+        assert 0 < fast.speculation.accepted < fast.speculation.proposed
+
+
+@pytest.mark.slow
+def test_smollm2_with_its_draft_on_vulkan(smollm2):
+    """SmolLM2 on llvm with the same model on lavapipe proposing: 64 greedy tokens of each
+    chat prompt are plain decoding's (about a minute a prompt on lavapipe)."""
+    draft = gllm.Draft(gllm.load(SMOLLM2_GGUF, target="vulkan"), k=4)
+    for messages in CHATS:
+        ids = smollm2.chat_prompt(messages)
+        fast = smollm2.generate(ids, max_new_tokens=64, speculative=draft)
+        assert fast.token_ids == smollm2.generate(ids, max_new_tokens=64).token_ids
+        assert fast.speculation.acceptance_rate > 0.5
+
+
 def test_stream_and_stop_strings_with_a_draft(smollm2):
     ids = smollm2.chat_prompt(CHATS[0])
     plain = smollm2.generate(ids, max_new_tokens=48, stop=["Gustave"])

@@ -43,13 +43,25 @@ def test_split_run_gives_the_one_device_tokens(llama_folder, prefill, decode):
         want = alone.generate(ids, max_new_tokens=24)
         moved = split.kv_bytes_moved
         got = split.generate(ids, max_new_tokens=24)
-        assert got.token_ids == want.token_ids
+        assert got.token_ids == want.token_ids and got.kv_bytes_moved == split.kv_bytes_moved - moved
         # Pages of whole 16-token pages, keys and values, every layer: moved once.
         config = alone.config
         pages = -(-length // 16)
         assert split.kv_bytes_moved - moved == pages * 16 * 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
     for engine in split.engines.values():
         assert engine._sequences == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefill,decode", [("vulkan", "llvm"), ("llvm", "vulkan")])
+def test_smollm2_split_over_vulkan_and_llvm(prefill, decode):
+    """SmolLM2 (real weights): 64 greedy tokens (16 when lavapipe decodes) of a split run are
+    the llvm run's."""
+    alone = gllm.load(SMOLLM2_GGUF, target="llvm")
+    split = gllm.load(SMOLLM2_GGUF, targets=["vulkan", "llvm"], pins={"prefill": prefill, "decode": decode})
+    ids = alone.chat_prompt([{"role": "user", "content": "Write a haiku about the sea."}])
+    new = 64 if decode == "llvm" else 16
+    assert split.generate(ids, max_new_tokens=new).token_ids == alone.generate(ids, max_new_tokens=new).token_ids
 
 
 @pytest.fixture

@@ -136,12 +136,17 @@ def cache_dir() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def _compiler_fingerprint() -> str:
-    """A hash of the compiler's sources (our packages and TVM's version): a cached artifact
-    from other code is never reused."""
+    """A hash of the sources that decide the compiled code (TVM's version, the compiler's
+    modules, targets, passes, schedules, and this room's model definitions): a cached artifact
+    from other code is never reused, while the engine, sampling or tokenizer may change freely."""
     digest = hashlib.sha256(tvm.__version__.encode())
-    for package in (gimlet_tvm, gimlet_tvm.targets, gimlet_tvm.relax_passes, gimlet_tvm.schedules):
-        for source in sorted(Path(package.__file__).parent.rglob("*.py")):
-            digest.update(source.read_bytes())
+    here = Path(__file__).parent
+    sources = [*Path(gimlet_tvm.__file__).parent.glob("*.py"), Path(__file__), here / "config.py",
+               here / "quantization.py", *(here / "families").rglob("*.py")]
+    for package in (gimlet_tvm.targets, gimlet_tvm.relax_passes, gimlet_tvm.schedules):
+        sources += Path(package.__file__).parent.rglob("*.py")
+    for source in sorted(sources):
+        digest.update(source.read_bytes())
     return digest.hexdigest()
 
 

@@ -65,7 +65,9 @@ class _Builtins:
 
 @dataclasses.dataclass
 class Generation:
-    """One request's result: the new tokens, their text, why it ended, and its timings."""
+    """One request's result: the new tokens, their text, why it ended, and its metrics: time
+    to first token (`prefill_ms`: prefill makes the first token), decode time, the draft's
+    proposals and acceptances, and the KV-cache bytes moved between devices."""
 
     token_ids: list[int]
     text: str
@@ -74,12 +76,19 @@ class Generation:
     prefill_ms: float
     decode_ms: float
     speculation: SpeculationStats | None = None   # with a draft: proposed and accepted tokens
+    kv_bytes_moved: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
         """Tokens made by decode steps (all but the first, which prefill makes) per second."""
         steps = len(self.token_ids) - 1
         return steps / (self.decode_ms / 1e3) if steps > 0 and self.decode_ms > 0 else 0.0
+
+    @property
+    def inter_token_ms(self) -> float:
+        """Mean time between tokens after the first."""
+        rate = self.decode_tokens_per_s
+        return 1e3 / rate if rate else 0.0
 
 
 @dataclasses.dataclass
@@ -436,8 +445,8 @@ def stream_text(request: Request, steps: Iterator[None]) -> Generator[str, None,
 
 
 def _generation(request: Request, clock: "_Clock") -> Generation:
-    return Generation(request.new, request.text, request.finish_reason or "length",
-                      len(request.prompt), clock.prefill_ms, clock.decode_ms, request.speculation)
+    return Generation(request.new, request.text, request.finish_reason or "length", len(request.prompt),
+                      clock.prefill_ms, clock.decode_ms, request.speculation, request.kv_bytes_moved)
 
 
 class _Clock:

@@ -47,6 +47,7 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     speculation: SpeculationStats | None = None   # set when a draft proposes its tokens
+    kv_bytes_moved: int = 0                        # KV pages sent from the prefill device
 
     def __post_init__(self) -> None:
         self.sampler = Sampler(self.params)

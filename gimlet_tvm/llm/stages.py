@@ -187,6 +187,7 @@ class SplitLLM:
         if request.done:
             return
         request.seq_id = self.decoder.import_sequence(pages)
+        request.kv_bytes_moved = pages.nbytes
         self.kv_bytes_moved += pages.nbytes
         try:
             yield from self.decoder.advance([request], draft)
