@@ -18,7 +18,7 @@ from scipy import stats  # noqa: E402
 import gimlet_tvm.llm as gllm  # noqa: E402
 from gimlet_tvm.errors import LLMError  # noqa: E402
 from gimlet_tvm.llm.sampling import SamplingParams  # noqa: E402
-from gimlet_tvm.llm.speculative import accept_proposals, lookup_proposals  # noqa: E402
+from gimlet_tvm.llm.speculative import Pace, accept_proposals, lookup_proposals  # noqa: E402
 from gimlet_tvm.llm.sampling import Sampler  # noqa: E402
 from tests.llm_models import SMOLLM2_GGUF, random_model  # noqa: E402
 
@@ -131,7 +131,7 @@ def test_sampled_tokens_follow_the_models_distribution(tmp_path):
     distributed as the model's own next token (chi-square, p > 0.001)."""
     folder, _ = random_model("llama", dict(vocab_size=16, initializer_range=0.3), tmp_path)
     llm = gllm.load(folder, target="llvm")
-    draft = gllm.Draft(gllm.load(folder, target="llvm", layers=1), k=3)
+    draft = gllm.Draft(gllm.load(folder, target="llvm", layers=1), k=3, adaptive=False)
     prompt, params = [3, 1, 4, 1, 5], dict(temperature=0.9, top_p=0.95)
 
     # The exact law of the second new token: sum over the first of p(first) p(second | first).
@@ -176,6 +176,32 @@ def test_rejection_sampling_keeps_the_distribution():
     one_hot = np.eye(8)[5]
     assert accept_proposals(greedy, [one_hot, one_hot, np.eye(8)[1]], [5, 5], None) == [5, 5, 1]
     assert accept_proposals(greedy, [one_hot, one_hot], [3], None) == [5]
+
+
+def test_pace_proposes_what_pays():
+    """A check of n tokens costing 10 + 3 (n - 1) ms: with most proposals accepted many pay,
+    with few none does (plain decode steps), and a proposal is tried again after 4 of those."""
+    pace = Pace(k_max=6)
+    assert pace.next_k() == 0  # a plain step first: its time is the unit
+    pace.record(1, 0.010, 0, 0, 0.0)
+    assert pace.next_k() == 6  # then the longest check, to time one
+    pace.record(7, 0.028, 6, 6, 0.0)
+    assert 1 < pace.next_k() < 6  # one round says little
+    for _ in range(4):
+        pace.record(7, 0.028, 6, 6, 0.0)
+    assert pace.next_k() == 6
+    for _ in range(4):
+        pace.record(7, 0.028, 6, 0, 0.0)
+    assert pace.acceptance < 0.1 and pace.next_k() == 0
+    for _ in range(3):
+        pace.record(1, 0.010, 0, 0, 0.0)
+        assert pace.next_k() == 0
+    pace.record(1, 0.010, 0, 0, 0.0)
+    assert pace.next_k() == 1
+    slow_draft = Pace(k_max=6)  # proposals that take longer than the model's steps never pay
+    slow_draft.record(1, 0.010, 0, 0, 0.0)
+    slow_draft.record(7, 0.028, 6, 6, 6 * 0.050)
+    assert slow_draft.next_k() == 0
 
 
 def test_prompt_lookup_proposes_what_followed_the_last_ngram():

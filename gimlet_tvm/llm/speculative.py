@@ -16,8 +16,8 @@ A round, for one request whose last accepted token is not in the model's KV cach
    plain decoding makes.
 4. Both KV caches are rolled back (`popn`) past the first rejected proposal.
 
-The number of proposals adapts: one more after a round that accepted all, one fewer after a
-round that accepted none.
+The number of proposals adapts to what rounds cost and yield (`Pace`): none (a plain decode
+step) where checking more tokens would not pay for itself.
 
 Works on anything with the engine's KV-cache steps (`KVModel`), so this module does not import
 the engine; the engine calls `speculative_rounds` from its token loop.
@@ -26,6 +26,7 @@ the engine; the engine calls `speculative_rounds` from its token loop.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
@@ -55,12 +56,14 @@ class KVModel(Protocol):
 @dataclasses.dataclass
 class Draft:
     """Where proposals come from: `"prompt-lookup"` or a loaded model with the same
-    vocabulary. `k` proposals per round at most (fewer while few are accepted); prompt lookup
-    matches the context's last `ngram` tokens, then fewer, down to one."""
+    vocabulary. `k` proposals per round at most (fewer where they do not pay; always `k` when
+    not `adaptive`); prompt lookup matches the context's last `ngram` tokens, then fewer, down
+    to one."""
 
     source: str | KVModel
     k: int = 4
     ngram: int = 3
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.source, str) and self.source != PROMPT_LOOKUP:
@@ -112,6 +115,52 @@ def accept_proposals(sampler: Sampler, model_probs: Sequence[np.ndarray], propos
     return made
 
 
+class Pace:
+    """How many tokens to propose next, from what rounds have cost and yielded so far.
+
+    With a per-proposal acceptance a, k proposals make (1 - a^(k+1)) / (1 - a) tokens in
+    expectation (at least the model's own one); they cost one check of k + 1 tokens plus k
+    proposals. Check times are measured per length and taken as linear in it (a fit through the
+    lengths seen), a proposal's time too. The k in 0..k_max (0: a plain decode step) with the
+    most tokens per second wins. The acceptance is an average that follows recent rounds
+    (copied spans come and go within one output), so k rises along a span and falls after."""
+
+    FOLLOW = 0.5   # weight of the latest round in the acceptance average
+    PROBE = 4      # after this many rounds without proposals, one proposal (acceptance changes)
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.acceptance = 0.5
+        self.check_s: dict[int, float] = {}   # tokens checked -> seconds (latest)
+        self.propose_s = 0.0                  # seconds a proposal
+        self.plain_rounds = 0                 # rounds in a row without proposals
+
+    def record(self, checked: int, check_s: float, proposed: int, accepted: int, propose_s: float) -> None:
+        self.check_s[checked] = check_s
+        self.plain_rounds = 0 if proposed else self.plain_rounds + 1
+        if proposed:
+            self.acceptance += self.FOLLOW * (accepted / proposed - self.acceptance)
+            self.propose_s = propose_s / proposed
+
+    def next_k(self) -> int:
+        """The best k; the largest until a check of more than one token has been timed."""
+        longer = [n for n in self.check_s if n > 1]
+        if 1 not in self.check_s:
+            return 0
+        if not longer:
+            return self.k_max
+        one, n = self.check_s[1], max(longer)
+        per_token = max(0.0, (self.check_s[n] - one) / (n - 1))
+        a = min(self.acceptance, 0.999)
+
+        def rate(k: int) -> float:
+            made = (1 - a ** (k + 1)) / (1 - a)
+            return made / (one + per_token * k + self.propose_s * k)
+
+        best = max(range(self.k_max + 1), key=rate)
+        return 1 if best == 0 and self.plain_rounds >= self.PROBE else best
+
+
 def _one_hot(token: int, size: int) -> np.ndarray:
     probs = np.zeros(size)
     probs[token] = 1.0
@@ -160,18 +209,22 @@ def speculative_rounds(model: KVModel, request: Request, draft: Draft,
         raise LLMError(f"the draft model's vocabulary ({draft.source.config.vocab_size} tokens) is "
                        f"not the model's ({model.config.vocab_size})")
     drafter = _DraftModel(draft.source, request) if not isinstance(draft.source, str) else None
-    k = draft.k
+    pace = Pace(draft.k)
     try:
         while not request.done:
             context = request.prompt + request.new
             # A round makes one token more than it accepts, and the cache takes every proposal.
-            budget = min(k, request.max_new_tokens - len(request.new) - 1,
+            wanted = pace.next_k() if draft.adaptive else draft.k
+            budget = min(wanted, request.max_new_tokens - len(request.new) - 1,
                          request.context_window - len(context))
+            started = time.perf_counter()
             if drafter is not None and budget:
                 proposals, draft_probs = drafter.propose(budget)
             else:
                 proposals, draft_probs = lookup_proposals(context, budget, draft.ngram), None
+            proposed_at = time.perf_counter()
             logits = model.score(request.seq_id, [request.new[-1], *proposals])
+            checked_at = time.perf_counter()
             history = list(context)
             model_probs = []
             for i, row in enumerate(logits):
@@ -190,10 +243,8 @@ def speculative_rounds(model: KVModel, request: Request, draft: Draft,
                     break
             if drafter is not None:
                 drafter.keep(len(context) + accepted)
-            if proposals and accepted == len(proposals):
-                k = min(draft.k, k + 1)
-            elif proposals and accepted == 0:
-                k = max(1, k - 1)
+            pace.record(len(proposals) + 1, checked_at - proposed_at, len(proposals), accepted,
+                        proposed_at - started)
             yield
     finally:
         if drafter is not None:
