@@ -66,10 +66,12 @@ def kernel_passes(
     devices: Sequence[BuildDevice], selection: tvm.transform.Pass | None = None,
 ) -> list[tvm.transform.Pass]:
     """Graph (placed already, with several devices) to fused TIR kernels, each tagged with the
-    target that compiles it; `selection` (kernel selection's chosen kernels) runs before the
+    target that compiles it; first each target's fixes of library kernels (`TargetSpec.
+    fix_library_kernels`); `selection` (kernel selection's chosen kernels) runs before the
     library passes. Sorts (`R.argsort`, which LegalizeOps does not lower) become TOPI's kernel
     for each op's target: the generic one on CPUs, the GPU one on targets keyed "gpu"."""
     return [
+        *[_fix_library_kernels(spec) for spec, _ in devices],
         *graph_passes(),
         *([selection] if selection is not None else []),
         *[p for spec, _ in devices for p in library_passes(spec)],
@@ -81,6 +83,12 @@ def kernel_passes(
         relax.transform.FuseTIR(),
         *([AssignKernelTargets()] if len(devices) > 1 else []),
     ]
+
+
+def _fix_library_kernels(spec: TargetSpec) -> tvm.transform.Pass:
+    """`spec.fix_library_kernels` as a module pass."""
+    return tvm.transform.module_pass(lambda mod, _ctx: spec.fix_library_kernels(mod), opt_level=0,
+                                     name=f"FixLibraryKernels({spec.name})")
 
 
 def fusion_passes(spec: TargetSpec, target: tvm.target.Target) -> list[tvm.transform.Pass]:

@@ -111,6 +111,9 @@ class TargetSpec:
     schedule_rules_first: the target's own schedule rules (by name, from the rule set's
       opt-in registry), tried before the defaults; a function of the TVM target, since what
       suits a device may depend on what kind of device it is.
+    fix_library_kernels: the module with the TIR kernels TVM's libraries put in it (the paged
+      KV cache's attention kernels) that are wrong on this target replaced by right ones; the
+      pipeline's first step.
     codegen_hooks / check_code: how to generate device code, and how to check it.
     can_compile / can_run: whether this machine can generate code for / execute on it; each
       returns None when it can, else the reason it can't.
@@ -137,6 +140,7 @@ class TargetSpec:
     transposed_matmul_kernels: bool = False
     schedule_rules_without: tuple[str, ...] = ()
     schedule_rules_first: Callable[[tvm.target.Target], tuple[str, ...]] = lambda target: ()
+    fix_library_kernels: Callable[[tvm.IRModule], tvm.IRModule] = lambda mod: mod
     codegen_hooks: CodegenHooks = no_codegen_hooks
     check_code: CodeCheck = no_device_code
     extra_facts: Callable[[], Mapping[str, Any]] = dict

@@ -26,6 +26,7 @@ from .gpu import (
 from .llvm import host_perf
 from .spec import DISCRETE_GPU, CodegenRecord, DeviceCode, PerfFacts, TargetSpec
 from .vulkan_codegen import build_vulkan, glslang
+from .vulkan_kernel_fixes import fix_library_kernels
 
 # Cross-compiling defaults: what Vulkan guarantees (maxComputeWorkGroupInvocations >= 128,
 # maxComputeSharedMemorySize >= 16384), with 256 threads as most desktop drivers allow.
@@ -174,6 +175,7 @@ VULKAN = TargetSpec(
     transposed_matmul_kernels=True,
     schedule_rules_without=VULKAN_RULES_WITHOUT,
     schedule_rules_first=first_rules,
+    fix_library_kernels=fix_library_kernels,
     codegen_hooks=codegen_hooks,
     check_code=check_code,
     extra_facts=extra_facts,

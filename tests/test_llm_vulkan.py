@@ -60,6 +60,30 @@ def test_random_models_match_transformers(family, options, tmp_path):
     np.testing.assert_allclose(logits, last_logits(model, histories[0] + more), atol=1e-3, rtol=0)
 
 
+def test_split_attention_matches_at_head_dim_64(tmp_path):
+    """head_dim 64 (SmolLM2's), 2 query heads per KV head: attention split in two parts and
+    merged. A prefill onto cached tokens attends to the cached pages, then to the new tokens;
+    a sequence imported from another engine decodes its shared prefix apart from its own
+    tokens. TVM's merge kernel raced on lavapipe from head_dim 64 on
+    (`targets/vulkan_kernel_fixes.py`): both were off by several units."""
+    options = dict(num_attention_heads=2, num_key_value_heads=1, hidden_size=128)
+    folder, model = random_model("llama", {**options, **STRONG_WEIGHTS}, tmp_path)
+    llm, cpu = gllm.load(folder, target="vulkan"), gllm.load(folder, target="llvm")
+    ids = np.random.default_rng(0).integers(0, llm.config.vocab_size, 30).tolist()
+
+    seq = llm.add_sequence()
+    llm.prefill([seq], [ids])
+    logits = llm.prefill([seq], [[5, 17, 42]])[0]
+    np.testing.assert_allclose(logits, last_logits(model, ids + [5, 17, 42]), atol=1e-3, rtol=0)
+
+    source = cpu.add_sequence()
+    token = int(np.argmax(cpu.prefill([source], [ids])[0]))
+    imported = llm.import_sequence(cpu.export_sequence(source))
+    logits = llm.decode([imported], [token])[0]
+    np.testing.assert_allclose(logits, cpu.decode([source], [token])[0], atol=1e-3, rtol=0)
+    np.testing.assert_allclose(logits, last_logits(model, ids + [token]), atol=1e-3, rtol=0)
+
+
 def test_head_dim_not_a_multiple_of_8_is_a_compile_error():
     # TVM's GPU prefill kernel splits its tiles over 128 threads: head_dim must be a multiple
     # of 8. Exporting the model builds that kernel, so the refusal is a CompileError too.

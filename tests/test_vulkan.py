@@ -281,6 +281,28 @@ def test_vector_lanes_match_numpy() -> None:
     np.testing.assert_array_equal(either_not_positive, (x <= 0) | (y <= 0))
 
 
+def test_attention_state_merge_is_race_free_at_head_dim_64() -> None:
+    # TVM's in-place merge (its paged KV cache's) has the 16 threads of a head read S and then
+    # write it with no barrier: lavapipe's 8-wide subgroups merged twice. The spec swaps in ours.
+    from tvm.relax.frontend.nn.llm._decode_kernels import _merge_state_inplace
+
+    tvms = _merge_state_inplace(9, 64, "float32", SPEC.make_target(), "tir_attention_merge_state")
+    fixed = SPEC.fix_library_kernels(tvm.IRModule({"tir_attention_merge_state": tvms}))
+    assert "tvm_storage_sync" not in tvms.script()
+    assert "tvm_storage_sync" in fixed["tir_attention_merge_state"].script()
+    ex = build_kernel(fixed["tir_attention_merge_state"])
+    rng = np.random.default_rng(0)
+    v, v_other = (rng.standard_normal((5, 9, 64)).astype("float32") for _ in range(2))
+    s, s_other = (3 * rng.standard_normal((5, 9)).astype("float32") for _ in range(2))
+    args = [tvm.runtime.tensor(a, tvm.vulkan(0)) for a in (v, s, v_other, s_other)]
+    ex["main"](*args)
+    top = np.maximum(s, s_other)
+    w, w_other = np.exp2(s - top), np.exp2(s_other - top)
+    want = (v * w[..., None] + v_other * w_other[..., None]) / (w + w_other)[..., None]
+    np.testing.assert_allclose(args[0].numpy(), want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(args[1].numpy(), np.log2(w + w_other) + top, atol=1e-5, rtol=0)
+
+
 @T.prim_func
 def _wide(a: T.Buffer((4096,), "float32"), b: T.Buffer((4096,), "float32")):
     # 64 x 32 = 2048 invocations per workgroup: each dimension fits, the total does not.
