@@ -208,6 +208,9 @@ class SplitLLM:
     def draft(self, path: str | os.PathLike, quantization: str | None = None, layers: int | None = None,
               k: int = 4) -> Draft:
         """A draft model (same vocabulary) loaded on the device the placement picks for it."""
+        if not self.facts:
+            raise LLMError("engines given as they are have no device facts to place a draft by: "
+                           "load the draft model and pass Draft(model)")
         checkpoint = open_checkpoint(path)
         config = (checkpoint.first_layers(layers) if layers else checkpoint).config
         placed = place_stages(self.config, self.decoder.compiled.quantization, self.facts, self.workload,
