@@ -188,10 +188,15 @@ class _DraftModel:
         return tokens, probs
 
     def _run(self, tokens: list[int]) -> np.ndarray:
-        """The draft's logits after `tokens` (one token: a decode step, the fast kernels)."""
-        if len(tokens) == 1:
-            return self.model.decode([self.seq_id], tokens)[0]
-        return self.model.prefill([self.seq_id], [tokens])[0]
+        """The draft's logits after `tokens`. A round leaves the draft at most two tokens
+        behind (its last proposal and the model's own token): those go through decode steps,
+        the fast kernels (a quantized draft's prefill dequantizes every weight); the prompt
+        through prefill."""
+        if len(tokens) > 2:
+            return self.model.prefill([self.seq_id], [tokens])[0]
+        for token in tokens:
+            logits = self.model.decode([self.seq_id], [token])[0]
+        return logits
 
     def keep(self, length: int) -> None:
         """Roll the draft's cache back to the first `length` tokens of the context."""
