@@ -32,8 +32,9 @@ def add_parser(sub) -> None:
     parser.add_argument("--context-window", type=int, help="tokens of one sequence (default: the model's)")
     parser.add_argument("--kv-cache-tokens", type=int,
                         help="KV-cache room of all sequences together (default: one context window)")
-    parser.add_argument("--prefill-chunk", type=int, default=256,
-                        help="prompt tokens prefilled per step, between decode steps (default: %(default)s)")
+    parser.add_argument("--prefill-chunk", type=int, default=64,
+                        help="prompt tokens prefilled per step, between decode steps: a longer prompt "
+                             "holds up the others' next token for one chunk at a time (default: %(default)s)")
     parser.add_argument("--api-key-file", help="a file holding the API key clients must send")
     parser.set_defaults(handler=run)
 

@@ -101,7 +101,7 @@ class Scheduler:
     and `cancel` may be called from any thread; sinks are called on the engine thread and
     must not block."""
 
-    def __init__(self, llm: LLM, max_queue: int = 64, prefill_chunk: int = 256,
+    def __init__(self, llm: LLM, max_queue: int = 64, prefill_chunk: int = 64,
                  metrics: Metrics | None = None):
         self.llm, self.max_queue = llm, max_queue
         self.prefill_chunk = min(prefill_chunk, llm.prefill_chunk)
