@@ -146,7 +146,7 @@ def test_completions_and_chat_whole_and_streamed(client):
 
 def test_32_concurrent_streams_get_their_greedy_tokens_alone(server, client):
     prompts = [f"Fact number {i} about the number {7 * i + 3}:" for i in range(32)]
-    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0) for p in prompts]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0) for p in prompts]
 
     async def run_all() -> tuple[list, float]:
         together = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
@@ -154,7 +154,7 @@ def test_32_concurrent_streams_get_their_greedy_tokens_alone(server, client):
         done = asyncio.Event()
 
         async def one(prompt: str) -> tuple[str, str, int]:
-            stream = await together.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+            stream = await together.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
                                                        stream=True, stream_options={"include_usage": True})
             text, finish, tokens = "", None, None
             async for chunk in stream:
@@ -187,28 +187,43 @@ def test_32_concurrent_streams_get_their_greedy_tokens_alone(server, client):
     assert busiest > 1, "the requests were never decoded in one batch"
 
 
+def _settled(server: Server, timeout: float = 10) -> dict[str, float]:
+    """The metrics once no sequence holds KV pages (or when `timeout` has passed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        if (metrics["gimlet_kv_pages_in_use"], metrics["gimlet_running_sequences"]) == (0, 0) \
+                or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
+
+
+CANCELLED = 'gimlet_requests_total{outcome="cancelled"}'
+FINISHED = 'gimlet_requests_total{outcome="finished"}'
+
+
 def test_a_client_that_disconnects_frees_its_pages(server):
+    """Mid-stream, and while waiting for a whole completion: 400 tokens would take seconds;
+    the pages are free long before, and the request counts as cancelled, not finished."""
     before = server.metrics()
+    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 400, "temperature": 0}
     with httpx.Client(headers=AUTH, timeout=60) as http:
-        with http.stream("POST", f"{server.url}/v1/completions",
-                         json={"model": MODEL, "prompt": COUNTING, "max_tokens": 400, "temperature": 0,
-                               "stream": True}) as response:
+        with http.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             seen = [line for line, _ in zip(lines, range(4)) if line.startswith("data:")]
             assert len(seen) >= 2
             during = server.metrics()
             assert during["gimlet_running_sequences"] == 1 and during["gimlet_kv_pages_in_use"] >= 1
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        after = server.metrics()
-        if after["gimlet_kv_pages_in_use"] == 0 and after["gimlet_running_sequences"] == 0:
-            break
-        time.sleep(0.1)
+    after = _settled(server)
     assert (after["gimlet_kv_pages_in_use"], after["gimlet_running_sequences"]) == (0, 0)
-    cancelled = 'gimlet_requests_total{outcome="cancelled"}'
-    finished = 'gimlet_requests_total{outcome="finished"}'
-    assert after[cancelled] == before[cancelled] + 1 and after[finished] == before[finished]
+    assert after[CANCELLED] == before[CANCELLED] + 1 and after[FINISHED] == before[FINISHED]
+
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=1.5)
+    final = _settled(server)
+    assert (final["gimlet_kv_pages_in_use"], final["gimlet_running_sequences"]) == (0, 0)
+    assert final[CANCELLED] == after[CANCELLED] + 1 and final[FINISHED] == after[FINISHED]
     assert complete(server, "Hi").status_code == 200
 
 
@@ -262,7 +277,7 @@ def test_a_full_queue_answers_429_with_retry_after(cramped):
     results: list[httpx.Response] = []
 
     def send() -> None:
-        results.append(complete(cramped, COUNTING, max_tokens=100))
+        results.append(complete(cramped, COUNTING, max_tokens=60))
 
     threads = [threading.Thread(target=send) for _ in range(8)]
     for thread in threads:
@@ -279,14 +294,14 @@ def test_a_full_queue_answers_429_with_retry_after(cramped):
 
 
 def test_a_full_kv_cache_preempts_and_resumes(cramped):
-    """Two counting requests of 200 tokens each cannot share a KV cache of 256 tokens: the
+    """Two counting requests of 160 tokens each cannot share a KV cache of 256 tokens: the
     newer one is preempted, resumed when the older ends, and gets its tokens alone."""
-    alone = [complete(cramped, p, max_tokens=200).json()["choices"][0] for p in (COUNTING, COUNTING_TOO)]
+    alone = [complete(cramped, p, max_tokens=160).json()["choices"][0] for p in (COUNTING, COUNTING_TOO)]
     before = cramped.metrics()["gimlet_preemptions_total"]
     results: dict[str, dict] = {}
 
     def send(prompt: str) -> None:
-        results[prompt] = complete(cramped, prompt, max_tokens=200).json()["choices"][0]
+        results[prompt] = complete(cramped, prompt, max_tokens=160).json()["choices"][0]
 
     threads = [threading.Thread(target=send, args=(p,)) for p in (COUNTING, COUNTING_TOO)]
     for thread in threads:
