@@ -229,6 +229,7 @@ def main() -> int:
         except ImportError as err:
             unavailable["llamacpp"] = f"llama-cpp-python[server] is not installed ({err})"
             engines.remove("llamacpp")
+    load_at_start = os.getloadavg()[0]
     log_dir = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     servers = {engine: Server(engine, args, log_dir) for engine in engines}
     runs: dict = {engine: {} for engine in engines}
@@ -253,7 +254,7 @@ def main() -> int:
               f"cores. Threads: {args.threads} per server. Ours: -q {args.quantization}, max batch "
               f"{args.max_batch or 16}, prefill chunk 64. {args.rounds} rounds; per level "
               f"max(8, clients x {args.requests_per_client}) streamed requests of {args.max_tokens} tokens. "
-              f"Load average at the end: {os.getloadavg()[0]:.2f}.\nVersions: "
+              f"Load average (1 min) at the start {load_at_start:.2f}, at the end {os.getloadavg()[0]:.2f}.\nVersions: "
               + ", ".join(f"{k} {v}" for k, v in _versions().items() if v))
     print()
     print(header)
