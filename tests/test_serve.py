@@ -22,6 +22,8 @@ import httpx
 import openai
 import pytest
 
+import gimlet_tvm.llm as gllm
+from gimlet_tvm.serve import Event, Scheduler
 from tests.llm_models import SMOLLM2_GGUF
 
 MODEL = Path(SMOLLM2_GGUF).name
@@ -311,6 +313,49 @@ def test_a_full_kv_cache_preempts_and_resumes(cramped):
     assert cramped.metrics()["gimlet_preemptions_total"] > before
     assert [results[p] for p in (COUNTING, COUNTING_TOO)] == alone
     assert cramped.metrics()["gimlet_kv_pages_in_use"] == 0
+
+
+class FaultyRequest(gllm.Request):
+    """A request whose third token choice raises: a fault on the engine thread, which no
+    client input reaches (bad input is refused before it is queued)."""
+
+    def choose(self, logits):
+        if len(self.new) == 2:
+            raise RuntimeError("injected fault")
+        return super().choose(logits)
+
+
+def test_a_fault_in_one_request_fails_that_request_only():
+    """In process, the scheduler alone: the faulty request and a good one share the batch;
+    the good one ends with its tokens alone, the cache ends empty, the next request runs."""
+    llm = gllm.load(SMOLLM2_GGUF, quantization="q8", max_batch_size=4, context_window=256)
+    prompt = "The capital of France is"
+    alone = llm.generate(prompt, 8).text
+    base = llm.request(COUNTING, 8)
+    faulty = FaultyRequest(base.prompt, 8, base.params, llm.tokenizer, llm.context_window)
+    scheduler = Scheduler(llm)
+    scheduler.start()
+    try:
+        events: list[Event] = []
+        scheduler.submit([faulty, llm.request(prompt, 8)], events.append)
+        deadline = time.monotonic() + 120
+        while sum(e.last for e in events) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        bad, good = ([e for e in events if e.index == i] for i in (0, 1))
+        assert bad[-1].error == "injected fault" and bad[-1].tokens == 2
+        assert "".join(e.text for e in good) == alone and good[-1].finish_reason is not None
+        samples = scheduler.metrics.registry.get_sample_value
+        assert samples("gimlet_requests_total", {"outcome": "failed"}) == 1
+        while samples("gimlet_kv_pages_in_use") and time.monotonic() < deadline:  # read after each step
+            time.sleep(0.05)
+        assert samples("gimlet_kv_pages_in_use") == 0
+        after: list[Event] = []
+        scheduler.submit([llm.request(prompt, 8)], after.append)
+        while not (after and after[-1].last) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "".join(e.text for e in after) == alone
+    finally:
+        scheduler.close()
 
 
 def test_serve_warns_when_listening_beyond_loopback(cli):
