@@ -93,13 +93,15 @@ class Job:
 
 
 def pages(tokens: int) -> int:
+    """The KV pages a sequence of `tokens` tokens holds."""
     return math.ceil(tokens / PAGE_SIZE)
 
 
 class Scheduler:
     """Runs `llm` for many requests at once on its own thread (`start`, `close`). `submit`
     and `cancel` may be called from any thread; sinks are called on the engine thread and
-    must not block."""
+    must not block. While it runs, the scheduler owns the model's KV cache: nothing else may
+    add sequences or step the model."""
 
     def __init__(self, llm: LLM, max_queue: int = 64, prefill_chunk: int = 64,
                  metrics: Metrics | None = None):
