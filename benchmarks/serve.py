@@ -10,7 +10,9 @@ Both servers are started once, in their own processes, and warmed up. Each round
 every concurrency level against each server in turn (so drifts in the machine's load hit both
 alike): C clients send streaming completions back to back, ``C * --requests-per-client``
 requests in all (at least 8), and no new request starts after ``--max-seconds``. The prompts
-are counting prompts, so every request greedily generates ``--max-tokens`` tokens.
+are counting prompts, on which ours greedily generates all ``--max-tokens`` tokens; llama.cpp's
+greedy text ends early on some of them, so it gets ``min_tokens`` (its server's extension)
+too. A request that streams fewer chunks than that is reported with a WARNING.
 
 Measured from the client: throughput (streamed tokens of all requests / the level's wall
 time), time to first token (request sent to first text) and inter-token latency (gaps between
@@ -112,6 +114,8 @@ def prompt(index: int) -> str:
 async def one_request(http: httpx.AsyncClient, server: Server, text: str, max_tokens: int) -> dict:
     """One streamed completion: its TTFT, the gaps between its chunks, its token count."""
     body = {"model": server.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if server.engine == "llamacpp":
+        body["min_tokens"] = max_tokens  # its greedy text ends early on some prompts; ours counts on
     start = time.perf_counter()
     stamps = []
     async with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
@@ -145,7 +149,11 @@ async def load_level(server: Server, clients: int, requests: int, max_tokens: in
         await asyncio.gather(*(client() for _ in range(clients)))
         wall = time.perf_counter() - start
     tokens = sum(r["tokens"] for r in results)
-    return {"requests": len(results), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+    short = sum(r["tokens"] < max_tokens for r in results)
+    if short:
+        print(f"WARNING: {server.engine}: {short} of {len(results)} requests streamed fewer than {max_tokens} "
+              "tokens (an early end, or chunks of several tokens)", flush=True)
+    return {"requests": len(results), "tokens": tokens, "short": short, "wall_s": wall, "tokens_per_s": tokens / wall,
             "ttft": [r["ttft"] for r in results], "itl": [g for r in results for g in r["gaps"]]}
 
 
