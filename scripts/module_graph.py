@@ -36,6 +36,7 @@ LAYERS = (
     ("compiler", ("gimlet_tvm.compiler", "gimlet_tvm.tuning", "gimlet_tvm.selection", "gimlet_tvm.op_timing",
                   "gimlet_tvm.peers", "gimlet_tvm.runtime_bundle")),
     ("llm", ("gimlet_tvm.llm",)),
+    ("serve", ("gimlet_tvm.serve",)),
     ("cli", ("gimlet_tvm.cli", "gimlet_tvm.__main__")),
 )
 # What each room owns, for the picture.
@@ -48,6 +49,7 @@ OWNS = {
     "frontend": "ONNX import, converters, suite models",
     "compiler": "build, tune, select, runtime bundle",
     "llm": "LLM families, weights, KV-cache engine",
+    "serve": "OpenAI-compatible server, continuous batching",
     "cli": "gimlet-tvm subcommands",
 }
 # The package's own __init__ is the public surface: it re-exports from every room (lazily) and

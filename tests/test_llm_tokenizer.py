@@ -206,6 +206,15 @@ def test_narrowest_sampling_is_greedy(params: dict) -> None:
         assert sampler.next_token(logits, []) == int(np.argmax(logits))
 
 
+def test_a_vanishing_temperature_is_greedy() -> None:
+    """Logits / 1e-38 overflow float32: the draw's probabilities were NaN and it picked the id
+    past the vocabulary (a server's client can send any temperature)."""
+    for temperature in (1e-6, 1e-38, 5e-324):
+        assert SamplingParams(temperature=temperature).temperature == 0.0
+        logits = _random_logits(1)
+        assert Sampler(SamplingParams(temperature=temperature, seed=0)).next_token(logits, []) == int(np.argmax(logits))
+
+
 def test_repetition_penalty_matches_transformers() -> None:
     history = [3, 17, 17, 512, 999, 0, 3]
     for penalty in (0.7, 1.3):

@@ -19,9 +19,10 @@ import tvm_ffi
 from .. import __version__
 from ..errors import GimletError
 from ..logs import quiet_tvm_logs, set_verbose, verbose
-from . import bench, chat, compile, demo, generate, records, rpc, run, runtime_bundle, select, targets, tune
+from . import bench, chat, compile, demo, generate, records, rpc, run, runtime_bundle, select, serve, targets, tune
 
-SUBCOMMANDS = (compile, run, bench, targets, demo, rpc, runtime_bundle, tune, records, select, generate, chat)
+SUBCOMMANDS = (compile, run, bench, targets, demo, rpc, runtime_bundle, tune, records, select, generate, chat,
+               serve)
 
 
 def _version() -> str:

@@ -1,5 +1,6 @@
 """`gimlet-tvm generate MODEL --prompt TEXT`: stream a completion from an LLM (an HF folder or
-a GGUF file), then one line of timings. Also the model and sampling options `chat` shares.
+a GGUF file), then one line of timings. Also the model options `chat` and `serve` share, and
+the sampling options of `chat`.
 
 With `--draft`, decoding is speculative (prompt lookup, or a draft model: another model with
 the same vocabulary, or this one cut to `--draft-layers` or quantized with
@@ -17,13 +18,18 @@ from ..llm.quantization import QUANTIZATIONS
 from ..targets import DEFAULT_TARGET
 
 
-def add_llm_args(parser) -> None:
-    """The model, where it runs, and how it samples."""
+def add_model_args(parser) -> None:
+    """The model and where it runs."""
     parser.add_argument("model", help="an HF model folder (config.json, *.safetensors) or a .gguf file")
     parser.add_argument("-t", "--target", default=DEFAULT_TARGET, help="target name (default: %(default)s)")
     parser.add_argument("-q", "--quantization", choices=[q for q in QUANTIZATIONS if q],
                         help="keep linear weights quantized in memory")
     parser.add_argument("--compiled", help="a compiled architecture from `generate --export-compiled`")
+
+
+def add_llm_args(parser) -> None:
+    """The model, where it runs, and how it samples."""
+    add_model_args(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     parser.add_argument("--top-k", type=int, default=0)
@@ -33,8 +39,9 @@ def add_llm_args(parser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def load_from_args(args) -> LLM:
-    return load(args.model, args.target, args.quantization, compiled=args.compiled)
+def load_from_args(args, **options) -> LLM:
+    """The model the command line names; `options`: more keyword arguments of `load`."""
+    return load(args.model, args.target, args.quantization, compiled=args.compiled, **options)
 
 
 def sampling_from_args(args) -> dict:

@@ -211,6 +211,12 @@ class LLM:
         self._check_sequences([seq_id])
         return self._sequences[seq_id]
 
+    def kv_pages(self) -> tuple[int, int]:
+        """(pages in use, pages in all) of the KV cache, `PAGE_SIZE` tokens a page: what a
+        scheduler admits and preempts by, and what a server reports."""
+        return (sum(math.ceil(n / PAGE_SIZE) for n in self._sequences.values()),
+                self.kv_cache_tokens // PAGE_SIZE)
+
     def prefill(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> np.ndarray:
         """Append `tokens[i]` to sequence `seq_ids[i]`; the logits after each one's last token
         ([len(seq_ids), vocab], float32). Long inputs go through in chunks."""

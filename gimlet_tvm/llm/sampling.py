@@ -14,12 +14,17 @@ import numpy as np
 
 from ..errors import LLMError
 
+# A temperature below this is greedy, as in vLLM: logits / temperature would overflow float32
+# (then the draw's probabilities are NaN, and it picked an id past the vocabulary).
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each token. `temperature` 0 is greedy (the most likely token, no randomness);
-    otherwise tokens are drawn from the softmax of logits / temperature, restricted to the
-    `top_k` most likely (0: all) and to the smallest set reaching probability `top_p`.
+    """How to pick each token. `temperature` 0 (or below `GREEDY_BELOW`) is greedy (the most
+    likely token, no randomness); otherwise tokens are drawn from the softmax of logits /
+    temperature, restricted to the `top_k` most likely (0: all) and to the smallest set
+    reaching probability `top_p`.
     `repetition_penalty` > 1 makes tokens already in the prompt or output less likely. `seed`
     makes the draws repeatable; `stop` ends the output before the first of these strings (a
     single string is one stop string)."""
@@ -46,6 +51,8 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in stop):
             raise LLMError(f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
 
 class Sampler:
