@@ -19,7 +19,7 @@ import json
 import math
 import os
 import time
-from typing import Generator, Iterator, Sequence
+from typing import Generator, Iterable, Iterator, Sequence
 
 import numpy as np
 import tvm
@@ -214,8 +214,7 @@ class LLM:
     def kv_pages(self) -> tuple[int, int]:
         """(pages in use, pages in all) of the KV cache, `PAGE_SIZE` tokens a page: what a
         scheduler admits and preempts by, and what a server reports."""
-        return (sum(math.ceil(n / PAGE_SIZE) for n in self._sequences.values()),
-                self.kv_cache_tokens // PAGE_SIZE)
+        return pages_for(self._sequences.values()), self.kv_cache_tokens // PAGE_SIZE
 
     def prefill(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> np.ndarray:
         """Append `tokens[i]` to sequence `seq_ids[i]`; the logits after each one's last token
@@ -311,7 +310,7 @@ class LLM:
 
     def _check_pages(self, lengths: dict[int, int]) -> None:
         """Sequences of these lengths fit the cache's pages."""
-        if sum(math.ceil(n / PAGE_SIZE) for n in lengths.values()) * PAGE_SIZE > self.kv_cache_tokens:
+        if pages_for(lengths.values()) * PAGE_SIZE > self.kv_cache_tokens:
             raise LLMError(f"the KV cache ({self.kv_cache_tokens} tokens) cannot hold these sequences")
 
     # --- the token loop --------------------------------------------------------------------
@@ -394,9 +393,8 @@ class LLM:
         """The requests fit the cache whole (each to its token budget), next to what is in it."""
         if len(requests) > self.max_batch_size - len(self._sequences):
             raise LLMError(f"{len(requests)} requests do not fit: max_batch_size is {self.max_batch_size}")
-        need = sum(math.ceil(min(len(r.prompt) + r.max_new_tokens, self.context_window) / PAGE_SIZE)
-                   for r in requests)
-        held = sum(math.ceil(n / PAGE_SIZE) for n in self._sequences.values())
+        need = pages_for(min(len(r.prompt) + r.max_new_tokens, self.context_window) for r in requests)
+        held = pages_for(self._sequences.values())
         if (need + held) * PAGE_SIZE > self.kv_cache_tokens:
             raise LLMError(f"these requests need {need * PAGE_SIZE} tokens of KV cache; "
                            f"{self.kv_cache_tokens - held * PAGE_SIZE} are free")
@@ -429,6 +427,11 @@ class LLM:
         for r in requests:
             if r.seq_id in self._sequences:
                 self.remove_sequence(r.seq_id)
+
+
+def pages_for(lengths: Iterable[int]) -> int:
+    """KV-cache pages that sequences of these lengths take."""
+    return sum(math.ceil(n / PAGE_SIZE) for n in lengths)
 
 
 def run_to_end(request: Request, steps: Iterator[None]) -> Generation:
