@@ -23,7 +23,6 @@ import datetime
 import importlib.util
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import llm_models  # noqa: E402  (benchmarks/ is not a package)
+from machine_info import cpu_name, versions  # noqa: E402
 import llm_techniques  # noqa: E402
 
 ENGINES = ("transformers", "ort-genai-fp32", "ort-genai-int4", "llamacpp",
@@ -52,6 +52,8 @@ WEIGHTS = {
     "ours-q4": "quantization=q4",
     "ours-q8": "quantization=q8",
 }
+PACKAGES = ("gimlet-tvm", "apache-tvm", "torch", "transformers", "onnxruntime", "onnxruntime-genai",
+            "llama-cpp-python", "gguf", "numpy")
 # Other processes keeping more cores than this busy during a measurement mark it as disturbed.
 BUSY = 0.25
 # Greedy tokens of these two fp32 engines should agree at first (same weights, same math).
@@ -543,26 +545,6 @@ def _log(msg: str) -> None:
     print(f"[llm-bench] {msg}", file=sys.stderr, flush=True)
 
 
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("gimlet-tvm", "apache-tvm", "torch", "transformers", "onnxruntime",
-                "onnxruntime-genai", "llama-cpp-python", "gguf", "numpy"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
 def _fmt(x: float | None, digits: int = 1) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
@@ -808,9 +790,9 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"{engine}: weight bytes unknown ({_brief(exc)})")
 
     meta = {
-        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(),
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
         "cores": os.cpu_count(), "threads": args.threads, "loadavg": os.getloadavg()[0],
-        "versions": _versions(), "model": Path(paths["gguf"]).name, "bandwidth": bandwidth,
+        "versions": versions(PACKAGES), "model": Path(paths["gguf"]).name, "bandwidth": bandwidth,
         "prompt_lengths": args.prompt_lengths, "decode_length": args.decode_length,
         "new_tokens": args.new_tokens, "repeat": args.repeat, "batch": args.batch,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -842,7 +824,7 @@ def techniques(args: argparse.Namespace) -> int:
     if args.json:
         from gimlet_tvm.files import atomic_path
 
-        meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_name(),
+        meta = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
                 "threads": args.threads, "command": " ".join([Path(sys.executable).name, *sys.argv])}
         with atomic_path(args.json, suffix=".json") as tmp:
             Path(tmp).write_text(json.dumps({"meta": meta, "results": numbers, "table": table}, indent=1) + "\n")

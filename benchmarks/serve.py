@@ -33,14 +33,12 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import httpx
@@ -49,6 +47,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import llm_models  # noqa: E402  (benchmarks/ is not a package)
+from machine_info import cpu_name, versions  # noqa: E402
 
 ENGINES = ("ours", "llamacpp")
 LABELS = {"ours": "gimlet-tvm serve", "llamacpp": "llama.cpp server (llama-cpp-python)"}
@@ -157,23 +156,6 @@ async def load_level(server: Server, clients: int, requests: int, max_tokens: in
             "ttft": [r["ttft"] for r in results], "itl": [g for r in results for g in r["gaps"]]}
 
 
-def _versions() -> dict:
-    out = {}
-    for package in ("gimlet-tvm", "apache-tvm", "llama-cpp-python", "fastapi", "uvicorn"):
-        try:
-            out[package] = version(package)
-        except PackageNotFoundError:
-            out[package] = None
-    return out
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
 def summarize(runs: dict) -> dict:
     """Per engine and level: throughput median and range over rounds; TTFT and ITL p50/p99
     (ms) over all requests."""
@@ -258,12 +240,12 @@ def main() -> int:
         for server in servers.values():
             server.stop()
     summary = summarize(runs)
-    header = (f"Date: {datetime.datetime.now():%Y-%m-%d %H:%M}. Machine: {_cpu_name()}, {os.cpu_count()} logical "
+    header = (f"Date: {datetime.datetime.now():%Y-%m-%d %H:%M}. Machine: {cpu_name()}, {os.cpu_count()} logical "
               f"cores. Threads: {args.threads} per server. Ours: -q {args.quantization}, max batch "
               f"{args.max_batch or 16}, prefill chunk 64. {args.rounds} rounds; per level "
               f"max(8, clients x {args.requests_per_client}) streamed requests of {args.max_tokens} tokens. "
               f"Load average (1 min) at the start {load_at_start:.2f}, at the end {os.getloadavg()[0]:.2f}.\nVersions: "
-              + ", ".join(f"{k} {v}" for k, v in _versions().items() if v))
+              + ", ".join(f"{k} {v}" for k, v in versions(("gimlet-tvm", "apache-tvm", "llama-cpp-python", "fastapi", "uvicorn")).items() if v))
     print()
     print(header)
     print()
