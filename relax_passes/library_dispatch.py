@@ -4,8 +4,9 @@ Where it goes: after graph fusion (and kernel selection's rewrites), before Lega
 would otherwise turn the ops into TIR. Each library a target's spec lists
 (`TargetSpec.libraries`) that has a dispatch pass gets it, in the spec's order; then, where the
 spec asks for fast math, `FastMathTransform`; where it asks for transposed-matmul kernels,
-`FuseTransposeMatmul` (after the dispatch, so a library still gets the pairs it takes). A library without a dispatch pass (cuBLAS) is
-reached only through kernel selection, which calls it where it won.
+`transposed_matmul_kernels` (after the dispatch, so a library still gets the pairs it takes). A
+library without a dispatch pass (cuBLAS) is reached only through kernel selection, which calls
+it where it won.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tvm import relax
 from ..targets import TargetSpec
 from ..targets.libraries import CPU_LIBRARY
 from .dispatch_cpu_library import DispatchCPULibrary
+from .transposed_matmul import transposed_matmul_kernels
 
 LIBRARY_DISPATCH: dict[str, Callable[[], tvm.transform.Pass]] = {CPU_LIBRARY.name: DispatchCPULibrary}
 
@@ -33,5 +35,5 @@ def library_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:
     return [
         *dispatch_passes(spec),
         *([relax.transform.FastMathTransform()] if spec.fast_math else []),
-        *([relax.transform.FuseTransposeMatmul()] if spec.transposed_matmul_kernels else []),
+        *([transposed_matmul_kernels] if spec.transposed_matmul_kernels else []),
     ]

@@ -104,8 +104,8 @@ class TargetSpec:
       hand-written source).
     fast_math: whether exp, tanh and erf become fast polynomial approximations.
     transposed_matmul_kernels: whether a matmul by a transposed weight (`matmul(x,
-      permute_dims(w))`, a linear layer) becomes one kernel reading `w` in place (TVM's
-      FuseTransposeMatmul) instead of a transpose kernel copying `w` at every call and a
+      permute_dims(w))`, a linear layer) becomes one kernel reading `w` in place
+      (`relax_passes.transposed_matmul`) instead of a transpose kernel copying `w` at every call and a
       matmul; a library's dispatch, which takes the pair itself, runs first.
     schedule_rules_without: default schedule rules (by name) known to fail this target.
     schedule_rules_first: the target's own schedule rules (by name, from the rule set's

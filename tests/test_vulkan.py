@@ -194,7 +194,7 @@ def test_linear_layer_reduces_per_thread_on_a_cpu_device(k: int) -> None:
     ex = compile_alone(bb.get(), (SPEC, target))
     source = "\n".join(m.inspect_source("") for m in device_modules(ex.mod, "vulkan"))
     kernels = [line for line in source.splitlines() if line.startswith("// kernel ")]
-    assert kernels == ["// kernel fused_NT_matmul_add_kernel"]
+    assert kernels == ["// kernel fused_matmul_transposed_add_kernel"]
     assert "shared " not in source and "barrier()" not in source
     assert ("vec4 data[]" in source) == (k % 4 == 0)
     rng = np.random.default_rng(k)
@@ -203,6 +203,30 @@ def test_linear_layer_reduces_per_thread_on_a_cpu_device(k: int) -> None:
     vm = relax.VirtualMachine(ex, dev)
     got = vm["main"](*(tvm.runtime.tensor(a, dev) for a in (xs, ws, rs))).numpy()
     np.testing.assert_allclose(got, xs @ ws.T + rs, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_layer_with_the_weight_made_after_the_activations() -> None:
+    """`x @ permute_dims(w)` with `w` computed in the graph after `x` (as in ONNX GRU/LSTM's
+    recurrent products, which TVM's FuseTransposeMatmul failed to compile: the conformance
+    subset runs them) is one kernel, and it multiplies x by w^T (square: a swap would not
+    fail to compile)."""
+    a = relax.Var("a", relax.TensorType((8, 8), "float32"))
+    b = relax.Var("b", relax.TensorType((8, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            x = bb.emit(relax.op.add(a, a))
+            w = bb.emit(relax.op.multiply(b, b))
+            out = bb.emit_output(bb.emit(relax.op.matmul(x, relax.op.permute_dims(w))))
+        bb.emit_func_output(out)
+    ex = compile_alone(bb.get(), (SPEC, SPEC.make_target()))
+    source = "\n".join(m.inspect_source("") for m in device_modules(ex.mod, "vulkan"))
+    assert "matmul_transposed" in source and "transpose" not in source.replace("matmul_transposed", "")
+    rng = np.random.default_rng(0)
+    an, bn = rng.standard_normal((8, 8), dtype="float32"), rng.standard_normal((8, 8), dtype="float32")
+    dev = tvm.vulkan(0)
+    got = relax.VirtualMachine(ex, dev)["main"](tvm.runtime.tensor(an, dev), tvm.runtime.tensor(bn, dev)).numpy()
+    np.testing.assert_allclose(got, (an + an) @ (bn * bn).T, rtol=1e-5, atol=1e-4)
 
 
 @T.prim_func
