@@ -146,11 +146,16 @@ class LLM:
 
     def add_sequence(self) -> int:
         """A new, empty sequence; returns its id."""
+        seq_id = self._new_id()
+        self._builtins.add_sequence(self._kv, seq_id)
+        self._sequences[seq_id] = 0
+        return seq_id
+
+    def _new_id(self) -> int:
+        """The id for one more sequence, if the cache has room for one."""
         if len(self._sequences) >= self.max_batch_size:
             raise LLMError(f"{self.max_batch_size} sequences are in the cache already (max_batch_size)")
         seq_id, self._next_id = self._next_id, self._next_id + 1
-        self._builtins.add_sequence(self._kv, seq_id)
-        self._sequences[seq_id] = 0
         return seq_id
 
     def remove_sequence(self, seq_id: int) -> None:
@@ -184,8 +189,7 @@ class LLM:
 
     def import_sequence(self, pages: KVPages) -> int:
         """A new sequence holding exported pages; returns its id."""
-        if len(self._sequences) >= self.max_batch_size:
-            raise LLMError(f"{self.max_batch_size} sequences are in the cache already (max_batch_size)")
+        seq_id = self._new_id()
         length = pages.length
         if length > self.context_window:
             raise LLMError(f"{length} tokens do not fit the context window of {self.context_window}")
@@ -199,7 +203,6 @@ class LLM:
             self._builtins.finish_import(self._kv, TRANSFER_SLOT)
         except (RuntimeError, ValueError) as err:  # TVM errors: layout hash, shapes, room
             raise LLMError(f"these KV pages do not fit this model's cache: {summary(err)}") from err
-        seq_id, self._next_id = self._next_id, self._next_id + 1
         try:
             self._builtins.fork_sequence(self._kv, TRANSFER_SLOT, seq_id, -1)
         finally:
