@@ -122,6 +122,20 @@ def test_transposed_weight_matmul_with_symbolic_batch(rows: int, k: int, n: int)
         np.testing.assert_allclose(out, x_np @ w_np.T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("k", [37, 600])
+def test_skinny_transposed_matmul_every_row_count(k: int) -> None:
+    """Each row count of the skinny kernel (1-8, one template each) and the first past it (9:
+    OpenBLAS), with K not a multiple of the vector width and N split across threads."""
+    load_extensions()
+    matmul = tvm.get_global_func(MATMUL_FUNC)
+    w = rand(300, k, seed=7)
+    for rows in range(1, 10):
+        x = rand(rows, k, seed=rows)
+        out = tvm.runtime.tensor(np.full((rows, 300), np.nan, np.float32))
+        matmul(tvm.runtime.tensor(x), tvm.runtime.tensor(w), 1, out)
+        np.testing.assert_allclose(out.numpy(), x @ w.T, rtol=1e-4, atol=1e-4, err_msg=f"{rows} rows")
+
+
 def test_unsupported_ops_stay() -> None:
     """fp16 matmul, rank-1 operands and NHWC conv2d are not rewritten."""
     bb = relax.BlockBuilder()

@@ -237,22 +237,75 @@ void Launch(FTVMParallelLambda task, void* cdata, bool parallel) {
 }
 
 // A GEMM this skinny with B transposed (LLM decode: a few token rows against a weight matrix
-// [n, k]) is memory-bound on B: read each B row once, dot it with every A row while it sits in
-// L1, never pack B (OpenBLAS's sgemv, and sgemm's packing, read B well below the memory's
-// bandwidth here: benchmarks/README.md, Language models).
+// [n, k]; speculative decoding's check: up to 8) is memory-bound on B: read each B row once, in
+// order, and never pack B (OpenBLAS's sgemv, and sgemm's packing, read B well below the
+// memory's bandwidth here: benchmarks/README.md, Language models). Each B row is dotted with all
+// m A rows at once, one accumulator per A row, so m rows cost m independent multiply-add chains
+// over one pass of B instead of m dependent ones. Streaming several B rows at once (fewer
+// loads per multiply-add) was tried and halved the one-row speed: the hardware prefetcher
+// follows one sequential stream best.
 constexpr int64_t kSkinnyRows = 8;
+
+#ifdef __AVX512F__
+using WideFloats = float __attribute__((vector_size(64)));
+#else
+using WideFloats = float __attribute__((vector_size(32)));
+#endif
+using HalfFloats = float __attribute__((vector_size(sizeof(WideFloats) / 2)));
+using QuarterFloats = float __attribute__((vector_size(16)));
+constexpr int64_t kWideLanes = sizeof(WideFloats) / sizeof(float);
+
+inline WideFloats LoadWide(const float* p) {
+  WideFloats v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+/*! \brief The sum of v's lanes, as a tree of vector halvings. */
+inline float SumLanes(WideFloats v) {
+#ifdef __AVX512F__
+  const HalfFloats h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const HalfFloats h = v;
+#endif
+  const QuarterFloats q = __builtin_shufflevector(h, h, 0, 1, 2, 3) +
+                          __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+/*! \brief c[i, j] = a[i, :] . b[j, :] for kRows A rows (row stride k), B rows j in [0, n). */
+template <int64_t kRows>
+void SkinnyRows(int64_t n, int64_t k, const float* a, const float* b, int64_t ldb, float* c,
+                int64_t ldc) {
+  const int64_t k_vec = k - k % kWideLanes;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = b + j * ldb;
+    WideFloats acc[kRows] = {};
+    for (int64_t p = 0; p < k_vec; p += kWideLanes) {
+      const WideFloats bv = LoadWide(row + p);
+      for (int64_t i = 0; i < kRows; ++i) acc[i] += LoadWide(a + i * k + p) * bv;
+    }
+    for (int64_t i = 0; i < kRows; ++i) {
+      float s = SumLanes(acc[i]);
+      for (int64_t p = k_vec; p < k; ++p) s += a[i * k + p] * row[p];
+      c[i * ldc + j] = s;
+    }
+  }
+}
 
 void SkinnyGemmTransposedB(int64_t m, int64_t n, int64_t k, const float* a, const float* b,
                            int64_t ldb, float* c, int64_t ldc) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float* row = b + j * ldb;
-    for (int64_t i = 0; i < m; ++i) {
-      const float* x = a + i * k;
-      float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t p = 0; p < k; ++p) acc += row[p] * x[p];
-      c[i * ldc + j] = acc;
-    }
+  static_assert(kSkinnyRows == 8, "one SkinnyRows instance per row count");
+  switch (m) {
+    case 1: return SkinnyRows<1>(n, k, a, b, ldb, c, ldc);
+    case 2: return SkinnyRows<2>(n, k, a, b, ldb, c, ldc);
+    case 3: return SkinnyRows<3>(n, k, a, b, ldb, c, ldc);
+    case 4: return SkinnyRows<4>(n, k, a, b, ldb, c, ldc);
+    case 5: return SkinnyRows<5>(n, k, a, b, ldb, c, ldc);
+    case 6: return SkinnyRows<6>(n, k, a, b, ldb, c, ldc);
+    case 7: return SkinnyRows<7>(n, k, a, b, ldb, c, ldc);
+    default: return SkinnyRows<8>(n, k, a, b, ldb, c, ldc);
   }
 }
 
