@@ -19,6 +19,7 @@ from tvm.support import cc
 
 from ..errors import CodeCheckError
 from .cpu import CPU_KERNELS, cpu_perf, num_cores, vector_bits
+from .cpu_attention import replace_attention_kernels
 from .gpu import device_modules
 from .libraries import CPU_LIBRARY
 from .spec import CodegenRecord, DeviceCode, TargetSpec
@@ -93,6 +94,7 @@ TARGET = TargetSpec(
     libraries=(CPU_LIBRARY,),
     handwritten_kernels=CPU_KERNELS,
     fast_math=True,
+    fix_library_kernels=replace_attention_kernels,
     check_code=check_code,
     linker=link,
     can_compile=_missing_toolchain,

@@ -8,6 +8,7 @@ from typing import Any
 
 import tvm
 
+from .cpu_attention import replace_attention_kernels
 from .cpu import CPU_KERNELS, cpu_perf, num_cores, vector_bits
 from .libraries import CPU_LIBRARY
 from .spec import PerfFacts, TargetSpec
@@ -55,6 +56,7 @@ LLVM_CPU = TargetSpec(
     libraries=(CPU_LIBRARY,),
     handwritten_kernels=CPU_KERNELS,
     fast_math=True,
+    fix_library_kernels=replace_attention_kernels,
     can_run=lambda: None,
     perf_facts=host_perf,
 )

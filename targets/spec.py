@@ -112,7 +112,7 @@ class TargetSpec:
       opt-in registry), tried before the defaults; a function of the TVM target, since what
       suits a device may depend on what kind of device it is.
     fix_library_kernels: the module with the TIR kernels TVM's libraries put in it (the paged
-      KV cache's attention kernels) that are wrong on this target replaced by right ones; the
+      KV cache's attention kernels) that are wrong or slow on this target replaced by ours; the
       pipeline's first step.
     codegen_hooks / check_code: how to generate device code, and how to check it.
     can_compile / can_run: whether this machine can generate code for / execute on it; each
