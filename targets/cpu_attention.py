@@ -32,7 +32,7 @@ INLINE_ROPE = ("gimlet's CPU attention kernels take keys and queries with RoPE a
                "(RopeMode.NORMAL or NONE), not RopeMode.INLINE")
 
 
-def _kernels(head_dim: int, dtype: str, group_size: int):
+def _kernels(head_dim: int, dtype: str, group_size: int, page_size: int = 0):
     """The macros the three kernels share, for one head size and element type."""
     d = head_dim
 
@@ -76,25 +76,45 @@ def _kernels(head_dim: int, dtype: str, group_size: int):
             q_row[i] = T.Cast("float32", q[row, head, i])
 
     @T.macro
-    def load_page_slot(k_row, v_row, pages, page, slot, head):
+    def load_paged(k_row, v_row, key, head, pages, page_values, first):
+        # the sequence's key `key` from its pages, its page numbers from page_values[first]
+        page: T.let[T.int32] = page_values[first + key // page_size]
         for i in T.vectorized(d):
-            k_row[i] = T.Cast("float32", pages[page, 0, head // group_size, slot, i])
+            k_row[i] = T.Cast("float32", pages[page, 0, head // group_size, key % page_size, i])
         for i in T.vectorized(d):
-            v_row[i] = T.Cast("float32", pages[page, 1, head // group_size, slot, i])
+            v_row[i] = T.Cast("float32", pages[page, 1, head // group_size, key % page_size, i])
 
-    return start, add_key, finish, load_query, load_page_slot
+    @T.macro
+    def attend(q, row, head, visible, load_key_value, kv_source, output, lse, sm_scale):
+        # query row `row`, head `head` against keys 0..visible-1, which `load_key_value` reads
+        # from `kv_source` (the kernel's buffers and offset it needs)
+        q_row = T.decl_buffer((d,), "float32")
+        k_row = T.decl_buffer((d,), "float32")
+        v_row = T.decl_buffer((d,), "float32")
+        o_acc = T.decl_buffer((d,), "float32")
+        part = T.decl_buffer((LANES,), "float32")
+        m_val = T.decl_buffer((1,), "float32")
+        d_val = T.decl_buffer((1,), "float32")
+        start(o_acc, m_val, d_val)
+        load_query(q_row, q, row, head)
+        for key in T.serial(visible):
+            load_key_value(k_row, v_row, key, head, kv_source[0], kv_source[1], kv_source[2])
+            add_key(q_row, k_row, v_row, o_acc, m_val, d_val, part, sm_scale)
+        finish(o_acc, m_val, d_val, output, lse, row, head)
+
+    return attend, load_paged
 
 
 def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int) -> tvm.tirx.PrimFunc:
     """Attention of one new token per sequence over its pages (TVM's `batch_decode_paged_kv`
     arguments); one task per (sequence, query head)."""
     group_size = h_q // h_kv
-    start, add_key, finish, load_query, load_page_slot = _kernels(d, dtype, group_size)
+    attend, load_paged = _kernels(d, dtype, group_size, page_size)
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv(
-        Q_handle: T.handle, pages_handle: T.handle, page_table_indptr_handle: T.handle,
-        page_table_values_handle: T.handle, var_length_info: T.handle,
+        Q_handle: T.handle, pages_handle: T.handle, page_indptr_handle: T.handle,
+        page_values_handle: T.handle, var_length_info: T.handle,
         k_rope_pos_offset_handle: T.handle, q_rope_position_handle: T.handle,
         output_handle: T.handle, lse_handle: T.handle, rotary_mode: T.int32,
         rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
@@ -105,8 +125,8 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int) -> tv
             T.int32(), T.int32(), T.int32(), T.int32(), T.int32())
         Q = T.match_buffer(Q_handle, (B, h_q, d), dtype)
         pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype)
-        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
-        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=values_offset)
+        page_indptr = T.match_buffer(page_indptr_handle, (B + 1,), "int32", elem_offset=indptr_offset)
+        page_values = T.match_buffer(page_values_handle, (nnz_pages,), "int32", elem_offset=values_offset)
         length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_offset)
         k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_offset)
         q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_offset)
@@ -116,25 +136,10 @@ def decode_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int) -> tv
         for task in T.parallel(B * h_q):
             b: T.let[T.int32] = task // h_q
             h: T.let[T.int32] = task % h_q
-            q_row = T.decl_buffer((d,), "float32")
-            k_row = T.decl_buffer((d,), "float32")
-            v_row = T.decl_buffer((d,), "float32")
-            o_acc = T.decl_buffer((d,), "float32")
-            part = T.decl_buffer((LANES,), "float32")
-            m_val = T.decl_buffer((1,), "float32")
-            d_val = T.decl_buffer((1,), "float32")
-            first: T.let[T.int32] = page_table_indptr[b]
-            num_pages: T.let[T.int32] = page_table_indptr[b + 1] - first
+            first: T.let[T.int32] = page_indptr[b]
+            num_pages: T.let[T.int32] = page_indptr[b + 1] - first
             kv_len: T.let[T.int32] = T.if_then_else(num_pages > 0, (num_pages - 1) * page_size + length_info[b], 0)
-            start(o_acc, m_val, d_val)
-            load_query(q_row, Q, b, h)
-            for key in T.serial(kv_len):
-                page: T.let[T.int32] = page_table_values[first + key // page_size]
-                slot: T.let[T.int32] = key % page_size
-                load_page_slot(k_row, v_row, pages, page, slot, h)
-                add_key(q_row, k_row, v_row, o_acc, m_val, d_val, part, sm_scale)
-            finish(o_acc, m_val, d_val, output, lse, b, h)
-
+            attend(Q, b, h, kv_len, load_paged, (pages, page_values, first), output, lse, sm_scale)
 
     return batch_decode_paged_kv
 
@@ -143,7 +148,7 @@ def prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int) -> t
     """Attention of a chunk of new tokens per sequence over the sequence's pages (TVM's
     `batch_prefill_paged_kv_cpu` arguments); one task per (query row, query head)."""
     group_size = h_q // h_kv
-    start, add_key, finish, load_query, load_page_slot = _kernels(d, dtype, group_size)
+    attend, load_paged = _kernels(d, dtype, group_size, page_size)
 
     @T.prim_func(s_tir=True)
     def batch_prefill_paged_kv(
@@ -178,21 +183,7 @@ def prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str, page_size: int) -> t
                 h: T.let[T.int32] = task % h_q
                 visible: T.let[T.int32] = T.if_then_else(
                     causal > 0, T.max(T.min(kv_len, kv_len - qo_len + task // h_q + 1), 0), kv_len)
-                q_row = T.decl_buffer((d,), "float32")
-                k_row = T.decl_buffer((d,), "float32")
-                v_row = T.decl_buffer((d,), "float32")
-                o_acc = T.decl_buffer((d,), "float32")
-                part = T.decl_buffer((LANES,), "float32")
-                m_val = T.decl_buffer((1,), "float32")
-                d_val = T.decl_buffer((1,), "float32")
-                start(o_acc, m_val, d_val)
-                load_query(q_row, q, row, h)
-                for key in T.serial(visible):
-                    page: T.let[T.int32] = page_values[first + key // page_size]
-                    slot: T.let[T.int32] = key % page_size
-                    load_page_slot(k_row, v_row, pages, page, slot, h)
-                    add_key(q_row, k_row, v_row, o_acc, m_val, d_val, part, sm_scale)
-                finish(o_acc, m_val, d_val, output, lse, row, h)
+                attend(q, row, h, visible, load_paged, (pages, page_values, first), output, lse, sm_scale)
 
     return batch_prefill_paged_kv
 
@@ -201,7 +192,15 @@ def prefill_ragged_kernel(h_kv: int, h_q: int, d: int, dtype: str) -> tvm.tirx.P
     """Attention of a chunk of new tokens over the same chunk's keys and values, not yet in
     pages (TVM's `batch_prefill_ragged_kv` arguments); one task per (query row, query head)."""
     group_size = h_q // h_kv
-    start, add_key, finish, load_query, load_page_slot = _kernels(d, dtype, group_size)
+    attend, _ = _kernels(d, dtype, group_size)
+
+    @T.macro
+    def load_rows(k_row, v_row, key, head, k, v, kv_first):
+        # the chunk's key `key`, the sequence's first at kv_first
+        for i in T.vectorized(d):
+            k_row[i] = T.Cast("float32", k[kv_first + key, head // group_size, i])
+        for i in T.vectorized(d):
+            v_row[i] = T.Cast("float32", v[kv_first + key, head // group_size, i])
 
     @T.prim_func(s_tir=True)
     def batch_prefill_ragged_kv(
@@ -233,22 +232,7 @@ def prefill_ragged_kernel(h_kv: int, h_q: int, d: int, dtype: str) -> tvm.tirx.P
                 h: T.let[T.int32] = task % h_q
                 visible: T.let[T.int32] = T.if_then_else(
                     causal > 0, T.max(T.min(kv_len, kv_len - qo_len + task // h_q + 1), 0), kv_len)
-                q_row = T.decl_buffer((d,), "float32")
-                k_row = T.decl_buffer((d,), "float32")
-                v_row = T.decl_buffer((d,), "float32")
-                o_acc = T.decl_buffer((d,), "float32")
-                part = T.decl_buffer((LANES,), "float32")
-                m_val = T.decl_buffer((1,), "float32")
-                d_val = T.decl_buffer((1,), "float32")
-                start(o_acc, m_val, d_val)
-                load_query(q_row, q, row, h)
-                for key in T.serial(visible):
-                    for i in T.vectorized(d):
-                        k_row[i] = T.Cast("float32", k[kv_first + key, h // group_size, i])
-                    for i in T.vectorized(d):
-                        v_row[i] = T.Cast("float32", v[kv_first + key, h // group_size, i])
-                    add_key(q_row, k_row, v_row, o_acc, m_val, d_val, part, sm_scale)
-                finish(o_acc, m_val, d_val, output, lse, row, h)
+                attend(q, row, h, visible, load_rows, (k, v, kv_first), output, lse, sm_scale)
 
     return batch_prefill_ragged_kv
 
