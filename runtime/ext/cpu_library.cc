@@ -251,7 +251,6 @@ using WideFloats = float __attribute__((vector_size(64)));
 #else
 using WideFloats = float __attribute__((vector_size(32)));
 #endif
-using HalfFloats = float __attribute__((vector_size(sizeof(WideFloats) / 2)));
 using QuarterFloats = float __attribute__((vector_size(16)));
 constexpr int64_t kWideLanes = sizeof(WideFloats) / sizeof(float);
 
@@ -264,10 +263,10 @@ inline WideFloats LoadWide(const float* p) {
 /*! \brief The sum of v's lanes, as a tree of vector halvings. */
 inline float SumLanes(WideFloats v) {
 #ifdef __AVX512F__
-  const HalfFloats h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Floats h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
-  const HalfFloats h = v;
+  const Floats h = v;
 #endif
   const QuarterFloats q = __builtin_shufflevector(h, h, 0, 1, 2, 3) +
                           __builtin_shufflevector(h, h, 4, 5, 6, 7);
