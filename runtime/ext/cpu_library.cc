@@ -245,6 +245,11 @@ void Launch(FTVMParallelLambda task, void* cdata, bool parallel) {
 // loads per multiply-add) was tried and halved the one-row speed: the hardware prefetcher
 // follows one sequential stream best.
 constexpr int64_t kSkinnyRows = 8;
+// From 5 rows on, the multiply-adds outlast the hardware prefetcher's lead: a software prefetch
+// 1 KiB ahead made SmolLM2's layer GEMMs 12-18% faster at 5-8 rows and slowed 1-4 rows
+// (single thread, weights out of cache; benchmarks/README.md, Speculative decoding).
+constexpr int64_t kPrefetchFromRows = 5;
+constexpr int64_t kPrefetchAhead = 256;  // floats
 
 #ifdef __AVX512F__
 using WideFloats = float __attribute__((vector_size(64)));
@@ -283,6 +288,7 @@ void SkinnyRows(int64_t n, int64_t k, const float* a, const float* b, int64_t ld
     WideFloats acc[kRows] = {};
     for (int64_t p = 0; p < k_vec; p += kWideLanes) {
       const WideFloats bv = LoadWide(row + p);
+      if (kRows >= kPrefetchFromRows) __builtin_prefetch(row + p + kPrefetchAhead);
       for (int64_t i = 0; i < kRows; ++i) acc[i] += LoadWide(a + i * k + p) * bv;
     }
     for (int64_t i = 0; i < kRows; ++i) {
