@@ -62,6 +62,11 @@ class RemoteDeviceError(GimletError):
     """A remote device (TVM RPC) failed or stopped answering; names the device and the step."""
 
 
+class RPCAuthError(RemoteDeviceError):
+    """An authenticated RPC server or tracker refused the client (no key, a wrong one, a key file
+    that is unreadable or too short), or the other side did not prove it holds the key."""
+
+
 class LLMError(GimletError):
     """A language-model request is invalid: an empty prompt, a token id outside the vocabulary,
     a prompt longer than the context window, bad sampling parameters."""

@@ -53,7 +53,7 @@ from .compiler import Targets, kernel_tasks, resolve_target
 from .errors import GimletError
 from .frontend import InputShapes, ModelLike, import_model, load_model
 from .logs import quiet_tvm_logs
-from .runtime.remote import RemoteDevice, parse_address
+from .runtime.remote import RemoteDevice
 from .schedules.kernel_selection.apply import rewrite_ops
 from .schedules.kernel_selection.candidates import OpSignature
 from .schedules.kernel_selection.choices import KernelSelection
@@ -299,7 +299,8 @@ def _runner(remote: RemoteDevice | None, timeout: float, cache_cold: bool) -> ms
         return ms.runner.LocalRunner(timeout_sec=timeout, evaluator_config=evaluator)
     if remote.tracker is None:
         raise GimletError("tuning on remote devices needs a tracker (--tracker and --key)")
-    host, port = parse_address(remote.tracker, "the tracker address")
+    remote.check_key()
+    host, port = remote.address()  # with a key file: the local relay that authenticates
     config = ms.runner.RPCConfig(
         tracker_host=host, tracker_port=port, tracker_key=remote.key,
         session_timeout_sec=int(max(timeout, 1)),

@@ -2,8 +2,8 @@
 
 Every step against the remote side (connect, upload, load, copy inputs, run, fetch outputs)
 runs under a deadline: a server that dies or stops answering gives a `RemoteDeviceError`
-naming the device and the step, never a hang. TVM RPC has no authentication: run servers on
-trusted networks only.
+naming the device and the step, never a hang. TVM RPC has no authentication of its own: with a
+key file, servers and trackers admit only clients that prove they hold the key (`rpc_auth`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from tvm.rpc import server
 from tvm.runtime.vm import VirtualMachine
 
 from ..carriers import from_carrier
-from ..errors import GimletError, RemoteDeviceError, summary
+from ..errors import GimletError, RemoteDeviceError, RPCAuthError, summary
 from ..io_spec import IOSpec
 from .libraries import load_available
+from .rpc_auth import (ALL_INTERFACES, KEY_FILE_ENV, Gate, Relay, asks_for_key, check_key, key_file,
+                       listening_key, loopback_port, read_key, relay_for)
 from .tensors import device_tensors, to_numpy
 from .timing import BenchmarkResult
 
@@ -34,8 +36,6 @@ if TYPE_CHECKING:  # compiled_model imports this module: the type only, for anno
     from .compiled_model import CompiledModel
 
 T = TypeVar("T")
-
-_ALL_INTERFACES = ("0.0.0.0", "::", "")
 
 
 def parse_address(address: str, what: str) -> tuple[str, int]:
@@ -48,31 +48,56 @@ def parse_address(address: str, what: str) -> tuple[str, int]:
 
 @dataclasses.dataclass(frozen=True)
 class RemoteDevice:
-    """Where to run: an RPC server (`server="host:port"`) or a tracker and a device key."""
+    """Where to run: an RPC server (`server="host:port"`) or a tracker and a device key;
+    `auth_key_file` (default `$GIMLET_RPC_AUTH_KEY_FILE`): the key of an authenticated one."""
 
     server: str | None = None
     tracker: str | None = None
     key: str | None = None
     timeout: float = 60.0
+    auth_key_file: str | None = None
 
     def __post_init__(self):
         if (self.server is None) == (self.tracker is None):
             raise GimletError("give either an RPC server address or a tracker address")
         if self.tracker is not None and not self.key:
             raise GimletError("a tracker needs a device key (--key)")
+        object.__setattr__(self, "auth_key_file", key_file(self.auth_key_file))
 
     def describe(self) -> str:
         if self.server is not None:
             return f"RPC server {self.server}"
         return f"device '{self.key}' via tracker {self.tracker}"
 
+    def address(self) -> tuple[str, int]:
+        """Where TVM's own client dials the server or tracker: its address, or with a key file
+        the local relay that authenticates for it (`rpc_auth.Relay`)."""
+        return self._relay().address if self.auth_key_file else self._remote_address()
+
+    def _remote_address(self) -> tuple[str, int]:
+        if self.server is not None:
+            return parse_address(self.server, "the RPC server address")
+        return parse_address(self.tracker, "the tracker address")
+
+    def _relay(self) -> Relay:
+        return relay_for(self._remote_address(), self.auth_key_file, tracker=self.server is None)
+
+    def check_key(self) -> None:
+        """With a key file: one handshake with the server or tracker, so that a refused key is
+        an `RPCAuthError` now (MetaSchedule's runner, dialing through the relay, would only
+        report failed candidates)."""
+        if self.auth_key_file:
+            try:
+                check_key(self._remote_address(), read_key(self.auth_key_file))
+            except RemoteDeviceError as err:
+                raise type(err)(f"{self.describe()}: {err}") from None
+
     def connect(self) -> rpc.RPCSession:
         """A session on the device; the server ends it after `timeout` x 10 seconds."""
         session_timeout = self.timeout * 10
+        host, port = self.address()
         if self.server is not None:
-            host, port = parse_address(self.server, "the RPC server address")
             return self.call("connect", lambda: rpc.connect(host, port, session_timeout=session_timeout))
-        host, port = parse_address(self.tracker, "the tracker address")
         return self.call(
             "connect",
             lambda: rpc.connect_tracker(host, port).request(
@@ -98,7 +123,15 @@ class RemoteDevice:
             return value
         if isinstance(value, GimletError):
             raise value
-        raise RemoteDeviceError(f"{self.describe()}: '{step}' failed: {summary(value)}") from value
+        failure = self._relay().failure() if self.auth_key_file else None
+        kind, _, reason = (failure or "").partition(": ")
+        if kind == "auth":
+            raise RPCAuthError(f"{self.describe()}: {reason}") from None
+        if step == "connect" and not self.auth_key_file and asks_for_key(self._remote_address()):
+            raise RPCAuthError(f"{self.describe()}: it admits only clients holding its key (give "
+                               f"--auth-key-file, or ${KEY_FILE_ENV})") from None
+        reason = reason if kind == "net" else summary(value)
+        raise RemoteDeviceError(f"{self.describe()}: '{step}' failed: {reason}") from value
 
 
 def _attempt(func: Callable[[], T]) -> tuple[bool, T | BaseException]:
@@ -224,25 +257,56 @@ def init_server() -> None:
     server._serving = serve_one_session  # pylint: disable=protected-access
 
 
-def start_server(host: str, port: int, port_end: int, tracker: str | None = None,
-                 key: str = "") -> rpc.Server:
+@dataclasses.dataclass(frozen=True)
+class Listening:
+    """A started server or tracker: the port clients dial, and how to stop it."""
+
+    port: int
+    stop: Callable[[], None]
+
+
+def start_server(host: str, port: int, port_end: int, tracker: str | None = None, key: str = "",
+                 auth_key_file: str | None = None, insecure: bool = False) -> Listening:
     """TVM's RPC server with gimlet's runtime in its sessions (`init_server`), registered with
     `tracker` ("HOST:PORT") if given: what `gimlet-tvm rpc server` and the runtime bundle's
-    rpc_server.py run."""
-    warn_if_exposed(host)
+    rpc_server.py run.
+
+    With a key file (or `$GIMLET_RPC_AUTH_KEY_FILE`) TVM's server listens on 127.0.0.1 behind
+    a `Gate` on `host`, and registers with the tracker through a `Relay` that announces the
+    gate's port. Without one, an address other machines reach is refused unless `insecure`
+    (`listening_key`)."""
+    secret = listening_key(host, auth_key_file, insecure)
     tracker_addr = parse_address(tracker, "--tracker") if tracker else None
+    if secret is None:
+        server = _tvm_server(host, port, port_end, tracker_addr, key)
+        return Listening(server.port, server.terminate)
+    gate = Gate(host, port, port_end, secret)
+    if tracker_addr is not None:
+        _check_tracker_key(tracker_addr, secret)
+        advertised_host = None if host in ALL_INTERFACES else host  # None: as the tracker sees us
+        relay = Relay(tracker_addr, secret, tracker=True, advertise=(advertised_host, gate.port))
+        tracker_addr = relay.address
+    internal = loopback_port()
+    server = _tvm_server("127.0.0.1", internal, internal + 100, tracker_addr, key)
+    gate.open_to(server.port)
+    return Listening(gate.port, lambda: (gate.close(), server.terminate()))
+
+
+def _check_tracker_key(tracker: tuple[str, int], secret: bytes) -> None:
+    """A tracker that refuses the server's key is an error now (TVM's server would retry it
+    forever, silently); one not up yet is left to TVM's server, which keeps trying."""
+    try:
+        check_key(tracker, secret)
+    except RPCAuthError as err:
+        raise RPCAuthError(f"registering with the tracker: {err}") from None
+    except RemoteDeviceError:
+        pass
+
+
+def _tvm_server(host: str, port: int, port_end: int, tracker_addr: tuple[str, int] | None,
+                key: str) -> rpc.Server:
     return rpc.Server(host=host, port=port, port_end=port_end, tracker_addr=tracker_addr,
                       key=key, server_init_callback=init_server, silent=True)
-
-
-def warn_if_exposed(host: str) -> None:
-    """Warn on stderr when a server or tracker listens on every interface."""
-    if host in _ALL_INTERFACES:
-        print(
-            "gimlet-tvm: WARNING: listening on all interfaces. TVM RPC has no authentication: "
-            "anyone who can reach this port can run code on this machine.",
-            file=sys.stderr,
-        )
 
 
 def serve_until_stopped(kind: str, host: str, port: int, stop: Callable[[], None]) -> int:

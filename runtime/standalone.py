@@ -2,7 +2,7 @@
 `run.py` and `rpc_server.py` (`gimlet-tvm runtime-bundle`) call these.
 
     python run.py ARTIFACT --inputs in.npz --outputs out.npz [--device cpu|cuda|vulkan]
-    python rpc_server.py --host H --port P
+    python rpc_server.py --host H --port P [--auth-key-file F]
 
 Bad input (a GimletError) prints one line, `gimlet-tvm: error: ...`, and exits with code 2,
 as `gimlet-tvm` does.
@@ -19,6 +19,7 @@ import tvm
 from ..errors import GimletError, InputError
 from .compiled_model import CompiledModel, load
 from .remote import serve_until_stopped, start_server
+from .rpc_auth import add_auth_args
 from .tensors import random_inputs, read_npz, write_npz
 
 
@@ -77,12 +78,14 @@ def run_main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     port_end = args.port_end if args.port_end is not None else args.port + 100
-    server = start_server(args.host, args.port, port_end, args.tracker, args.key)
-    return serve_until_stopped("RPC server", args.host, server.port, server.terminate)
+    server = start_server(args.host, args.port, port_end, args.tracker, args.key,
+                          args.auth_key_file, args.insecure)
+    return serve_until_stopped("RPC server", args.host, server.port, server.stop)
 
 
 def rpc_server_main(argv: Sequence[str] | None = None) -> int:
-    """`rpc_server.py [--host H] [--port P] [--tracker H:P --key K]`: `gimlet-tvm rpc server`."""
+    """`rpc_server.py [--host H] [--port P] [--tracker H:P --key K] [--auth-key-file F]`:
+    `gimlet-tvm rpc server`."""
     parser = argparse.ArgumentParser(prog="rpc_server.py",
                                      description="Serve this machine's devices over TVM RPC.")
     parser.add_argument("--host", default="127.0.0.1")
@@ -90,4 +93,5 @@ def rpc_server_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port-end", type=int, help="try ports up to this one (default +100)")
     parser.add_argument("--tracker", help="register with the tracker at HOST:PORT")
     parser.add_argument("--key", default="", help="device key announced to the tracker")
+    add_auth_args(parser)
     return _reporting_errors(_serve, parser.parse_args(argv))

@@ -151,7 +151,7 @@ def test_bad_addresses_are_named() -> None:
 
 
 def test_server_warns_when_exposed(cli) -> None:
-    proc = subprocess.Popen([SCRIPT, "rpc", "server", "--host", "0.0.0.0", "--port",
+    proc = subprocess.Popen([SCRIPT, "rpc", "server", "--host", "0.0.0.0", "--insecure", "--port",
                              str(free_port())], stderr=subprocess.PIPE, text=True,
                             stdout=subprocess.DEVNULL, start_new_session=True)
     try:

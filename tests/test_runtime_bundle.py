@@ -116,18 +116,23 @@ def _listening_port(server: subprocess.Popen) -> int:
 
 
 def test_rpc_server_py_runs_a_model_for_our_client(bundle: Path, numpy_python: Path, tmp_path) -> None:
+    """With a key file: the device machines run this server, authenticated."""
+    key = tmp_path / "rpc.key"
+    key.write_text("a-shared-secret-of-32-characters")
+    key.chmod(0o600)
     # Run away from the checkout: TVM's session workers start with `python -m`, which puts the
     # working folder first on their path (and the checkout has a gimlet_tvm folder).
     server = subprocess.Popen(
         [numpy_python, "-u", bundle / "rpc_server.py", "--host", "127.0.0.1", "--port", "9390",
-         "--port-end", "9490"],
+         "--port-end", "9490", "--auth-key-file", key],
         cwd=tmp_path, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True)  # its own process group: the session workers go with it
     try:
         port = _listening_port(server)
         model = compiled_suite_model("mlp")
         inputs = SUITE["mlp"].example_inputs(batch=2, seed=4)
-        with model.remote(RemoteDevice(server=f"127.0.0.1:{port}", timeout=60)) as remote:
+        device = RemoteDevice(server=f"127.0.0.1:{port}", timeout=60, auth_key_file=str(key))
+        with model.remote(device) as remote:
             ours = list(remote.run(inputs).values())
         assert_matches(ours, onnxruntime_outputs(suite_model("mlp"), inputs))
     finally:

@@ -66,13 +66,17 @@ def add_remote_args(parser) -> None:
     group.add_argument("--key", help="device key to request from the tracker")
     group.add_argument("--rpc-timeout", type=float, default=60.0,
                        help="seconds each remote step may take (default 60)")
+    group.add_argument("--auth-key-file", metavar="FILE",
+                       help="key of an authenticated server or tracker (default "
+                            "$GIMLET_RPC_AUTH_KEY_FILE)")
 
 
 def remote_device(args) -> RemoteDevice | None:
     """The remote device the command line names, or None to run locally."""
     if args.rpc is None and args.tracker is None:
         return None
-    return RemoteDevice(server=args.rpc, tracker=args.tracker, key=args.key, timeout=args.rpc_timeout)
+    return RemoteDevice(server=args.rpc, tracker=args.tracker, key=args.key, timeout=args.rpc_timeout,
+                        auth_key_file=args.auth_key_file)
 
 
 def is_artifact(path: str) -> bool:

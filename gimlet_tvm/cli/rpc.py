@@ -1,31 +1,37 @@
 """`gimlet-tvm rpc server|tracker`: TVM's RPC server and tracker, with our runtime loaded.
 
-TVM RPC has no authentication and lets any client run code on the server: both bind to
-127.0.0.1 unless told otherwise, and warn loudly when bound to every interface.
+TVM RPC has no authentication of its own and lets any client run code on the server. With
+`--auth-key-file` (or `$GIMLET_RPC_AUTH_KEY_FILE`) clients must prove they hold the key before
+any byte reaches TVM (`runtime.rpc_auth`). Both bind to 127.0.0.1 unless told otherwise; an
+address other machines reach needs a key or `--insecure`, and always gets a warning.
 """
 
 from __future__ import annotations
 
 from tvm.rpc.tracker import Tracker
 
-from ..runtime.remote import serve_until_stopped, start_server, warn_if_exposed
+from ..runtime.remote import serve_until_stopped, start_server
+from ..runtime.rpc_auth import Gate, add_auth_args, listening_key, loopback_port
 
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("rpc", help="run a TVM RPC server or tracker for remote devices")
     roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
     server = roles.add_parser("server", help="serve this machine's devices")
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=9090)
-    server.add_argument("--port-end", type=int, help="try ports up to this one (default +100)")
+    _add_listening_args(server, 9090)
     server.add_argument("--tracker", help="register with the tracker at HOST:PORT")
     server.add_argument("--key", default="", help="device key announced to the tracker")
     server.set_defaults(handler=run_server)
     tracker = roles.add_parser("tracker", help="hand out devices registered by servers")
-    tracker.add_argument("--host", default="127.0.0.1")
-    tracker.add_argument("--port", type=int, default=9190)
-    tracker.add_argument("--port-end", type=int, help="try ports up to this one (default +100)")
+    _add_listening_args(tracker, 9190)
     tracker.set_defaults(handler=run_tracker)
+
+
+def _add_listening_args(parser, port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--port-end", type=int, help="try ports up to this one (default +100)")
+    add_auth_args(parser)
 
 
 def _port_end(args) -> int:
@@ -33,11 +39,19 @@ def _port_end(args) -> int:
 
 
 def run_server(args) -> int:
-    server = start_server(args.host, args.port, _port_end(args), args.tracker, args.key)
-    return serve_until_stopped("RPC server", args.host, server.port, server.terminate)
+    server = start_server(args.host, args.port, _port_end(args), args.tracker, args.key,
+                          args.auth_key_file, args.insecure)
+    return serve_until_stopped("RPC server", args.host, server.port, server.stop)
 
 
 def run_tracker(args) -> int:
-    warn_if_exposed(args.host)
-    tracker = Tracker(host=args.host, port=args.port, port_end=_port_end(args), silent=True)
-    return serve_until_stopped("RPC tracker", args.host, tracker.port, tracker.terminate)
+    secret = listening_key(args.host, args.auth_key_file, args.insecure)
+    if secret is None:
+        tracker = Tracker(host=args.host, port=args.port, port_end=_port_end(args), silent=True)
+        return serve_until_stopped("RPC tracker", args.host, tracker.port, tracker.terminate)
+    gate = Gate(args.host, args.port, _port_end(args), secret)
+    internal = loopback_port()
+    tracker = Tracker(host="127.0.0.1", port=internal, port_end=internal + 100, silent=True)
+    gate.open_to(tracker.port)
+    return serve_until_stopped("RPC tracker", args.host, gate.port,
+                               lambda: (gate.close(), tracker.terminate()))
