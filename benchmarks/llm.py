@@ -38,7 +38,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import llm_models  # noqa: E402  (benchmarks/ is not a package)
 from machine_info import cpu_name, versions  # noqa: E402
-import llm_techniques  # noqa: E402
 
 ENGINES = ("transformers", "ort-genai-fp32", "ort-genai-int4", "llamacpp",
            "ours", "ours-q4", "ours-q8")
@@ -815,6 +814,10 @@ def techniques(args: argparse.Namespace) -> int:
     """--speculative / --disaggregated: the table, and the numbers with --json."""
     if args.wait_idle:
         wait_idle(args.wait_idle)
+    # Imported here, not at the top: it imports gimlet_tvm, hence tvm, hence torch (tvm-ffi
+    # imports it when installed), which the ours worker must keep out of its RSS.
+    import llm_techniques
+
     gguf = str(llm_models.gguf_path())
     if args.speculative:
         table, numbers = llm_techniques.speculative(gguf, args.new_tokens, args.repeat, args.draft_k, _log)
