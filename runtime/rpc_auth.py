@@ -54,6 +54,8 @@ def read_key(path: str) -> bytes:
 
 
 def is_loopback(host: str) -> bool:
+    """Whether only this machine reaches `host` (a host name other than localhost may resolve
+    to anything: not loopback)."""
     if host == "localhost":
         return True
     try:

@@ -5,7 +5,6 @@ then warns loudly; `--api-key-file` makes `/v1/*` require `Authorization: Bearer
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import uvicorn
 
 from ..errors import InputError
 from ..logs import verbose
+from ..runtime.rpc_auth import is_loopback
 from ..serve import Scheduler, create_app
 from .generate import add_model_args, load_from_args
 
@@ -39,15 +39,6 @@ def add_parser(sub) -> None:
     parser.set_defaults(handler=run)
 
 
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
-
-
 def _api_key(path: str | None) -> str | None:
     if path is None:
         return None
@@ -62,7 +53,7 @@ def _api_key(path: str | None) -> str | None:
 
 def run(args) -> int:
     api_key = _api_key(args.api_key_file)
-    if not _loopback(args.host):
+    if not is_loopback(args.host):
         log.warning("listening on %s: the server is reachable from other machines%s", args.host,
                     "" if api_key else ", and WITHOUT an API key anyone who reaches it can use it "
                     "(--api-key-file)")
