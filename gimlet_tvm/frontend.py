@@ -8,6 +8,7 @@ fixing symbolic dimensions on request, and the model's `IOSpec`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import warnings
 from typing import Any, Iterator, Mapping, Sequence, Union
@@ -21,9 +22,14 @@ from . import onnx_ops
 from .carriers import carrier, is_carried
 from .errors import InputError, ModelImportError, ModelLoadError, UnsupportedOpError, summary
 from .io_spec import Dim, IOSpec, TensorSpec
+from .resources import Need, require
 
 ModelLike = Union[str, os.PathLike, bytes, onnx.ModelProto]
 InputShapes = Mapping[str, Sequence[Dim]]
+
+# Shape inference (for the declared sizes of intermediate tensors) copies the model: only
+# below this size; bigger models are estimated from their weights and declared tensors.
+INFER_SHAPES_BELOW = 256 << 20
 
 # Handled by the importer itself rather than through its converter map.
 _BUILTIN_OPS = {"Constant", "If"}
@@ -113,6 +119,61 @@ def unsupported_ops(model: onnx.ModelProto) -> dict[str, list[str]]:
         op = node.op_type if node.domain in _DEFAULT_DOMAINS else f"{node.domain}::{node.op_type}"
         found.setdefault(op, []).append(node.name or f"#{index}")
     return found
+
+
+def _itemsize(elem_type: int) -> int:
+    try:
+        return max(1, onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize)
+    except (KeyError, TypeError, ValueError):  # types numpy lacks (4-bit, float8): a byte
+        return 1
+
+
+def _describe(kind: str, name: str, dims: Sequence[int], elem_type: int) -> str:
+    try:
+        dtype = str(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, TypeError, ValueError):
+        dtype = onnx.TensorProto.DataType.Name(elem_type).lower()
+    return f"{kind} '{name}' {list(dims)} {dtype}"
+
+
+def declared_memory(model: onnx.ModelProto, activations: bool = True) -> Need:
+    """What the model's declared sizes need at least (`resources.Need`), computed from shapes
+    alone (nothing is allocated): its weights (initializers and Constant nodes), and with
+    `activations` the largest of the steps (a node: its non-weight inputs and outputs
+    together; the graph's inputs and outputs together) over the tensors whose shapes are
+    static. Intermediate shapes come from ONNX shape inference where the model is small
+    enough to copy."""
+    graph = model.graph
+    if activations and model.ByteSize() < INFER_SHAPES_BELOW:
+        with contextlib.suppress(Exception):  # inference refuses some models: declared shapes then
+            graph = onnx.shape_inference.infer_shapes(model).graph
+    need = Need({"weights": 0})
+    weights = {t.name: t for t in graph.initializer}
+    weights |= {node.output[0]: attr.t for node in graph.node if node.op_type == "Constant"
+                for attr in node.attribute if attr.name == "value"}
+    for name, tensor in weights.items():
+        size = math.prod(tensor.dims) * _itemsize(tensor.data_type)
+        need.parts["weights"] += size
+        need.note(_describe("weight", name, tensor.dims, tensor.data_type), size)
+    if not activations:
+        return need
+    sizes: dict[str, int] = {}
+    for kind, infos in (("input", graph.input), ("output", graph.output), ("tensor", graph.value_info)):
+        for info in infos:
+            tensor_type = info.type.tensor_type
+            dims = tensor_type.shape.dim
+            if info.name in weights or not tensor_type.HasField("shape") or not all(d.HasField("dim_value") for d in dims):
+                continue
+            shape = [d.dim_value for d in dims]
+            sizes[info.name] = math.prod(shape) * _itemsize(tensor_type.elem_type)
+            need.note(_describe(kind, info.name, shape, tensor_type.elem_type), sizes[info.name])
+    io = [info.name for info in (*graph.input, *graph.output)]
+    need.add_peak(sum(sizes.get(name, 0) for name in set(io)), "the inputs and outputs")
+    for node in graph.node:
+        names = {name for name in (*node.input, *node.output) if name in sizes}
+        need.add_peak(sum(sizes[name] for name in names),
+                      f"{node.op_type} node '{node.name or node.output[0]}'")
+    return need
 
 
 def _graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -205,9 +266,13 @@ def _output_specs(model: onnx.ModelProto, mod: tvm.IRModule) -> tuple[TensorSpec
 
 
 def import_model(
-    model: onnx.ModelProto, input_shapes: InputShapes | None = None
+    model: onnx.ModelProto, input_shapes: InputShapes | None = None, *, runs_here: bool = True
 ) -> tuple[tvm.IRModule, IOSpec]:
-    """Import a checked ONNX model into a Relax module (weights as constants) and its IOSpec."""
+    """Import a checked ONNX model into a Relax module (weights as constants) and its IOSpec.
+
+    First refuses (`ResourceLimitError`) a model whose declared sizes need more memory than
+    this machine has (`declared_memory`): its weights, which the compiler holds, and with
+    `runs_here` (it is built for this machine's CPU) the largest step's tensors too."""
     missing = unsupported_ops(model)
     if missing:
         raise UnsupportedOpError(missing)
@@ -216,6 +281,7 @@ def import_model(
             raise ModelImportError(f"input '{info.name}' is not a tensor; only tensor inputs are supported")
     if input_shapes:
         model = _fix_shapes(model, input_shapes)
+    require(declared_memory(model, activations=runs_here), f"the model '{model.graph.name}'")
     inputs = [_declared_spec(info) for info in _graph_inputs(model)]
     for spec in inputs:
         if spec.shape is None:
