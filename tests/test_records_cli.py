@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 
 from gimlet_tvm.schedules.tuning.records import RECORD_FILE, WORKLOAD_FILE, RecordsDB
@@ -113,32 +112,6 @@ def test_validate_reports_corrupt_lines_and_loads_the_rest(cli, records_copy):
         f.write("garbage\n")
     code, out, err = cli("records", "validate", records_copy)
     assert code == 1 and f"{WORKLOAD_FILE}:" in out and "not a workload" in out
-
-
-def _writer(path: str, entries: list, copies: int) -> None:
-    db = RecordsDB(path)
-    for i in range(copies):
-        # Each add is one locked append of three lines, kept even when equal (as in tuning).
-        db.add([(w, [r[0], [1e-3 + i * 1e-6], *r[2:]]) for w, r in entries], dedupe=False)
-
-
-def test_concurrent_writers_do_not_corrupt(cli, tuned_records, tmp_path):
-    source = RecordsDB(tuned_records)
-    entries = source.entries(source.records[:3])
-    target = str(tmp_path / "shared")
-    RecordsDB(target, create=True)
-    ctx = multiprocessing.get_context("spawn")
-    writers = [ctx.Process(target=_writer, args=(target, entries, 10)) for _ in range(3)]
-    for p in writers:
-        p.start()
-    for p in writers:
-        p.join(timeout=300)
-        assert p.exitcode == 0
-    code, out, err = cli("records", "validate", target)
-    assert code == 0, out
-    db = RecordsDB(target)
-    assert len(db.records) == 3 * 10 * 3
-    assert len(db.workloads) == len({source.workload(r.workload).shash for r in source.records[:3]})
 
 
 def test_plot_writes_a_png(cli, tuned_records, tmp_path):

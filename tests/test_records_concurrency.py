@@ -219,7 +219,7 @@ def test_a_tune_killed_mid_write_keeps_its_records_and_resumes(cli, tmp_path):
     reported = 0
     for line in proc.stderr:  # progress: one line after each round's records were written
         match = re.search(r"run (\d+)/400 trials", line)
-        if match and int(match[1]) >= 8:
+        if match and int(match[1]) >= 4:
             reported = int(match[1])
             break
     assert reported, "tune reported no round"
