@@ -27,9 +27,9 @@ from .resources import Need, require
 ModelLike = Union[str, os.PathLike, bytes, onnx.ModelProto]
 InputShapes = Mapping[str, Sequence[Dim]]
 
-# Shape inference (for the declared sizes of intermediate tensors) copies the model: only
-# below this size; bigger models are estimated from their weights and declared tensors.
-INFER_SHAPES_BELOW = 256 << 20
+# Initializers up to this many elements keep their values for shape inference (shapes are
+# such small integer tensors); larger ones are passed as dims alone.
+SHAPE_VALUES_UP_TO = 1024
 
 # Handled by the importer itself rather than through its converter map.
 _BUILTIN_OPS = {"Constant", "If"}
@@ -136,17 +136,32 @@ def _describe(kind: str, name: str, dims: Sequence[int], elem_type: int) -> str:
     return f"{kind} '{name}' {list(dims)} {dtype}"
 
 
+def _without_weight_data(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model for shape inference: its graph, with the large initializers' dims and types
+    but not their data (copying a model's weights costs seconds; inference needs none)."""
+    light = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import,
+                            functions=model.functions)
+    graph = light.graph
+    for name in ("node", "input", "output", "value_info"):
+        getattr(graph, name).extend(getattr(model.graph, name))
+    for tensor in model.graph.initializer:
+        if math.prod(tensor.dims) <= SHAPE_VALUES_UP_TO:
+            graph.initializer.append(tensor)
+        else:
+            graph.initializer.add(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type)
+    return light
+
+
 def declared_memory(model: onnx.ModelProto, activations: bool = True) -> Need:
     """What the model's declared sizes need at least (`resources.Need`), computed from shapes
     alone (nothing is allocated): its weights (initializers and Constant nodes), and with
     `activations` the largest of the steps (a node: its non-weight inputs and outputs
     together; the graph's inputs and outputs together) over the tensors whose shapes are
-    static. Intermediate shapes come from ONNX shape inference where the model is small
-    enough to copy."""
+    static. Intermediate shapes come from ONNX shape inference."""
     graph = model.graph
-    if activations and model.ByteSize() < INFER_SHAPES_BELOW:
+    if activations:
         with contextlib.suppress(Exception):  # inference refuses some models: declared shapes then
-            graph = onnx.shape_inference.infer_shapes(model).graph
+            graph = onnx.shape_inference.infer_shapes(_without_weight_data(model)).graph
     need = Need({"weights": 0})
     weights = {t.name: t for t in graph.initializer}
     weights |= {node.output[0]: attr.t for node in graph.node if node.op_type == "Constant"
