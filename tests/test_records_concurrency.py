@@ -22,10 +22,10 @@ from tvm.s_tir import meta_schedule as ms
 
 from gimlet_tvm.schedules.tuning.records import RECORD_FILE, WORKLOAD_FILE, RecordsDB, record_json
 
+from .records_writer import make_batch, tag, write_batches
 from .test_tuning import tiny_model
 
 CONTEXT = multiprocessing.get_context("spawn")
-SCALE = 1e-6  # a record's run times carry its (writer, batch, item) as multiples of this
 BIG = 200  # records in a killed writer's batch: one write of about 80 kB (20 pages)
 
 
@@ -43,26 +43,6 @@ def _entry() -> tuple[list, list]:
     return ms.database.Workload(mod).as_json(), record_json(record)
 
 
-def _batch(entry: tuple[list, list], writer: int, batch: int, size: int) -> list[tuple[list, list]]:
-    workload, record = entry
-    return [(workload, [record[0], [(writer + 1) * SCALE, (batch + 1) * SCALE, (item + 1) * SCALE],
-                        *record[2:]]) for item in range(size)]
-
-
-def _tag(record) -> tuple[int, int, int]:
-    """(writer, batch, item) of a record `_batch` made."""
-    writer, batch, item = (round(s / SCALE) - 1 for s in record.data[1])
-    return writer, batch, item
-
-
-def _writer(path: str, entry, writer: int, batches: int, size: int, report=None) -> None:
-    db = RecordsDB(path)
-    for batch in range(batches):
-        db.add(_batch(entry, writer, batch, size), dedupe=False)
-        if report is not None:
-            report.send(batch)  # only after `add` returned: this batch is finished
-
-
 def _validate(cli, path: str) -> str:
     code, out, err = cli("records", "validate", path)
     assert code == 0 and "records loaded: ok" in out, out + err
@@ -75,7 +55,7 @@ def test_many_processes_append_without_losing_or_mixing_lines(cli, tmp_path):
     path, writers, batches, size = str(tmp_path / "shared"), 4, 10, 25
     RecordsDB(path, create=True)
     entry = _entry()
-    procs = [CONTEXT.Process(target=_writer, args=(path, entry, w, batches, size)) for w in range(writers)]
+    procs = [CONTEXT.Process(target=write_batches, args=(path, entry, w, batches, size)) for w in range(writers)]
     for p in procs:
         p.start()
     for p in procs:
@@ -83,7 +63,7 @@ def test_many_processes_append_without_losing_or_mixing_lines(cli, tmp_path):
         assert p.exitcode == 0
     _validate(cli, path)
     db = RecordsDB(path)
-    tags = [_tag(r) for r in db.records]
+    tags = [tag(r) for r in db.records]
     assert sorted(tags) == [(w, b, i) for w in range(writers) for b in range(batches) for i in range(size)]
     runs = [tags[k:k + size] for k in range(0, len(tags), size)]
     assert all(run == [(run[0][0], run[0][1], i) for i in range(size)] for run in runs)
@@ -96,7 +76,7 @@ def test_an_unfinished_last_line_is_set_aside_and_cut_off_by_the_next_writer(cli
     path = str(tmp_path / "records")
     db = RecordsDB(path, create=True)
     entry = _entry()
-    db.add(_batch(entry, 0, 0, 3), dedupe=False)
+    db.add(make_batch(entry, 0, 0, 3), dedupe=False)
     records = os.path.join(path, RECORD_FILE)
     with open(records, "rb") as f:
         whole = f.read()
@@ -107,11 +87,11 @@ def test_an_unfinished_last_line_is_set_aside_and_cut_off_by_the_next_writer(cli
     assert "3 records loaded: ok" in out
     db = RecordsDB(path)
     assert len(db.records) == 3 and not db.problems and len(db.unfinished) == 1
-    db.add(_batch(entry, 0, 1, 2), dedupe=False)
+    db.add(make_batch(entry, 0, 1, 2), dedupe=False)
     with open(records, "rb") as f:
         after = f.read()
     assert after.startswith(whole) and after.count(b"\n") == 5 and after.endswith(b"\n")
-    assert [_tag(r)[1] for r in RecordsDB(path).records] == [0, 0, 0, 1, 1]
+    assert [tag(r)[1] for r in RecordsDB(path).records] == [0, 0, 0, 1, 1]
     # A workload line cut short: the workload indices the records use stay right.
     with open(os.path.join(path, WORKLOAD_FILE), "ab") as f:
         f.write(b'["12345", "AAAA')
@@ -122,14 +102,14 @@ def test_an_unfinished_last_line_is_set_aside_and_cut_off_by_the_next_writer(cli
     db.add([(other[0], entry[1])], dedupe=False)
     db = RecordsDB(path)
     assert [w.shash for w in db.workloads] == [entry[0][0], "999"] and db.records[-1].workload == 1
-    _validate(cli, path)
+    assert not db.problems and not db.unfinished
 
 
 def _kill_during_writes(path: str, entry, writer: int, on_growth: bool) -> int:
     """Start a writer of large batches, kill it with SIGKILL after a few reported batches (as
     soon as the file grows again, or at a random moment); the batches it reported finished."""
     ours, theirs = CONTEXT.Pipe(duplex=False)
-    proc = CONTEXT.Process(target=_writer, args=(path, entry, writer, 10_000, BIG, theirs))
+    proc = CONTEXT.Process(target=write_batches, args=(path, entry, writer, 10_000, BIG, theirs))
     proc.start()
     theirs.close()
     finished = 0
@@ -164,14 +144,14 @@ def test_a_writer_killed_mid_write_loses_no_finished_batch(cli, tmp_path):
         db = RecordsDB(path)
         assert not db.problems
         cut += len(db.unfinished)
-        tags = {_tag(r) for r in db.records}
+        tags = {tag(r) for r in db.records}
         for w, batches in finished.items():
             assert {(w, b, i) for b in range(batches) for i in range(BIG)} <= tags
     print(f"killed 4 writers; {cut} left an unfinished line")
     _validate(cli, path)
     db = RecordsDB(path)
     before = len(db.records)
-    db.add(_batch(entry, 9, 0, 5), dedupe=False)
+    db.add(make_batch(entry, 9, 0, 5), dedupe=False)
     db = RecordsDB(path)
     assert len(db.records) == before + 5 and not db.unfinished and not db.problems
 
