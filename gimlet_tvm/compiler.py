@@ -316,7 +316,7 @@ def _build(
     if len(devices) == 1 and (pins or device_facts or placement_costs != "roofline"):
         raise GimletError("pins, device_facts and placement_costs need several targets to place ops on")
     proto = load_model(model)
-    mod, io = import_model(proto, input_shapes)
+    mod, io = import_model(proto, input_shapes, runs_here=devices[0][0].runs_here())
     database = RecordsDB(records) if records is not None else None
     placement = None
     if len(devices) > 1:

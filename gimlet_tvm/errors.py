@@ -75,3 +75,9 @@ class LLMError(GimletError):
 class WeightsError(GimletError):
     """An LLM checkpoint is unreadable, truncated, or does not fit the architecture (names the
     tensor), or uses an architecture or tensor type that is not supported (lists what is)."""
+
+
+class ResourceLimitError(GimletError):
+    """A model's declared sizes need more memory than this machine has available: refused up
+    front (with the figure needed, what is available and the biggest tensor) rather than by the
+    OOM killer."""

@@ -8,6 +8,7 @@ fixing symbolic dimensions on request, and the model's `IOSpec`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import warnings
 from typing import Any, Iterator, Mapping, Sequence, Union
@@ -21,9 +22,14 @@ from . import onnx_ops
 from .carriers import carrier, is_carried
 from .errors import InputError, ModelImportError, ModelLoadError, UnsupportedOpError, summary
 from .io_spec import Dim, IOSpec, TensorSpec
+from .resources import Need, require
 
 ModelLike = Union[str, os.PathLike, bytes, onnx.ModelProto]
 InputShapes = Mapping[str, Sequence[Dim]]
+
+# Initializers up to this many elements keep their values for shape inference (shapes are
+# such small integer tensors); larger ones are passed as dims alone.
+SHAPE_VALUES_UP_TO = 1024
 
 # Handled by the importer itself rather than through its converter map.
 _BUILTIN_OPS = {"Constant", "If"}
@@ -113,6 +119,76 @@ def unsupported_ops(model: onnx.ModelProto) -> dict[str, list[str]]:
         op = node.op_type if node.domain in _DEFAULT_DOMAINS else f"{node.domain}::{node.op_type}"
         found.setdefault(op, []).append(node.name or f"#{index}")
     return found
+
+
+def _itemsize(elem_type: int) -> int:
+    try:
+        return max(1, onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize)
+    except (KeyError, TypeError, ValueError):  # types numpy lacks (4-bit, float8): a byte
+        return 1
+
+
+def _describe(kind: str, name: str, dims: Sequence[int], elem_type: int) -> str:
+    try:
+        dtype = str(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, TypeError, ValueError):
+        dtype = onnx.TensorProto.DataType.Name(elem_type).lower()
+    return f"{kind} '{name}' {list(dims)} {dtype}"
+
+
+def _without_weight_data(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model for shape inference: its graph, with the large initializers' dims and types
+    but not their data (copying a model's weights costs seconds; inference needs none)."""
+    light = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import,
+                            functions=model.functions)
+    graph = light.graph
+    for name in ("node", "input", "output", "value_info"):
+        getattr(graph, name).extend(getattr(model.graph, name))
+    for tensor in model.graph.initializer:
+        if math.prod(tensor.dims) <= SHAPE_VALUES_UP_TO:
+            graph.initializer.append(tensor)
+        else:
+            graph.initializer.add(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type)
+    return light
+
+
+def declared_memory(model: onnx.ModelProto, activations: bool = True) -> Need:
+    """What the model's declared sizes need at least (`resources.Need`), computed from shapes
+    alone (nothing is allocated): its weights (initializers and Constant nodes), and with
+    `activations` the largest of the steps (a node: its non-weight inputs and outputs
+    together; the graph's inputs and outputs together) over the tensors whose shapes are
+    static. Intermediate shapes come from ONNX shape inference."""
+    graph = model.graph
+    if activations:
+        with contextlib.suppress(Exception):  # inference refuses some models: declared shapes then
+            graph = onnx.shape_inference.infer_shapes(_without_weight_data(model)).graph
+    need = Need({"weights": 0})
+    weights = {t.name: t for t in graph.initializer}
+    weights |= {node.output[0]: attr.t for node in graph.node if node.op_type == "Constant"
+                for attr in node.attribute if attr.name == "value"}
+    for name, tensor in weights.items():
+        size = math.prod(tensor.dims) * _itemsize(tensor.data_type)
+        need.parts["weights"] += size
+        need.note(_describe("weight", name, tensor.dims, tensor.data_type), size)
+    if not activations:
+        return need
+    sizes: dict[str, int] = {}
+    for kind, infos in (("input", graph.input), ("output", graph.output), ("tensor", graph.value_info)):
+        for info in infos:
+            tensor_type = info.type.tensor_type
+            dims = tensor_type.shape.dim
+            if info.name in weights or not tensor_type.HasField("shape") or not all(d.HasField("dim_value") for d in dims):
+                continue
+            shape = [d.dim_value for d in dims]
+            sizes[info.name] = math.prod(shape) * _itemsize(tensor_type.elem_type)
+            need.note(_describe(kind, info.name, shape, tensor_type.elem_type), sizes[info.name])
+    io = [info.name for info in (*graph.input, *graph.output)]
+    need.add_peak(sum(sizes.get(name, 0) for name in set(io)), "the inputs and outputs")
+    for node in graph.node:
+        names = {name for name in (*node.input, *node.output) if name in sizes}
+        need.add_peak(sum(sizes[name] for name in names),
+                      f"{node.op_type} node '{node.name or node.output[0]}'")
+    return need
 
 
 def _graph_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -205,9 +281,13 @@ def _output_specs(model: onnx.ModelProto, mod: tvm.IRModule) -> tuple[TensorSpec
 
 
 def import_model(
-    model: onnx.ModelProto, input_shapes: InputShapes | None = None
+    model: onnx.ModelProto, input_shapes: InputShapes | None = None, *, runs_here: bool = True
 ) -> tuple[tvm.IRModule, IOSpec]:
-    """Import a checked ONNX model into a Relax module (weights as constants) and its IOSpec."""
+    """Import a checked ONNX model into a Relax module (weights as constants) and its IOSpec.
+
+    First refuses (`ResourceLimitError`) a model whose declared sizes need more memory than
+    this machine has (`declared_memory`): its weights, which the compiler holds, and with
+    `runs_here` (it is built for this machine's CPU) the largest step's tensors too."""
     missing = unsupported_ops(model)
     if missing:
         raise UnsupportedOpError(missing)
@@ -216,6 +296,7 @@ def import_model(
             raise ModelImportError(f"input '{info.name}' is not a tensor; only tensor inputs are supported")
     if input_shapes:
         model = _fix_shapes(model, input_shapes)
+    require(declared_memory(model, activations=runs_here), f"the model '{model.graph.name}'")
     inputs = [_declared_spec(info) for info in _graph_inputs(model)]
     for spec in inputs:
         if spec.shape is None:

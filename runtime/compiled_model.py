@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -13,9 +14,10 @@ import tvm_ffi
 from tvm.runtime.vm import VirtualMachine
 
 from .. import __version__
-from ..carriers import from_carrier
+from ..carriers import carrier, from_carrier
 from ..errors import ArtifactError, GimletError, TargetUnavailableError, summary
 from ..io_spec import IOSpec, TensorSpec
+from ..resources import Need, require
 from . import artifact
 from .libraries import target_runtimes
 from .placement_report import PlacementReport
@@ -243,6 +245,27 @@ class CompiledModel:
             raise ArtifactError(f"linking the artifact's library failed: {first.strip()}") from None
 
 
+def _memory_need(path: str | os.PathLike, meta: dict[str, Any]) -> Need:
+    """What running an artifact here needs at least: its file (code and weights, which the
+    loader maps and the VM copies out), the memory its plan allocates on this machine's CPU,
+    and its inputs and outputs where their shapes are static."""
+    need = Need({"the artifact (code and weights)": os.path.getsize(path)})
+    host = tvm.cpu().dlpack_device_type()
+    need.parts["planned memory"] = sum(
+        int(t.get("planned_memory") or 0) for t in meta["targets"]
+        if tvm.device(t["device_type"]).dlpack_device_type() == host)
+    io = IOSpec.from_json(meta["io"])
+    static = [t for t in (*io.inputs, *io.outputs) if all(isinstance(d, int) for d in t.shape)]
+    for spec in static:
+        need.note(f"{spec.name} {spec.dtype}{list(spec.shape)}", _nbytes(spec))
+    need.add_peak(sum(_nbytes(spec) for spec in static), "the inputs and outputs")
+    return need
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    return math.prod(spec.shape) * np.dtype(carrier(spec.dtype)).itemsize
+
+
 def load(path: str | os.PathLike) -> CompiledModel:
     """Load an artifact written by `CompiledModel.export`."""
     meta = artifact.read_metadata(path)
@@ -257,6 +280,7 @@ def load(path: str | os.PathLike) -> CompiledModel:
             f"artifact was built with TVM {meta.get('tvm_version')}, this is TVM "
             f"{tvm.__version__}: rebuild it: {os.fspath(path)}"
         )
+    require(_memory_need(path, meta), f"loading {os.fspath(path)}")
     try:
         module = tvm.runtime.load_module(os.fspath(path))
     except Exception as err:

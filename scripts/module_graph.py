@@ -27,7 +27,7 @@ import gimlet_tvm
 
 LAYERS = (
     ("base", ("gimlet_tvm.errors", "gimlet_tvm.files", "gimlet_tvm.io_spec", "gimlet_tvm.carriers",
-              "gimlet_tvm.logs")),
+              "gimlet_tvm.logs", "gimlet_tvm.resources")),
     ("runtime", ("gimlet_tvm.runtime",)),
     ("targets", ("gimlet_tvm.targets",)),
     ("relax_passes", ("gimlet_tvm.relax_passes",)),
@@ -41,7 +41,7 @@ LAYERS = (
 )
 # What each room owns, for the picture.
 OWNS = {
-    "base": "typed errors, atomic files, IO specs, quiet logs",
+    "base": "typed errors, atomic files, IO specs, quiet logs, memory limits",
     "runtime": "CompiledModel, artifacts, RPC, C++ extensions",
     "targets": "TargetSpec per target, libraries, kernels",
     "relax_passes": "fusion, library dispatch, placement",

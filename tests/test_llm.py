@@ -4,6 +4,7 @@ from its real GGUF, and random-weight models of every family built from small co
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -14,7 +15,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import gimlet_tvm.llm as gllm  # noqa: E402
-from gimlet_tvm.errors import LLMError, WeightsError  # noqa: E402
+from gimlet_tvm.errors import LLMError, ResourceLimitError, WeightsError  # noqa: E402
 from gimlet_tvm.llm.compile import compile_llm, load_compiled  # noqa: E402
 from gimlet_tvm.llm.config import LLMConfig  # noqa: E402
 from tests.llm_models import SMOLLM2_GGUF, random_model, reference_greedy, smollm2_reference  # noqa: E402
@@ -203,3 +204,17 @@ def test_cuda_build_compiles_and_checks_the_kv_cache_kernels(tmp_path):
         assert kernel in code["kernels"]
     compiled.export(tmp_path / "llama-cuda.so")
     assert load_compiled(tmp_path / "llama-cuda.so").runtime.device_type == "cuda"
+
+
+def test_a_model_too_big_for_memory_is_refused_before_compiling(monkeypatch):
+    """Weights and KV cache sized from the config alone: refused at once, nothing compiled."""
+    started = time.monotonic()
+    with pytest.raises(ResourceLimitError) as err:
+        gllm.load(SMOLLM2_GGUF, "llvm", kv_cache_tokens=10**9)  # 45 KiB a token
+    assert "weights 513.0 MiB, KV cache (1000000000 tokens) 41.9 TiB" in str(err.value)
+    monkeypatch.setenv("GIMLET_TVM_MEMORY_LIMIT", "300M")  # float32 weights: over 500 MB
+    with pytest.raises(ResourceLimitError, match=r"weights 513\.0 MiB, KV cache \(8192 tokens\) 360\.0 MiB"):
+        gllm.load(SMOLLM2_GGUF, "llvm")
+    with pytest.raises(ResourceLimitError, match=r"weights 80\.2 MiB, KV cache \(100000 tokens\)"):  # q4
+        gllm.load(SMOLLM2_GGUF, "llvm", "q4", kv_cache_tokens=10**5)
+    assert time.monotonic() - started < 60  # opening the GGUF: seconds each; compiling: minutes

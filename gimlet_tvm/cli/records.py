@@ -115,6 +115,9 @@ def cmd_validate(args) -> int:
     db = RecordsDB(args.dir)
     for problem in db.problems:
         print(f"{os.path.join(db.path, problem.file)}:{problem.line}: {problem.message}")
+    for line in db.unfinished:  # a writer killed mid-line, or one writing now: not an error
+        print(f"note: {os.path.join(db.path, line.file)}:{line.line}: {line.message}: a write "
+              "that never finished, ignored (the next write removes it)")
     workloads = sum(1 for w in db.workloads if w is not None)
     verdict = f"{len(db.problems)} bad lines" if db.problems else "ok"
     print(f"{workloads} workloads, {len(db.records)} records loaded: {verdict}")

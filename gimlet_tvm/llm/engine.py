@@ -7,6 +7,9 @@ sequences into one call (split into chunks the cache accepts), `decode` advances
 sequences by one token each, `popn` rolls a sequence back; `generate`, `generate_batch` and
 `stream` are the token loop on top, with sampling and stop strings per request.
 
+`load` refuses (`ResourceLimitError`), before compiling, a model whose weights and KV cache would
+not fit in this machine's memory (`sizes.memory_need`) when it runs on the CPU here.
+
 Every request is checked before it touches the cache (token ids inside the vocabulary, a
 prompt that fits the context window, a batch that fits the cache), so a bad request raises
 `LLMError` and the engine serves the next one.
@@ -26,14 +29,17 @@ import tvm
 from tvm import relax
 
 from ..errors import LLMError, WeightsError, summary
-from ..targets import DEFAULT_TARGET, TargetLike
+from ..resources import require
+from ..targets import DEFAULT_TARGET, TargetLike, lookup
 from ..runtime.remote import RemoteDevice
 from .compile import CompiledLLM, compiled_for, load_compiled
+from .config import LLMConfig
 from .hosts import LocalHost, RemoteHost
 from .families import FAMILIES
 from .quantization import load_quantized, quantized_sources, quantized_weight
 from .request import Request, SpeculationStats
 from .sampling import SamplingParams
+from .sizes import memory_need
 from .speculative import Draft, speculative_rounds
 from .tokenizer import Tokenizer
 from .weights import Checkpoint, open_checkpoint
@@ -124,8 +130,7 @@ class LLM:
         self._host = RemoteHost(compiled, remote) if remote is not None else LocalHost(compiled)
         self.device, self.where = self._host.device, self._host.name
         self._builtins = _Builtins(self._host)
-        self.context_window = min(context_window or self.config.context_length, self.config.context_length)
-        self.kv_cache_tokens = kv_cache_tokens or self.context_window
+        self.context_window, self.kv_cache_tokens = cache_tokens(self.config, context_window, kv_cache_tokens)
         self.max_batch_size = max_batch_size
         self.prefill_chunk = min(2048, self.kv_cache_tokens)
         host = self._host
@@ -508,6 +513,13 @@ def load_params(compiled: CompiledLLM, checkpoint: Checkpoint, device: tvm.runti
     return params
 
 
+def cache_tokens(config: LLMConfig, context_window: int | None, kv_cache_tokens: int | None) -> tuple[int, int]:
+    """(a sequence's most tokens, the KV cache's tokens): the model's context window unless
+    capped by `context_window`, and room for one window unless `kv_cache_tokens` is given."""
+    window = min(context_window or config.context_length, config.context_length)
+    return window, kv_cache_tokens or window
+
+
 def load(path: str | os.PathLike, target: TargetLike = DEFAULT_TARGET, quantization: str | None = None,
          *, compiled: str | os.PathLike | None = None, max_batch_size: int = 8,
          context_window: int | None = None, kv_cache_tokens: int | None = None,
@@ -524,9 +536,14 @@ def load(path: str | os.PathLike, target: TargetLike = DEFAULT_TARGET, quantizat
     checkpoint = open_checkpoint(path)
     if layers is not None:
         checkpoint = checkpoint.first_layers(layers)
-    if compiled is not None:
-        built = load_compiled(compiled)
-    else:
+    built = load_compiled(compiled) if compiled is not None else None
+    device = built.runtime.device() if built is not None else lookup(target)[0].device()
+    if remote is None and device.dlpack_device_type() == tvm.cpu().dlpack_device_type():
+        # Weights and KV cache in this machine's memory: refused before compiling if too big.
+        tokens = cache_tokens(checkpoint.config, context_window, kv_cache_tokens)[1]
+        require(memory_need(checkpoint.config, built.quantization if built else quantization, tokens),
+                f"loading {os.fspath(path)}")
+    if built is None:
         built = compiled_for(checkpoint.config, target, quantization)
     return LLM(built, checkpoint, tokenizer_of(checkpoint), max_batch_size=max_batch_size,
                context_window=context_window, kv_cache_tokens=kv_cache_tokens, remote=remote)

@@ -33,8 +33,8 @@ from ..targets import DEFAULT_TARGET, TargetLike, lookup
 from ..targets.spec import PerfFacts
 from .config import LLMConfig
 from .engine import LLM, Generation, KVPages, load as load_one, run_to_end, stream_text
-from .quantization import BLOCK, FORMAT_OF
 from .request import Request
+from .sizes import kv_bytes, macs_per_token, weight_bytes
 from .speculative import Draft
 from .weights import open_checkpoint
 
@@ -50,25 +50,6 @@ class Workload:
 
     prompt_tokens: int = 512
     new_tokens: int = 128
-
-
-def macs_per_token(config: LLMConfig) -> int:
-    """Multiply-adds of one token: the layers' projections (an MLP of three matrices; GPT-2's
-    two are counted as three: this is a roofline estimate) and the output head."""
-    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    layer = 2 * h * q + 2 * h * kv + 3 * h * config.intermediate_size
-    return config.num_layers * layer + config.vocab_size * h
-
-
-def weight_bytes(config: LLMConfig, quantization: str | None) -> float:
-    """Bytes a pass reads for the weights: float32, or the quantization's blocks."""
-    per_weight = 4 if quantization is None else FORMAT_OF[quantization].block_bytes / BLOCK
-    return macs_per_token(config) * per_weight
-
-
-def kv_bytes(config: LLMConfig, tokens: int) -> int:
-    """Bytes of KV cache for `tokens` tokens (float32 keys and values of every layer)."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4 * tokens
 
 
 def pass_seconds(config: LLMConfig, quantization: str | None, perf: PerfFacts, tokens: int,

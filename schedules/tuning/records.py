@@ -10,10 +10,15 @@ A records directory holds MetaSchedule's own two JSON-lines files, so upstream T
 Next to them, `gimlet_tasks.json` (ignored by upstream) names each workload's task and its
 weight (calls per model run), which the CLI shows and the model-latency estimate uses.
 
-Safety: writers append whole lines under an exclusive `fcntl` lock on `DIR/.lock`, and end a
-torn last line (from a crashed writer) before appending; rewrites go to a temporary file
-renamed into place. The reader parses every line on its own: a corrupt line becomes a
-`Problem` naming its file and line number and the rest still loads.
+Safety: writers append whole lines under an exclusive `fcntl` lock on `DIR/.lock`, each batch
+with one write (repeated only for what a short write left) and an fsync; rewrites go to a
+temporary file renamed into place. So several processes may tune into one directory at once.
+A writer killed mid-write (SIGKILL, power loss) can leave only an unfinished last line: every
+line ends with its newline, so the reader sets a last line without one aside as `unfinished`
+(not a record, not a problem: it was never finished; a reader without the lock may also catch a
+live writer's line half-written), and the next writer cuts it off under the lock before
+appending. The reader parses every line on its own: a corrupt line becomes a `Problem` naming
+its file and line number and the rest still loads.
 """
 
 from __future__ import annotations
@@ -148,6 +153,8 @@ class RecordsDB:
         self.workloads: list[Workload | None] = []
         self.records: list[Record] = []
         self.problems: list[Problem] = []
+        # Last lines a writer had not finished (module docstring): neither records nor problems.
+        self.unfinished: list[Problem] = []
         self.load()
 
     # ---- reading -------------------------------------------------------------------------
@@ -155,12 +162,17 @@ class RecordsDB:
         return os.path.join(self.path, name)
 
     def _lines(self, name: str) -> Iterator[tuple[int, str]]:
-        """(line number, text) of the non-empty lines; MetaSchedule indexes workloads by these."""
+        """(line number, text) of the finished non-empty lines; MetaSchedule indexes workloads
+        by these. A last line without its newline goes to `unfinished` instead."""
         path = self._file(name)
         if not os.path.exists(path):
             return
         with open(path, "rb") as f:
             for number, raw in enumerate(f, start=1):
+                if not raw.endswith(b"\n"):
+                    self.unfinished.append(
+                        Problem(name, number, f"unfinished last line ({len(raw)} bytes, no newline)"))
+                    return
                 text = raw.decode("utf-8", errors="replace").strip()
                 if text:
                     yield number, text
@@ -170,7 +182,7 @@ class RecordsDB:
 
         `check` also parses each record's trace (what `validate` reports); writers skip it.
         """
-        self.workloads, self.records, self.problems = [], [], []
+        self.workloads, self.records, self.problems, self.unfinished = [], [], [], []
         for number, text in self._lines(WORKLOAD_FILE):
             self.workloads.append(self._parse_workload(len(self.workloads), number, text))
         tasks = self._read_tasks()
@@ -305,17 +317,24 @@ class RecordsDB:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _append(self, name: str, lines: Iterable[str]) -> None:
-        """Append whole lines in one write; end a torn last line (a crashed writer's) first."""
-        text = "".join(lines)
-        if not text:
+        """Append whole lines in one write and sync them; the caller holds the lock. An
+        unfinished last line (a killed writer's) is cut off first; a failed write (a full disk)
+        is cut back off, so no half line is left behind by a live writer either."""
+        data = "".join(lines).encode()
+        if not data:
             return
         fd = os.open(self._file(name), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                text = "\n" + text
-            os.write(fd, text.encode())
-            os.fsync(fd)
+            size = _finished_size(fd)
+            os.ftruncate(fd, size)
+            try:
+                written = 0
+                while written < len(data):
+                    written += os.write(fd, data[written:])
+                os.fsync(fd)
+            except BaseException:
+                os.ftruncate(fd, size)
+                raise
         finally:
             os.close(fd)
 
@@ -471,6 +490,19 @@ def merge(sources: Iterable[RecordsDB], output: str) -> RecordsDB:
     result = RecordsDB(output, create=True)
     result.add([(w, r) for _, w, r in best.values()], tasks)
     return result
+
+
+def _finished_size(fd: int, chunk: int = 1 << 16) -> int:
+    """The size of the file up to and with its last newline: where its finished lines end."""
+    end = os.fstat(fd).st_size
+    while end > 0:
+        start = max(0, end - chunk)
+        block = os.pread(fd, end - start, start)
+        newline = block.rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
 
 
 def _write_atomic(path: str, text: str) -> None:
