@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import zipfile
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -28,12 +30,20 @@ def to_numpy(value: Any) -> np.ndarray:
     return value.numpy()
 
 
+RANDOM_INPUT_LIMIT = 1 << 28
+"""Most elements `random_inputs` draws for one input (1 GiB of float32)."""
+
+
 def random_inputs(io: IOSpec, *, seed: int = 0, dims: Mapping[str, int] | None = None) -> list:
-    """Random arrays for `io`'s inputs; symbolic dims take `dims[name]`, else 1."""
+    """Random arrays for `io`'s inputs; symbolic dims take `dims[name]`, else 1. An input of more
+    than `RANDOM_INPUT_LIMIT` elements is an `InputError` (give the inputs instead)."""
     rng = np.random.default_rng(seed)
     arrays = []
     for spec in io.inputs:
         shape = [d if isinstance(d, int) else (dims or {}).get(d, 1) for d in spec.shape]
+        if math.prod(shape) > RANDOM_INPUT_LIMIT or min(shape, default=0) < 0:
+            raise InputError(f"no random input for {spec.describe()}: {shape} is not a shape of at "
+                             f"most {RANDOM_INPUT_LIMIT} elements; give the inputs")
         dtype = np.dtype(spec.dtype)
         if dtype.kind == "f":
             arrays.append(rng.standard_normal(shape).astype(dtype))
@@ -50,7 +60,7 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as data:
             return {name: data[name] for name in data.files}
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile) as err:  # numpy's and zipfile's
         raise InputError(f"cannot read inputs file {path} as .npz: {err}") from None
 
 
