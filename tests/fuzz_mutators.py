@@ -128,6 +128,40 @@ def model_deep_subgraph(data: bytes, rng: np.random.Generator) -> bytes | None:
     return model.SerializeToString()
 
 
+def model_bad_attribute(data: bytes, rng: np.random.Generator) -> bytes | None:
+    """An integer attribute (axis, pads, strides, kernel shape, ...) set to 0, a negative or a
+    huge value, or its list emptied or lengthened; or an attribute no op has."""
+    model = _proto(data)
+    nodes = _all_nodes(model.graph)
+    node = nodes[int(rng.integers(len(nodes)))]
+    values = [0, -1, -7, 3, 1 << 31, -(1 << 40)]
+    attrs = [a for a in node.attribute if a.type in (onnx.AttributeProto.INT, onnx.AttributeProto.INTS)]
+    if not attrs or rng.random() < 0.15:
+        node.attribute.append(helper.make_attribute("no_such_attribute", 1))
+        return model.SerializeToString()
+    attr = attrs[int(rng.integers(len(attrs)))]
+    value = values[int(rng.integers(len(values)))]
+    if attr.type == onnx.AttributeProto.INT:
+        attr.i = value
+    elif rng.random() < 0.15:
+        del attr.ints[:]
+    elif rng.random() < 0.15:
+        attr.ints.extend([value] * 3)
+    else:
+        attr.ints[int(rng.integers(len(attr.ints)))] = value
+    return model.SerializeToString()
+
+
+def model_other_op(data: bytes, rng: np.random.Generator) -> bytes:
+    """A node's op type replaced by another (its inputs, outputs and attributes kept)."""
+    model = _proto(data)
+    nodes = _all_nodes(model.graph)
+    ops = ["Relu", "Gemm", "MatMul", "Conv", "MaxPool", "Softmax", "Gather", "Reshape", "If",
+           "Loop", "Add", "Concat", "Split", "Transpose", "Flatten", "Identity", "Pad", "Resize"]
+    nodes[int(rng.integers(len(nodes)))].op_type = ops[int(rng.integers(len(ops)))]
+    return model.SerializeToString()
+
+
 MODEL_MUTATORS: dict[str, Callable] = {
     "truncate": _truncate,
     "bitflip": _flip_bits,
@@ -136,6 +170,8 @@ MODEL_MUTATORS: dict[str, Callable] = {
     "huge_shape": model_huge_shape,
     "cycle": model_cycle,
     "deep_subgraph": model_deep_subgraph,
+    "bad_attribute": model_bad_attribute,
+    "other_op": model_other_op,
 }
 
 _FOOTER = struct.Struct("<Q")
