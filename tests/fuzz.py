@@ -318,9 +318,12 @@ def _check_against_reference(model, onnx_bytes: bytes, inputs: dict | None) -> N
         if got.shape != want.shape or got.dtype != want.dtype:
             raise Finding("wrong", f"output {name}: {got.dtype}{list(got.shape)}, onnxruntime "
                                    f"{want.dtype}{list(want.shape)}")
-        if not np.allclose(got, want, equal_nan=True, **TOLERANCE):
-            raise Finding("wrong", f"output {name} differs from onnxruntime's (max abs diff "
-                                   f"{np.nanmax(np.abs(got.astype(float) - want.astype(float)))})")
+        close = np.isclose(got, want, equal_nan=True, **TOLERANCE)
+        if not close.all():
+            where = tuple(int(i) for i in np.argwhere(~close)[0])
+            raise Finding("wrong", f"output {name}: {int((~close).sum())} of {close.size} elements "
+                                   f"differ from onnxruntime's, first at {list(where)}: {got[where]} "
+                                   f"against {want[where]}")
 
 
 def _serve(conn, workdir: str) -> None:
@@ -366,7 +369,7 @@ class Worker:
             raise TimeoutError
         try:
             return self._conn.recv()
-        except EOFError:
+        except (EOFError, ConnectionError):  # the worker died
             self._process.join(5)
             code = self._process.exitcode
             self._process = None
@@ -385,7 +388,7 @@ class Worker:
         try:
             self._conn.send(("case", case))
             return self._ask(self.timeout)
-        except BrokenPipeError:  # it died before the case: report that death
+        except (BrokenPipeError, ConnectionResetError):  # it died before the case: report that
             self._process.join(5)
             code, self._process = self._process.exitcode, None
             return Outcome("crash", f"{_death(code)}{self._log_tail(start)}")
