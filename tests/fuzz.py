@@ -84,10 +84,10 @@ EXTENSIONS = {"build": ".onnx", "compile": ".onnx", "load": ".so", "run": ".npz"
 KNOWN = {
     ("run", "index_out_of_range", "gather"): "Gather indices past the table are not bounds-checked "
     "at run time: a read out of bounds, wrong values or a segfault",
-    ("run", "nan_inf", "softmax"): "Softmax of a row holding +inf: onnxruntime gives NaN, we give "
-    "finite values",
-    ("run", "nan_inf", "conv"): "Conv/Relu/MaxPool over NaN and inf inputs: some outputs differ "
-    "from onnxruntime's (finite against inf, 0 against a finite value)",
+    ("run", "nan_inf", "softmax"): "Relu(NaN) is 0 here (TVM's max(x, 0)), NaN in onnxruntime: "
+    "the Softmax after it then gives finite values where onnxruntime gives NaN",
+    ("run", "nan_inf", "conv"): "Relu(NaN) is 0 here, NaN in onnxruntime: after Conv over NaN and "
+    "inf inputs, some outputs differ (0 against inf)",
 }
 """(stage, mutator, seed) cases whose findings are known and wait for a fix, with what goes
 wrong: left out of rounds unless `--all` asks for them."""
