@@ -46,6 +46,12 @@ class InputError(GimletError):
     """Run-time inputs do not match the model: wrong name, count, shape or dtype."""
 
 
+class RunError(GimletError):
+    """Running a compiled model failed inside TVM's runtime although its inputs fit the
+    interface (a check of the executable's own, e.g. against an interface edited in the
+    artifact, or a model computing something TVM refuses at run time); names TVM's message."""
+
+
 class ArtifactError(GimletError):
     """A compiled artifact is missing, corrupt or was built by an incompatible version."""
 

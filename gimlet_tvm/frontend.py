@@ -80,9 +80,30 @@ def load_model(model: ModelLike) -> onnx.ModelProto:
         )
     try:
         onnx.checker.check_model(proto)
-    except onnx.checker.ValidationError as err:
+    except (onnx.checker.ValidationError, ValueError) as err:  # ValueError: text that is not UTF-8
         raise ModelLoadError(f"invalid ONNX model: {summary(err)}") from None
+    _check_element_types(proto.graph)
     return proto
+
+
+_ELEMENT_TYPES = set(onnx.helper.get_all_tensor_dtypes())
+
+
+def _check_element_types(graph: onnx.GraphProto) -> None:
+    """Every declared tensor type and initializer of `graph` (subgraphs included) has an element
+    type ONNX defines: the checker lets any number through, and the importer fails on it."""
+    declared = [(info.name, info.type.tensor_type.elem_type)
+                for info in (*graph.input, *graph.output, *graph.value_info)
+                if info.type.HasField("tensor_type")]
+    declared += [(tensor.name, tensor.data_type) for tensor in graph.initializer]
+    for name, code in declared:
+        if code not in _ELEMENT_TYPES:
+            raise ModelLoadError(f"invalid ONNX model: tensor '{name}' has element type {code}, "
+                                 "which ONNX does not define")
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
+                _check_element_types(sub)
 
 
 def _parse(data: bytes, source: str) -> onnx.ModelProto:
@@ -205,6 +226,9 @@ def _declared_spec(info: onnx.ValueInfoProto) -> TensorSpec:
         return TensorSpec(info.name, None, str(dtype))  # type: ignore[arg-type]
     shape: list[Dim] = []
     for axis, dim in enumerate(tensor_type.shape.dim):
+        if dim.HasField("dim_value") and dim.dim_value < 0:
+            raise ModelImportError(f"'{info.name}' declares dimension {dim.dim_value} at axis {axis}; "
+                                   "a dimension is 0 or more")
         if dim.HasField("dim_value"):
             shape.append(int(dim.dim_value))
         else:

@@ -33,7 +33,14 @@ class TensorSpec:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "TensorSpec":
-        return cls(data["name"], tuple(data["shape"]), data["dtype"])
+        """The spec `to_json` wrote; ValueError (or KeyError, TypeError) on anything else."""
+        name, shape, dtype = data["name"], data["shape"], data["dtype"]
+        dims_ok = isinstance(shape, list) and all(
+            isinstance(d, str) or (isinstance(d, int) and d >= 0) for d in shape)
+        if not isinstance(name, str) or not dims_ok or not isinstance(dtype, str):
+            raise ValueError(f"not a tensor spec: {str(data)[:200]}")
+        np.dtype(dtype)  # a name numpy (with ml_dtypes) does not know: TypeError
+        return cls(name, tuple(shape), dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +83,7 @@ class IOSpec:
             args = [named[n] for n in names]
         if len(args) != len(names):
             raise InputError(f"expected {len(names)} input(s) {names}, got {len(args)}")
-        arrays = [np.asarray(a) for a in args]
+        arrays = [_as_array(name, a) for name, a in zip(names, args)]
         self.check_inputs(arrays)
         return arrays
 
@@ -108,3 +115,11 @@ class IOSpec:
                     )
                 else:
                     bound.setdefault(dim, (size, spec.name))
+
+
+def _as_array(name: str, value: Any) -> np.ndarray:
+    """`value` as an array; one numpy cannot make (a ragged list) is an `InputError`."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError) as err:
+        raise InputError(f"input '{name}' is not an array: {err}") from None

@@ -3,8 +3,10 @@
 Layout: the shared library TVM exports (host code with device code embedded), then the
 metadata as UTF-8 JSON, then a fixed footer: the JSON's length (8 bytes, little endian) and a
 magic string. The dynamic loader ignores bytes past the ELF image, so the file loads as-is.
-The metadata records the library's SHA-256, so a truncated or altered file is rejected before
-it is handed to the loader.
+The metadata records the library's SHA-256 and its own (of the rest of the metadata, as
+`json.dumps(sort_keys=True)` writes it), so a truncated or altered file is rejected before it
+is handed to the loader. (Artifacts written before the metadata's own checksum load unchecked
+there.)
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ FORMAT_VERSION = 1
 MAGIC = b"\0GIMLET-TVM-ARTIFACT-1"
 _LENGTH = struct.Struct("<Q")
 _FOOTER_SIZE = _LENGTH.size + len(MAGIC)
+METADATA_SHA256 = "metadata_sha256"
+
+
+def _metadata_sha256(meta: dict) -> str:
+    """The checksum of the metadata but its own."""
+    rest = {key: value for key, value in meta.items() if key != METADATA_SHA256}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
 def write(path: str | os.PathLike, export_library: Callable[[str], None], metadata: dict) -> None:
@@ -35,6 +44,7 @@ def write(path: str | os.PathLike, export_library: Callable[[str], None], metada
         with open(tmp, "rb") as f:
             library_sha256 = hashlib.sha256(f.read()).hexdigest()
         meta = dict(metadata, format=FORMAT_VERSION, library_sha256=library_sha256)
+        meta[METADATA_SHA256] = _metadata_sha256(meta)  # (over the rest, a stale one left out)
         blob = json.dumps(meta, sort_keys=True).encode()
         with open(tmp, "ab") as f:
             f.write(blob + _LENGTH.pack(len(blob)) + MAGIC)
@@ -64,6 +74,10 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
         meta = json.loads(data[library_end : len(data) - _FOOTER_SIZE])
     except ValueError:
         raise ArtifactError(f"corrupt artifact (metadata is not JSON): {path}") from None
+    if not isinstance(meta, dict):
+        raise ArtifactError(f"corrupt artifact (metadata is not a JSON object): {path}")
+    if METADATA_SHA256 in meta and meta[METADATA_SHA256] != _metadata_sha256(meta):
+        raise ArtifactError(f"corrupt artifact (metadata checksum mismatch): {path}")
     if meta.get("format") != FORMAT_VERSION:
         raise ArtifactError(
             f"artifact format {meta.get('format')} is not supported (this version reads "

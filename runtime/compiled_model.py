@@ -15,7 +15,7 @@ from tvm.runtime.vm import VirtualMachine
 
 from .. import __version__
 from ..carriers import carrier, from_carrier
-from ..errors import ArtifactError, GimletError, TargetUnavailableError, summary
+from ..errors import ArtifactError, GimletError, RunError, TargetUnavailableError, summary
 from ..io_spec import IOSpec, TensorSpec
 from ..resources import Need, require
 from . import artifact
@@ -139,7 +139,11 @@ class CompiledModel:
 
     def _execute(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         entry = self._entry()
-        result = entry(*device_tensors(arrays, self.device), *self._weights)
+        tensors = device_tensors(arrays, self.device)
+        try:
+            result = entry(*tensors, *self._weights)
+        except Exception as err:  # TVM's runtime raises its checks' failures as many types
+            raise RunError(f"running the model failed: {summary(err)}") from err
         flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
         return [from_carrier(to_numpy(value), spec.dtype)
                 for value, spec in zip(flat, self.outputs)]
@@ -269,7 +273,14 @@ def _nbytes(spec: TensorSpec) -> int:
 def load(path: str | os.PathLike) -> CompiledModel:
     """Load an artifact written by `CompiledModel.export`."""
     meta = artifact.read_metadata(path)
-    for target in target_runtimes(meta["targets"]):
+    try:
+        runtimes = target_runtimes(meta["targets"])
+        io = IOSpec.from_json(meta["io"])
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ArtifactError(f"corrupt artifact (metadata: {summary(err)}): {os.fspath(path)}") from None
+    if not runtimes:
+        raise ArtifactError(f"corrupt artifact (metadata names no target): {os.fspath(path)}")
+    for target in runtimes:
         reason = target.cannot_run()
         if reason is not None:
             raise TargetUnavailableError(
@@ -286,6 +297,6 @@ def load(path: str | os.PathLike) -> CompiledModel:
     except Exception as err:
         raise ArtifactError(f"cannot load artifact {os.fspath(path)}: {err}") from None
     return CompiledModel(
-        module, IOSpec.from_json(meta["io"]), meta["targets"], artifact_path=os.fspath(path),
+        module, io, meta["targets"], artifact_path=os.fspath(path),
         placement=meta.get("placement"),
     )

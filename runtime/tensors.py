@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Mapping, Sequence
 
@@ -10,7 +11,7 @@ import tvm
 import tvm_ffi
 
 from ..carriers import to_carrier
-from ..errors import GimletError, InputError
+from ..errors import GimletError, InputError, summary
 from ..files import atomic_path
 from ..io_spec import IOSpec
 
@@ -28,12 +29,20 @@ def to_numpy(value: Any) -> np.ndarray:
     return value.numpy()
 
 
+RANDOM_INPUT_LIMIT = 1 << 28
+"""Most elements `random_inputs` draws for one input (1 GiB of float32)."""
+
+
 def random_inputs(io: IOSpec, *, seed: int = 0, dims: Mapping[str, int] | None = None) -> list:
-    """Random arrays for `io`'s inputs; symbolic dims take `dims[name]`, else 1."""
+    """Random arrays for `io`'s inputs; symbolic dims take `dims[name]`, else 1. An input of more
+    than `RANDOM_INPUT_LIMIT` elements is an `InputError` (give the inputs instead)."""
     rng = np.random.default_rng(seed)
     arrays = []
     for spec in io.inputs:
         shape = [d if isinstance(d, int) else (dims or {}).get(d, 1) for d in spec.shape]
+        if math.prod(shape) > RANDOM_INPUT_LIMIT or min(shape, default=0) < 0:
+            raise InputError(f"no random input for {spec.describe()}: {shape} is not a shape of at "
+                             f"most {RANDOM_INPUT_LIMIT} elements; give the inputs")
         dtype = np.dtype(spec.dtype)
         if dtype.kind == "f":
             arrays.append(rng.standard_normal(shape).astype(dtype))
@@ -50,8 +59,8 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as data:
             return {name: data[name] for name in data.files}
-    except (ValueError, OSError) as err:
-        raise InputError(f"cannot read inputs file {path} as .npz: {err}") from None
+    except Exception as err:  # numpy and zipfile raise a dozen types on a damaged file
+        raise InputError(f"cannot read inputs file {path} as .npz: {summary(err)}") from None
 
 
 def write_npz(path: str, arrays: Mapping[str, np.ndarray]) -> None:

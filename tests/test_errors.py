@@ -13,10 +13,12 @@ from gimlet_tvm.errors import (
     GimletError,
     InputError,
     ModelLoadError,
+    RunError,
     UnknownTargetError,
     UnsupportedOpError,
 )
 
+from . import fuzz_seeds
 from .conftest import compiled_suite_model, suite_model
 
 
@@ -147,6 +149,28 @@ def test_altered_artifact(exported) -> None:
     exported.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="checksum mismatch"):
         gimlet_tvm.load(exported)
+
+
+def test_artifact_with_edited_interface(exported) -> None:
+    """The metadata is valid JSON with the input's shape changed: its own checksum refuses it
+    (without it, the model would run against an interface it was not built for)."""
+    data = exported.read_bytes()
+    edited = data.replace(b'"shape": ["batch", 1024]', b'"shape": ["batch", 1023]', 1)
+    assert edited != data
+    exported.write_bytes(edited)
+    with pytest.raises(ArtifactError, match="metadata checksum mismatch"):
+        gimlet_tvm.load(exported)
+
+
+def test_failure_in_tvms_runtime_is_a_run_error() -> None:
+    """An If whose condition the model declares float: the importer accepts it, TVM's VM
+    refuses the condition at run time."""
+    model = onnx.ModelProto()
+    model.CopyFrom(fuzz_seeds.branch())
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.FLOAT
+    compiled = gimlet_tvm.build(model)
+    with pytest.raises(RunError, match="running the model failed: .*kDLBool"):
+        compiled(np.array(1.0, np.float32), np.ones(4, np.float32))
 
 
 def test_missing_artifact(tmp_path) -> None:

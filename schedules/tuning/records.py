@@ -189,8 +189,14 @@ class RecordsDB:
         for entry in self.workloads:
             if entry is not None:
                 info = tasks.get(entry.shash, {})
-                entry.name = info.get("name") or f"workload{entry.index}"
-                entry.weight = int(info.get("weight", 1))
+                entry.name = f"workload{entry.index}"
+                if not isinstance(info, dict) or not isinstance(info.get("name", ""), str) or \
+                        not isinstance(info.get("weight", 1), int) or info.get("weight", 1) < 1:
+                    self._problem(TASKS_FILE, 1, f"task {entry.shash}: not a name and a weight (a "
+                                                 f"count of at least 1): {json.dumps(info)[:100]}")
+                    continue
+                entry.name = info.get("name") or entry.name
+                entry.weight = info.get("weight", 1)
         for number, text in self._lines(RECORD_FILE):
             record = self._parse_record(number, text, check)
             if record is not None:
