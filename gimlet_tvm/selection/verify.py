@@ -55,6 +55,9 @@ MAX_COPIES = 64
 MIN_RUNS = 5
 # |ours - reference| must stay within this fraction of `OpSignature.error_scale` (float32 sums).
 TOLERANCE = 1e-4
+VERDICTS = ("ok", "unavailable", "compile error", "cannot run", "wrong result", "crash", "timeout",
+            "timing failed", "remote failure")
+"""What became of a candidate: `Outcome.verdict` (a kernel generator is told it)."""
 
 
 @dataclasses.dataclass
@@ -66,6 +69,7 @@ class Outcome:
     seconds: float | None = None
     checks: list[str] = dataclasses.field(default_factory=list)
     remote_failed: bool = False  # a step on the remote device failed (the candidate, or the device?)
+    verdict: str = "ok"  # one of VERDICTS
 
 
 @dataclasses.dataclass
@@ -80,7 +84,7 @@ class Race:
 def run_candidate(request: dict[str, Any], timeout: float) -> Outcome:
     """Verify and time the candidate `request` names, in a child process."""
     result = _spawn(request, timeout)
-    return Outcome(False, result) if isinstance(result, str) else Outcome(**result)
+    return Outcome(False, result[1], verdict=result[0]) if isinstance(result, tuple) else Outcome(**result)
 
 
 def race_candidates(request: dict[str, Any], timeout: float) -> Race:
@@ -88,23 +92,23 @@ def race_candidates(request: dict[str, Any], timeout: float) -> Race:
     in one child process: `request["rounds"]` rounds, each timing every candidate once (caches
     cold, as `_time`), in balanced orders (`peers.interleaved`)."""
     result = _spawn(request, timeout)
-    return Race({}, result) if isinstance(result, str) else Race(**result)
+    return Race({}, result[1]) if isinstance(result, tuple) else Race(**result)
 
 
-def _spawn(request: dict[str, Any], timeout: float) -> dict[str, Any] | str:
-    """The child's result for `request`, or why there is none."""
+def _spawn(request: dict[str, Any], timeout: float) -> dict[str, Any] | tuple[str, str]:
+    """The child's result for `request`, or (verdict, why there is none)."""
     try:
         proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(request),
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return f"timed out after {timeout:g} s (compile, run or check)"
+        return "timeout", f"timed out after {timeout:g} s (compile, run or check)"
     for line in proc.stdout.splitlines()[::-1]:
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
     if proc.returncode < 0:
-        return f"crashed ({signal.Signals(-proc.returncode).name}) while compiling, running or checking"
+        return "crash", f"crashed ({signal.Signals(-proc.returncode).name}) while compiling, running or checking"
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
-    return f"child exited with code {proc.returncode}: {tail}"
+    return "crash", f"child exited with code {proc.returncode}: {tail}"
 
 
 def _build(mod, candidate, spec, target, tuned):
@@ -174,27 +178,29 @@ class _Machine:
         return times
 
 
-def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, str | None]:
+def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, Outcome | None]:
     """Build `candidate` for `sig` and compare it with the reference; (executable, failure)."""
 
     try:
         executable = _build(sig.module(), candidate, machine.spec, target, tuned)
     except Exception as err:  # any error of the candidate's code or of TVM building it
-        return None, f"compile failed at {sig.key}: {summary(err)}"
+        return None, Outcome(False, f"compile failed at {sig.key}: {summary(err)}", verdict="compile error")
     cannot_run = machine.cannot_run()
     if cannot_run is not None:
-        return executable, f"compiled; cannot run on this machine: {cannot_run}"
+        return executable, Outcome(False, f"compiled; cannot run on this machine: {cannot_run}",
+                                   verdict="cannot run")
     vm = machine.load(executable)
     for label, operands in sig.input_sets(np.random.default_rng(0)).items():
         got = machine.run(vm, machine.tensors([x.astype(sig.dtype) for x in operands])).astype(np.float64)
         want = sig.reference(*[x.astype(sig.dtype) for x in operands])
         if got.shape != want.shape:
-            return executable, f"wrong shape at {sig.key}: {got.shape}, expected {want.shape}"
+            return executable, Outcome(False, f"wrong shape at {sig.key}: {got.shape}, expected {want.shape}",
+                                       verdict="wrong result")
         scale = sig.error_scale(operands)
         error = float(np.max(np.abs(got - want))) if got.size else 0.0
         if not np.isfinite(error) or error > TOLERANCE * scale:
-            return executable, (f"wrong result at {sig.key} on {label} inputs: max abs error "
-                                f"{error:.3g} > {TOLERANCE * scale:.3g}")
+            return executable, Outcome(False, f"wrong result at {sig.key} on {label} inputs: max abs error "
+                                       f"{error:.3g} > {TOLERANCE * scale:.3g}", verdict="wrong result")
     return executable, None
 
 
@@ -256,7 +262,7 @@ def _setup(request: dict[str, Any]):
 def _child(request: dict[str, Any]) -> Outcome:
 
     target, spec, sig, tuned, machine = _setup(request)
-    candidate = find(request["candidate"], sig, target, request.get("external_dir"))
+    candidate = find(request["candidate"], sig, target, request.get("external_dir"), request.get("generated_dir"))
     checks = [sig] + ([sig.edge_case()] if candidate.shape_generic else [])
     try:
         machine = machine()
@@ -264,7 +270,7 @@ def _child(request: dict[str, Any]) -> Outcome:
         for checked in checks:
             built, failure = _check(checked, candidate, machine, target, tuned)
             if failure is not None:
-                return Outcome(False, failure)
+                return failure
             executable = built if checked is sig else executable
         try:
             seconds = _time(executable, sig, machine, request["min_repeat_ms"],
@@ -272,9 +278,10 @@ def _child(request: dict[str, Any]) -> Outcome:
         except RemoteDeviceError:
             raise
         except Exception as err:  # pylint: disable=broad-except  # a run-time failure of the candidate
-            return Outcome(False, f"verified but timing failed: {str(err).strip().splitlines()[-1][:200]}")
+            return Outcome(False, f"verified but timing failed: {str(err).strip().splitlines()[-1][:200]}",
+                           verdict="timing failed")
     except RemoteDeviceError as err:
-        return Outcome(False, str(err), remote_failed=True)
+        return Outcome(False, str(err), remote_failed=True, verdict="remote failure")
     return Outcome(True, "", seconds, [c.key for c in checks])
 
 
@@ -286,7 +293,7 @@ def _race_child(request: dict[str, Any]) -> Race:
         machine = machine()
         timings = {}
         for cid in ids:
-            candidate = find(cid, sig, target, request.get("external_dir"))
+            candidate = find(cid, sig, target, request.get("external_dir"), request.get("generated_dir"))
             timings[cid] = _ColdTiming(sig, machine, lambda mod, c=candidate: _build(mod, c, spec, target, tuned))
         samples: dict[str, list[float]] = {cid: [] for cid in ids}
         for cid in interleaved(ids, request["rounds"]):

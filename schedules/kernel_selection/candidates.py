@@ -22,7 +22,7 @@ from tvm import relax
 
 from .op_kinds import OP_KINDS, Attrs, Group, OpKind, Step, find_group, static_shape
 
-SOURCES = ("generated", "library", "handwritten", "external")
+SOURCES = ("generated", "library", "handwritten", "external", "generator")
 
 Rewrite = Callable[[relax.BlockBuilder, relax.Call], relax.Expr]
 """Emits the candidate's implementation of `call` (an op group of the candidate's signature)."""

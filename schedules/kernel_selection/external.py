@@ -22,6 +22,9 @@ for its op, shapes, epilogue, dtype and target kind; only GEMMs (op "matmul") ar
 now, an entry of another op is listed as unavailable. The source is parsed only
 when the candidate is built (in the verification subprocess, or by a build after it was
 verified, when its digest must still match).
+
+Kernel generators' candidates (`gimlet_tvm.selection.generator`) are kept in a directory of
+the same form (`add_kernel` writes it), listed as source "generator" instead of "external".
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 import tvm
 
 from ...errors import GimletError
+from ...files import atomic_path
 from ...runtime.extensions import build_library
 from ...targets import spec_for
 from .candidates import Candidate, OpSignature, call_prim_func
@@ -45,6 +49,8 @@ MANIFEST = "kernels.json"
 FORMATS = ("tvmscript", "c")
 C_COMPILER = os.environ.get("CC", "gcc")
 C_FLAGS = ("-std=c11", "-O3", "-fPIC", "-c")
+C_FUNCTION = "kernel"
+"""The function a generated C kernel defines (`add_kernel`'s entries)."""
 LINK_OBJECT = "gimlet.link_object"
 """PrimFunc attribute: the object file the function calls into (`link_objects` gathers them)."""
 
@@ -130,8 +136,33 @@ def digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
-def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Target) -> list[Candidate]:
-    """The directory's candidates for `sig` on `target`."""
+def add_kernel(directory: str, sig: OpSignature, target_kind: str, fmt: str, text: str, name: str,
+               **provenance: Any) -> str:
+    """Keep the kernel source `text` (of `format` fmt, for `sig` on targets of `target_kind`)
+    in `directory` as an entry of its manifest (created if missing; written atomically), named
+    `name` and its content's hash, with `provenance` (e.g. generator, round) beside it; the
+    same kernel added again is the same entry. Returns the entry's name."""
+    os.makedirs(directory, exist_ok=True)
+    content = hashlib.sha256(f"{sig.key}\n{fmt}\n{text}".encode()).hexdigest()[:12]
+    entry_name = f"{re.sub(r'[^A-Za-z0-9_]', '_', name)[:40]}_{content}"
+    manifest = os.path.join(directory, MANIFEST)
+    entries = read_manifest(directory) if os.path.isfile(manifest) else []
+    if any(e["name"] == entry_name for e in entries):
+        return entry_name
+    source = f"{entry_name}.{'c' if fmt == 'c' else 'py'}"
+    with atomic_path(os.path.join(directory, source)) as tmp, open(tmp, "w") as f:
+        f.write(text)
+    entries.append({"name": entry_name, "op": sig.op, "dtype": sig.dtype, "shapes": [list(s) for s in sig.shapes],
+                    "epilogue": [[kind, list(shape)] for kind, shape in sig.epilogue], "target": target_kind,
+                    "format": fmt, "source": source, "function": C_FUNCTION, **provenance})
+    with atomic_path(manifest) as tmp, open(tmp, "w") as f:
+        json.dump({"kernels": entries}, f, indent=1)
+    return entry_name
+
+
+def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Target,
+                        source: str = "external") -> list[Candidate]:
+    """The directory's candidates for `sig` on `target`, of candidate source `source`."""
     found = []
     for entry in read_manifest(directory):
         shapes = tuple(tuple(int(d) for d in s) for s in entry["shapes"])
@@ -155,9 +186,9 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
 
         def rewrite(bb, call, path=path, name=entry["name"], function=function, c=entry["format"] == "c"):
             func = _c_prim_func(path, function, OpSignature.of_call(call), target) if c else _load_prim_func(path)
-            return call_prim_func(bb, call, func, f"external_{name}")
+            return call_prim_func(bb, call, func, f"{source}_{name}")
 
-        found.append(Candidate("external", entry["name"], path, rewrite, shape_generic=False,
+        found.append(Candidate(source, entry["name"], path, rewrite, shape_generic=False,
                                digest=digest(path) if unavailable is None else "",
                                unavailable=unavailable))
     return found
