@@ -14,7 +14,9 @@
   = its `mcpu`; native when that is this machine's CPU or none) to an object file that the build links into the model (so
   exported models carry it); the function is renamed to a symbol unique to the source and
   every other global symbol of the source made local, so that kernels linked into one model
-  never clash.
+  never clash. The object may call libc's memory functions and libm only
+  (`ALLOWED_CALLS`): one that calls anything else (fork, system, socket, ...) is refused
+  with an `UnsafeKernelError`, as is TVMScript calling an external function outside that list.
 An optional `"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kernel of that op
 group (`OpSignature.epilogue`): it takes each addend after b, as the (rows, columns)
 `OpSignature.addends_2d` gives, and applies the steps in order. An entry is a candidate only
@@ -39,7 +41,7 @@ from typing import Any
 
 import tvm
 
-from ...errors import GimletError
+from ...errors import GimletError, UnsafeKernelError
 from ...files import atomic_path
 from ...runtime.extensions import build_library
 from ...targets import spec_for
@@ -51,6 +53,13 @@ C_COMPILER = os.environ.get("CC", "gcc")
 C_FLAGS = ("-std=c11", "-O3", "-fPIC", "-c")
 C_FUNCTION = "kernel"
 """The function a generated C kernel defines (`add_kernel`'s entries)."""
+ALLOWED_CALLS = re.compile(
+    r"(mem(cpy|set|move)|__stack_chk_fail|_GLOBAL_OFFSET_TABLE_|(sqrt|cbrt|exp|exp2|expm1|log|log2|log10|log1p|"
+    r"erf|erfc|tanh|sinh|cosh|sin|cos|tan|asin|acos|atan|atan2|pow|fabs|fma|fmax|fmin|floor|ceil|round|"
+    r"trunc|rint|nearbyint|copysign|ldexp|frexp|hypot|fmod)f?)")
+"""The functions an external or generated kernel may call (undefined symbols of its object)."""
+_EXTERN_CALL = re.compile(r'T\.call_(?:pure_)?extern\([^,]*,\s*"([^"]*)"|T\.call_c?packed\(\s*"([^"]*)"')
+"""A TVMScript kernel's calls of outside functions (extern or packed): the name called."""
 LINK_OBJECT = "gimlet.link_object"
 """PrimFunc attribute: the object file the function calls into (`link_objects` gathers them)."""
 
@@ -79,7 +88,17 @@ def _load_prim_func(path: str) -> tvm.tirx.PrimFunc:
         if len(funcs) != 1:
             raise ValueError(f"{path}: expected one PrimFunc, found {len(funcs)}")
         parsed = funcs[0]
+    called = [m.group(1) or m.group(2) for m in _EXTERN_CALL.finditer(parsed.script())]
+    _refuse_calls(path, called)
     return parsed
+
+
+def _refuse_calls(path: str, called: list[str]) -> None:
+    """Raise `UnsafeKernelError` when the kernel at `path` calls a function outside `ALLOWED_CALLS`."""
+    refused = sorted({name for name in called if not ALLOWED_CALLS.fullmatch(name)})
+    if refused:
+        raise UnsafeKernelError(f"{path} calls {', '.join(refused)}: a kernel may call libc's memory "
+                                "functions and libm only")
 
 
 def _c_prim_func(path: str, function: str, sig: OpSignature, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
@@ -94,6 +113,9 @@ def _c_prim_func(path: str, function: str, sig: OpSignature, target: tvm.target.
     march = f"-march={'native' if native else mcpu}"
     obj = _only_global(build_library(symbol, [Path(path)], [*C_FLAGS, march, f"-D{function}={symbol}"],
                                      compiler=C_COMPILER, suffix=".o"), symbol)
+    undefined = subprocess.run(["nm", "-u", "--format=just-symbols", str(obj)], capture_output=True, text=True,
+                               check=True).stdout.split()
+    _refuse_calls(path, undefined)
     m, n, k = sig.gemm
     shapes = [(m, k), (k, n), *sig.addends_2d(), (m, n)]
     buffers = [tvm.tirx.decl_buffer(shape, sig.dtype, f"arg{i}") for i, shape in enumerate(shapes)]
@@ -184,11 +206,13 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
         elif entry["format"] == "c" and not re.fullmatch(r"[A-Za-z_]\w*", function):
             unavailable = f"function '{function}' is not a C identifier"
 
-        def rewrite(bb, call, path=path, name=entry["name"], function=function, c=entry["format"] == "c"):
-            func = _c_prim_func(path, function, OpSignature.of_call(call), target) if c else _load_prim_func(path)
-            return call_prim_func(bb, call, func, f"{source}_{name}")
+        def kernel(sig: OpSignature, path=path, function=function, c=entry["format"] == "c") -> tvm.tirx.PrimFunc:
+            return _c_prim_func(path, function, sig, target) if c else _load_prim_func(path)
+
+        def rewrite(bb, call, name=entry["name"], kernel=kernel):
+            return call_prim_func(bb, call, kernel(OpSignature.of_call(call)), f"{source}_{name}")
 
         found.append(Candidate(source, entry["name"], path, rewrite, shape_generic=False,
-                               digest=digest(path) if unavailable is None else "",
+                               digest=digest(path) if unavailable is None else "", kernel=kernel,
                                unavailable=unavailable))
     return found
