@@ -5,9 +5,11 @@ here is `scripted_generator.py` (real processes, real builds, real checks)."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +81,7 @@ def test_generator_rounds_get_feedback_and_failed_rounds_go_on(tmp_path, monkeyp
     tasks.mkdir()
     monkeypatch.setenv("GIMLET_TEST_TASKS", str(tasks))
     generator = Generator(scripted("good+wrong", "malformed", "notlist", "exit", "good+tvmscript", "hang"),
-                          rounds=6, seconds=8)
+                          rounds=6, seconds=5)
     tried, lines, verified = [], [], []
 
     def verify(cid):
@@ -98,7 +100,7 @@ def test_generator_rounds_get_feedback_and_failed_rounds_go_on(tmp_path, monkeyp
     assert rounds[3].failure == "exited with code 3: generator gave up"
     assert rounds[4].candidates[0] == good and not rounds[4].failure
     assert outcomes[rounds[4].candidates[1]].verified  # the TVMScript GEMM
-    assert rounds[5].failure.startswith("timed out after") and rounds[5].seconds < 8
+    assert rounds[5].failure.startswith("timed out after") and rounds[5].seconds < 5
     assert len(verified) == 3 == len(tried)  # the repeated kernel was not verified again
     assert any("generator round 4 failed: exited with code 3" in line for line in lines)
 
@@ -278,3 +280,61 @@ def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
         c[i, j] = T.call_pure_extern("float32", "expf", T.float32(0))
         T.evaluate(T.call_extern("int32", "system", "true"))
 """
+
+
+class _FakeEndpoint(http.server.BaseHTTPRequestHandler):
+    """A chat-completions endpoint replaying `replies` in turn; `requests` keeps what it got."""
+
+    replies: list[str] = []
+    requests: list[tuple[str, str | None, dict]] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.requests.append((self.path, self.headers.get("Authorization"), body))
+        reply = self.replies[len(self.requests) - 1]
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+def test_openai_adapter_gets_the_task_and_its_bad_kernels_are_rejected(tmp_path, monkeypatch):
+    """The bundled adapter against a fake endpoint on 127.0.0.1: it sends the task with the key;
+    the endpoint's wrong, uninitialised-output and forking kernels (in a ```json block) are
+    rejected with their reasons, a reply with no JSON is a failed round, and its right kernel
+    (bare JSON) is verified."""
+    from .scripted_generator import kernel
+
+    gemm = {"m": M, "n": N, "k": K}
+    handler = type("Endpoint", (_FakeEndpoint,), {"requests": [], "replies": [
+        "Here are three:\n```json\n" + json.dumps([kernel(p, gemm) for p in ("wrong", "uninit", "fork")]) + "\n```",
+        "I am sorry, I cannot write kernels.",
+        json.dumps([kernel("good", gemm)])]})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("FAKE_KEY", "test-key")
+    try:
+        _, target = resolve_target("llvm")
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        generator = Generator.named(f"openai --url {url} --model fake-coder --key-env FAKE_KEY", rounds=3, seconds=60)
+        tried = []
+        rounds = generate(WEIGHT_SIG, target, generator, str(tmp_path), _verify_in(tmp_path, target, 120), tried,
+                          lambda line: None)
+    finally:
+        server.shutdown()
+    assert handler.requests, rounds
+    path, auth, body = handler.requests[0]
+    assert path == "/v1/chat/completions" and auth == "Bearer test-key" and body["model"] == "fake-coder"
+    sent = json.loads(body["messages"][1]["content"])
+    assert sent["group"]["key"] == WEIGHT_SIG.key and sent["round"] == 1 and protocol_errors(sent, "task") == []
+    later = json.loads(handler.requests[2][2]["messages"][1]["content"])
+    assert [a["verdict"] for a in later["history"][0]["attempts"]] == ["wrong result", "uninitialised output",
+                                                                      "unsafe"]
+    assert rounds[1].failure.startswith("malformed output (not JSON")
+    verdicts = {t.id.split(":")[1].split("_")[0]: t.verdict for t in tried}
+    assert verdicts == {"wrong": "wrong result", "uninit": "uninitialised output", "fork": "unsafe", "good": "ok"}

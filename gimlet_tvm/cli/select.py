@@ -34,8 +34,9 @@ def add_parser(sub) -> None:
                         help="seconds one candidate's compile, check and timing may take (default 120)")
     parser.add_argument("--generator", metavar="CMD",
                         help="kernel generator: a shell command that reads a JSON task on stdin and prints "
-                             "JSON candidates (docs/kernel-generators.md), or 'search' (the bundled search "
-                             "over a C GEMM template)")
+                             "JSON candidates (docs/kernel-generators.md), or a bundled one: 'search' (a search "
+                             "over a C GEMM template), 'openai --url URL --model MODEL' (a chat-completions "
+                             "endpoint; key from $OPENAI_API_KEY)")
     parser.add_argument("--rounds", type=int, default=3, help="generator rounds per op group (default 3)")
     parser.add_argument("--per-group-seconds", type=float, default=300.0,
                         help="seconds the generator may take on one op group, rounds together (default 300)")

@@ -33,7 +33,7 @@ from ..schedules.kernel_selection.external import C_FUNCTION, add_kernel
 from ..schedules.kernel_selection.sources import find
 from ..targets import spec_for
 from ..targets.cpu import cpu_features
-from . import search_generator
+from . import openai_generator, search_generator
 from .json_schema import protocol_errors
 from .verify import Outcome
 
@@ -41,9 +41,10 @@ PROTOCOL = "gimlet-tvm-kernel-generator/1"
 GENERATED_DIR = "generated_kernels"
 """The records directory's folder of generated kernels (a `kernels.json` directory)."""
 STDERR_TAIL = 300  # characters of a failed generator's standard error kept in its reason
-BUNDLED = {"search": f"{shlex.quote(sys.executable)} {shlex.quote(search_generator.__file__)}"}
-"""Generators that ship with the compiler, by name: each a command (the search generator run
-as a script: it needs neither the package nor TVM, so it starts in milliseconds)."""
+BUNDLED = {"search": search_generator.__file__, "openai": openai_generator.__file__}
+"""Generators that ship with the compiler, by name: each a script run by this Python (they
+need neither the package nor TVM, so they start in milliseconds), isolated (`-I`: the script's
+folder, which holds a `select.py`, must not shadow the standard library's)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +58,12 @@ class Generator:
 
     @classmethod
     def named(cls, command: str, rounds: int = 3, seconds: float = 300.0) -> Generator:
-        """A generator given by a command, or by the name of a bundled one (`BUNDLED`)."""
-        return cls(BUNDLED.get(command, command), rounds, seconds)
+        """A generator given by a command, or by the name of a bundled one (`BUNDLED`) and its
+        arguments (`openai --url URL --model MODEL`)."""
+        name, _, arguments = command.strip().partition(" ")
+        if name in BUNDLED:
+            command = f"{shlex.quote(sys.executable)} -I {shlex.quote(BUNDLED[name])} {arguments}".rstrip()
+        return cls(command, rounds, seconds)
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.seconds <= 0:
