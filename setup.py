@@ -23,6 +23,7 @@ for package, folder in ROOMS.items():
 setup(
     packages=packages,
     package_dir=package_dir,
-    # The C++ runtime extensions, compiled on the device at run time (runtime/extensions.py).
-    package_data={"gimlet_tvm.runtime": ["ext/**/*.cc", "ext/**/*.h"]},
+    # The C++ runtime extensions, compiled on the device at run time (runtime/extensions.py);
+    # the kernel generator protocol's JSON Schema (selection/json_schema.py).
+    package_data={"gimlet_tvm.runtime": ["ext/**/*.cc", "ext/**/*.h"], "gimlet_tvm.selection": ["*.json"]},
 )

@@ -64,6 +64,11 @@ class CodeCheckError(GimletError):
     """Generated code failed its check by the target's own tools (missing kernels, wrong arch)."""
 
 
+class UnsafeKernelError(GimletError):
+    """A kernel from outside the compiler (external or generated) calls what a kernel may not:
+    anything beyond libc's memory functions and libm (processes, files, network, ...)."""
+
+
 class RemoteDeviceError(GimletError):
     """A remote device (TVM RPC) failed or stopped answering; names the device and the step."""
 

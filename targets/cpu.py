@@ -41,6 +41,11 @@ def _vector_registers(cpu: CPU) -> tuple[int, int]:
     return next(((bits, count) for feature, bits, count in _VECTOR_REGISTERS if feature in features), (128, 16))
 
 
+def cpu_features(target: tvm.target.Target) -> list[str]:
+    """The LLVM features of a CPU target's CPU model (`avx2`, `fma`, `neon`, ...), sorted."""
+    return sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(target))
+
+
 def _cpu(target: tvm.target.Target | dict) -> CPU:
     attrs = dict(target.export()) if isinstance(target, tvm.target.Target) else dict(target)
     return tuple((key, str(attrs[key])) for key in ("kind", "mcpu", "mtriple") if key in attrs)

@@ -70,7 +70,7 @@ def test_wheel_carries_every_module_and_extension_source(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     wanted = {ROOMS[path.split("/")[0]] + path[len(path.split("/")[0]):]
               for path in source_files()
-              if path.split("/")[0] in ROOMS and path.endswith((".py", ".cc", ".h"))}
+              if path.split("/")[0] in ROOMS and path.endswith((".py", ".cc", ".h", ".json"))}
     missing = sorted(wanted - names)
     assert not missing, f"the wheel lacks {len(missing)} files (a package without __init__.py?): {missing[:10]}"
 

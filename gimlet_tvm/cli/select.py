@@ -1,7 +1,8 @@
 """`gimlet-tvm select MODEL -t TARGET --records DIR`: choose each op's kernel by verified
-measurement (generated, library, hand-written, external), on this machine or on a remote
-device (`--rpc HOST:PORT`, or `--tracker HOST:PORT --key KEY`), and store the choice in DIR,
-where `compile --records DIR` applies it."""
+measurement (generated, library, hand-written, external, and a kernel generator's with
+`--generator CMD`: docs/kernel-generators.md), on this machine or on a remote device (`--rpc
+HOST:PORT`, or `--tracker HOST:PORT --key KEY`), and store the choice in DIR, where `compile
+--records DIR` applies it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ..compiler import resolve_target
 from ..frontend import import_model, load_model
 from ..schedules.kernel_selection.op_kinds import static_shape
 from ..schedules.kernel_selection.choices import KernelSelection
+from ..selection.generator import Generator
 from ..selection.select import select_kernels, selected_sources
 from .common import (add_remote_args, add_target_args, build_from_args, format_table, parse_input_shapes,
                      remote_device)
@@ -30,6 +32,14 @@ def add_parser(sub) -> None:
                         help="external kernel directory (with kernels.json) to take candidates from")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds one candidate's compile, check and timing may take (default 120)")
+    parser.add_argument("--generator", metavar="CMD",
+                        help="kernel generator: a shell command that reads a JSON task on stdin and prints "
+                             "JSON candidates (docs/kernel-generators.md), or a bundled one: 'search' (a search "
+                             "over a C GEMM template), 'openai --url URL --model MODEL' (a chat-completions "
+                             "endpoint; key from $OPENAI_API_KEY)")
+    parser.add_argument("--rounds", type=int, default=3, help="generator rounds per op group (default 3)")
+    parser.add_argument("--per-group-seconds", type=float, default=300.0,
+                        help="seconds the generator may take on one op group, rounds together (default 300)")
     add_remote_args(parser)
     parser.set_defaults(handler=run)
 
@@ -46,8 +56,11 @@ def format_selection(selection: KernelSelection) -> str:
                  ("<- winner" + (" (ties the fastest)" if t.seconds > fastest else "")) if t.id == choice.winner
                  else ""] for t in choice.tried]
         header = f"{key}  (x{choice.count})  winner: {choice.winner or 'none verified: default'}"
-        blocks.append(header + "\n" + format_table(["candidate", "verified", "ms", "raced: range (rounds)", ""],
-                                                   rows))
+        rounds = [f"generator round {r.round} ({r.seconds:.1f} s): "
+                  + (f"failed: {r.failure}" if r.failure else f"{len(r.candidates)} candidates")
+                  for r in choice.generator_rounds]
+        blocks.append("\n".join([header, format_table(["candidate", "verified", "ms", "raced: range (rounds)", ""],
+                                                      rows), *rounds]))
     return "\n\n".join(blocks)
 
 
@@ -76,9 +89,10 @@ def run(args) -> int:
     start = time.perf_counter()
     _, target = resolve_target(args.target)
     mod, _ = import_model(load_model(args.model), parse_input_shapes(args.input_shape))
+    generator = Generator.named(args.generator, args.rounds, args.per_group_seconds) if args.generator else None
     selection = select_kernels(mod, target, external_dir=args.kernels, records=args.records,
                                timeout=args.timeout, remote=remote_device(args),
-                               progress=lambda line: print(line, file=sys.stderr, flush=True))
+                               progress=lambda line: print(line, file=sys.stderr, flush=True), generator=generator)
     path = selection.save(args.records)
     print(format_selection(selection) or nothing_to_select(mod))
     counts = collections.Counter(selected_sources(selection))

@@ -7,7 +7,8 @@ times the ones within `RACE_WITHIN` times the fastest again side by side in one 
 (`verify.race_candidates`: rounds, each timing every one of them once) and picks the one with
 the lowest median over those rounds, unless the race cannot tell it from others: among such
 ties the first source in `SOURCE_PREFERENCE` wins, so that selecting again does not flip
-between equals on a timing's noise. The result is a `KernelSelection`
+between equals on a timing's noise. With a kernel `generator` (`generator.Generator`), each op
+group it is offered gets its rounds after the other candidates, before the race. The result is a `KernelSelection`
 (`schedules.kernel_selection.choices`: stored with every candidate's outcome, applied by
 `build(records=DIR)`).
 """
@@ -27,7 +28,7 @@ import tvm
 from tvm import relax
 
 from ..compiler import canonicalize_passes
-from ..errors import RemoteDeviceError
+from ..errors import GimletError, RemoteDeviceError
 from ..logs import quiet_tvm_logs
 from ..peers import PairedRatio
 from ..relax_passes.graph_fusion import graph_fusion_passes
@@ -37,6 +38,7 @@ from ..schedules.kernel_selection.candidates import OpSignature
 from ..schedules.kernel_selection.choices import KernelSelection, OpChoice, Tried
 from ..schedules.kernel_selection.sources import candidates
 from ..schedules.tuning.records import RecordsDB, target_key
+from .generator import GENERATED_DIR, Generator, formats_for, generate
 from .verify import Outcome, race_candidates, run_candidate
 
 # Verified candidates whose first timing is within this factor of the fastest are timed again
@@ -46,7 +48,7 @@ RACE_ROUNDS = 9
 # Between candidates the race cannot tell apart (the 95% confidence interval of their per-round
 # time ratio holds 1): the compiler's own code tuned for the shape, then kernels kept in this
 # repository, then library calls (a runtime extension), then kernels from outside.
-SOURCE_PREFERENCE = ("generated", "handwritten", "library", "external")
+SOURCE_PREFERENCE = ("generated", "handwritten", "library", "external", "generator")
 HOPELESS = 10.0       # generated code this many times slower than the fastest so far is timed once
 
 
@@ -86,7 +88,7 @@ def _run(request: dict[str, Any], timeout: float, remote: RemoteDevice | None) -
     if not outcome.remote_failed:
         return outcome
     _check_remote(remote, f"{request['candidate']} for {request['signature']['op']}")
-    return Outcome(False, f"broke its remote session: {outcome.reason}")
+    return Outcome(False, f"broke its remote session: {outcome.reason}", verdict="remote failure")
 
 
 def _race_close(tried: list[Tried], request: dict[str, Any], timeout: float,
@@ -134,46 +136,56 @@ def select_kernels(
     min_repeat_ms: int = 20,
     remote: RemoteDevice | None = None,
     progress: Callable[[str], None] | None = None,
+    generator: Generator | None = None,
 ) -> KernelSelection:
     """Verify and time every candidate of every op signature in `mod` on `target` (on this
-    machine, or on the `remote` device over TVM RPC); pick each op's winner (`_winner`).
-    `progress` gets a line per candidate tried and per race."""
+    machine, or on the `remote` device over TVM RPC), with a kernel `generator`'s candidates
+    where one is given (kept in the records directory, which it needs); pick each op's winner
+    (`_winner`). `progress` gets a line per candidate tried, per failed generator round and
+    per race."""
     report = progress or (lambda line: None)
     if external_dir is not None:
         external_dir = os.path.abspath(external_dir)
+    if generator is not None and records is None:
+        raise GimletError("a kernel generator needs a records directory (its kernels are kept there)")
     if records is not None:
         records = RecordsDB(records, create=True).path  # the children read it
+    generated_dir = os.path.join(records, GENERATED_DIR) if generator is not None else None
     target_json = json.loads(str(target))
     choices = {}
     for sig, count in op_signatures(mod, target).items():
         tried = []
         request = {"signature": sig.to_json(), "target": target_json, "external_dir": external_dir,
-                   "records": records, "min_repeat_ms": min_repeat_ms,
+                   "generated_dir": generated_dir, "records": records, "min_repeat_ms": min_repeat_ms,
                    "remote": dataclasses.asdict(remote) if remote else None}
         # Generated code last: an untuned schedule is often far behind, and then timed once.
         for candidate in sorted(candidates(sig, target, external_dir), key=lambda c: c.source == "generated"):
             if candidate.unavailable is not None:
-                outcome = Outcome(False, f"unavailable: {candidate.unavailable}")
+                outcome = Outcome(False, f"unavailable: {candidate.unavailable}", verdict="unavailable")
             else:
                 fastest = min((t.seconds for t in tried if t.verified), default=None)
                 hopeless = HOPELESS * fastest if fastest and candidate.source == "generated" else None
                 outcome = _run(dict(request, candidate=candidate.id, hopeless_after=hopeless), timeout, remote)
             tried.append(Tried(candidate.id, candidate.provenance, outcome.verified, outcome.reason,
-                               outcome.seconds, candidate.digest))
+                               outcome.seconds, candidate.digest, verdict=outcome.verdict))
             report(f"{sig.key}: {candidate.id} " + (f"{outcome.seconds * 1e3:.3f} ms" if outcome.verified
                                                      else f"no: {outcome.reason}"))
+        rounds = []
+        if generator is not None and formats_for(sig, target):
+            rounds = generate(sig, target, generator, generated_dir,
+                              lambda cid: _run(dict(request, candidate=cid), timeout, remote), tried, report)
         failure = _race_close(tried, request, timeout, remote)
         if failure is not None:
             warnings.warn(f"{sig.key}: the close candidates could not be timed together ({failure}); "
                           "their first timings decide")
-        choices[sig.key] = OpChoice(sig, tried, _winner(tried), count)
+        choices[sig.key] = OpChoice(sig, tried, _winner(tried), count, rounds)
         raced = [t for t in tried if t.rounds]
         if raced:
             report(f"{sig.key}: raced {len(raced)} in {RACE_ROUNDS} rounds: " + ", ".join(
                 f"{t.id} {t.seconds * 1e3:.3f} ms" for t in raced) + f"; winner {choices[sig.key].winner}")
     measured = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return KernelSelection(target_key(target), choices, external_dir, measured,
-                           remote.describe() if remote else "local")
+                           remote.describe() if remote else "local", generated_dir)
 
 
 def selected_sources(selection: KernelSelection) -> Iterable[str]:

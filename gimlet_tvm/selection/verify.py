@@ -8,8 +8,18 @@ and its epilogue in float64 numpy), and only then times the whole group on the d
 cold (`_time`). The device is this machine's, or with a `remote` in the request the target's
 device on a TVM RPC server (built here, uploaded, checked and timed there). A compile error, a
 wrong result, a crash (signal), a hang (timeout) or a device this machine lacks becomes the
-`reason` it is not verified; a failing remote step gives `remote_failed` (the candidate may
-have crashed the server's session, or the device is gone: the caller tells which).
+`reason` it is not verified, its kind the `verdict`; a failing remote step gives
+`remote_failed` (the candidate may have crashed the server's session, or the device is gone:
+the caller tells which).
+
+Kernels from outside the compiler (external and generated: `Candidate.kernel`) are checked
+harder: their object may call libc's memory functions and libm only (`external.ALLOWED_CALLS`:
+no processes, files or network: "unsafe"); on inputs with a NaN and an Inf their output must
+have NaN and Inf exactly where the float64 reference has them; and run on their own into an
+output buffer filled first with one poison, then another, they must give the same result
+("uninitialised output" otherwise). The child runs in a session of its own under resource
+limits (`_limit`: CPU time, address space), and its whole process group is killed when it
+runs past its time ("timeout").
 
 A request naming several `candidates` (verified before) is a race instead: one child builds
 each for timing, then times them in turn, round after round (`race_candidates`), so near
@@ -22,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -40,6 +52,7 @@ from ..errors import RemoteDeviceError, summary
 from ..logs import quiet_tvm_logs
 from ..peers import interleaved
 from ..runtime.remote import RemoteDevice
+from ..errors import UnsafeKernelError
 from ..schedules.kernel_selection.apply import rewrite_ops
 from ..schedules.kernel_selection.candidates import OpSignature
 from ..schedules.kernel_selection.sources import find
@@ -55,6 +68,11 @@ MAX_COPIES = 64
 MIN_RUNS = 5
 # |ours - reference| must stay within this fraction of `OpSignature.error_scale` (float32 sums).
 TOLERANCE = 1e-4
+VERDICTS = ("ok", "unavailable", "compile error", "unsafe", "cannot run", "wrong result", "uninitialised output",
+             "crash", "timeout", "timing failed", "remote failure")
+POISONS = (np.nan, -3.0e38)
+"""What an outside kernel's output buffer holds before each of its two poisoned runs."""
+"""What became of a candidate: `Outcome.verdict` (a kernel generator is told it)."""
 
 
 @dataclasses.dataclass
@@ -66,6 +84,7 @@ class Outcome:
     seconds: float | None = None
     checks: list[str] = dataclasses.field(default_factory=list)
     remote_failed: bool = False  # a step on the remote device failed (the candidate, or the device?)
+    verdict: str = "ok"  # one of VERDICTS
 
 
 @dataclasses.dataclass
@@ -80,7 +99,7 @@ class Race:
 def run_candidate(request: dict[str, Any], timeout: float) -> Outcome:
     """Verify and time the candidate `request` names, in a child process."""
     result = _spawn(request, timeout)
-    return Outcome(False, result) if isinstance(result, str) else Outcome(**result)
+    return Outcome(False, result[1], verdict=result[0]) if isinstance(result, tuple) else Outcome(**result)
 
 
 def race_candidates(request: dict[str, Any], timeout: float) -> Race:
@@ -88,23 +107,44 @@ def race_candidates(request: dict[str, Any], timeout: float) -> Race:
     in one child process: `request["rounds"]` rounds, each timing every candidate once (caches
     cold, as `_time`), in balanced orders (`peers.interleaved`)."""
     result = _spawn(request, timeout)
-    return Race({}, result) if isinstance(result, str) else Race(**result)
+    return Race({}, result[1]) if isinstance(result, tuple) else Race(**result)
 
 
-def _spawn(request: dict[str, Any], timeout: float) -> dict[str, Any] | str:
-    """The child's result for `request`, or why there is none."""
+def _limit(timeout: float) -> None:
+    """In the child before it starts: at most `timeout` seconds of CPU time per core (its
+    threads together), and no more address space than this machine has memory."""
+    cpu = math.ceil(timeout * (os.cpu_count() or 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+
+def _spawn(request: dict[str, Any], timeout: float) -> dict[str, Any] | tuple[str, str]:
+    """The child's result for `request`, or (verdict, why there is none). The child leads a
+    process group of its own, killed whole when it runs past `timeout`."""
+    proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: _limit(timeout))
     try:
-        proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(request),
-                              capture_output=True, text=True, timeout=timeout)
+        out, err = proc.communicate(json.dumps(request), timeout=timeout)
     except subprocess.TimeoutExpired:
-        return f"timed out after {timeout:g} s (compile, run or check)"
-    for line in proc.stdout.splitlines()[::-1]:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return "timeout", f"timed out after {timeout:g} s (compile, run or check)"
+    finally:
+        try:  # what it started must not outlive it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for line in out.splitlines()[::-1]:
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
+    if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        return "timeout", f"ran past its CPU time limit ({signal.Signals(-proc.returncode).name})"
     if proc.returncode < 0:
-        return f"crashed ({signal.Signals(-proc.returncode).name}) while compiling, running or checking"
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
-    return f"child exited with code {proc.returncode}: {tail}"
+        return "crash", f"crashed ({signal.Signals(-proc.returncode).name}) while compiling, running or checking"
+    tail = (err.strip().splitlines() or ["no output"])[-1][:200]
+    return "crash", f"child exited with code {proc.returncode}: {tail}"
 
 
 def _build(mod, candidate, spec, target, tuned):
@@ -174,28 +214,86 @@ class _Machine:
         return times
 
 
-def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, str | None]:
+def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, Outcome | None]:
     """Build `candidate` for `sig` and compare it with the reference; (executable, failure)."""
 
     try:
+        if candidate.kernel is not None:  # its own checks first, outside the passes that would wrap their errors
+            candidate.kernel(sig)
         executable = _build(sig.module(), candidate, machine.spec, target, tuned)
+    except UnsafeKernelError as err:
+        return None, Outcome(False, f"unsafe: {err}", verdict="unsafe")
     except Exception as err:  # any error of the candidate's code or of TVM building it
-        return None, f"compile failed at {sig.key}: {summary(err)}"
+        return None, Outcome(False, f"compile failed at {sig.key}: {summary(err)}", verdict="compile error")
     cannot_run = machine.cannot_run()
     if cannot_run is not None:
-        return executable, f"compiled; cannot run on this machine: {cannot_run}"
+        return executable, Outcome(False, f"compiled; cannot run on this machine: {cannot_run}",
+                                   verdict="cannot run")
     vm = machine.load(executable)
+    poisoned = _poisoned(sig, candidate, machine, target, tuned) if candidate.kernel is not None else None
+    if poisoned is not None:
+        return executable, poisoned
     for label, operands in sig.input_sets(np.random.default_rng(0)).items():
         got = machine.run(vm, machine.tensors([x.astype(sig.dtype) for x in operands])).astype(np.float64)
         want = sig.reference(*[x.astype(sig.dtype) for x in operands])
         if got.shape != want.shape:
-            return executable, f"wrong shape at {sig.key}: {got.shape}, expected {want.shape}"
+            return executable, Outcome(False, f"wrong shape at {sig.key}: {got.shape}, expected {want.shape}",
+                                       verdict="wrong result")
         scale = sig.error_scale(operands)
         error = float(np.max(np.abs(got - want))) if got.size else 0.0
         if not np.isfinite(error) or error > TOLERANCE * scale:
-            return executable, (f"wrong result at {sig.key} on {label} inputs: max abs error "
-                                f"{error:.3g} > {TOLERANCE * scale:.3g}")
-    return executable, None
+            return executable, Outcome(False, f"wrong result at {sig.key} on {label} inputs: max abs error "
+                                       f"{error:.3g} > {TOLERANCE * scale:.3g}", verdict="wrong result")
+    return executable, _propagates(sig, machine, vm) if candidate.kernel is not None else None
+
+
+def _special_operands(sig) -> list[np.ndarray]:
+    """Random operands with a NaN as the first operand's first element and an Inf as its last."""
+    operands = [x.astype(sig.dtype) for x in sig.input_sets(np.random.default_rng(2))["random"]]
+    operands[0].flat[0], operands[0].flat[-1] = np.nan, np.inf
+    return operands
+
+
+def _propagates(sig, machine: _Machine, vm) -> Outcome | None:
+    """None when the output has NaN and each infinity exactly where the reference does (after
+    a ReLU a NaN may also be 0: LLVM's max, as the compiler's own ReLU, returns the number)."""
+    operands = _special_operands(sig)
+    got = machine.run(vm, machine.tensors(operands)).astype(np.float64)
+    want = sig.reference(*operands)
+    nan_may_vanish = any(kind == "relu" for kind, _ in sig.epilogue)
+    lost_nan = np.isnan(want) & ~np.isnan(got) & ~(nan_may_vanish & (got == 0))
+    infinite = np.isinf(want) & (got != want)
+    wrong = (np.isnan(got) & ~np.isnan(want)) | lost_nan | infinite
+    if wrong.any():
+        where = tuple(int(i) for i in np.argwhere(wrong)[0])
+        return Outcome(False, f"wrong result at {sig.key} on NaN/Inf inputs: {got[where]} at {where}, "
+                       f"expected {want[where]} (NaN and Inf must propagate)", verdict="wrong result")
+    return None
+
+
+def _poisoned(sig, candidate, machine: _Machine, target, tuned) -> Outcome | None:
+    """None when the kernel, run on its own into an output buffer holding each of `POISONS`,
+    gives the same output: every element written, none read before."""
+    m, n, k = sig.gemm
+    shapes = [(m, k), (k, n), *sig.addends_2d(), (m, n)]
+    params = [relax.Var(f"arg{i}", relax.TensorType(shape, sig.dtype)) for i, shape in enumerate(shapes)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        func = candidate.kernel(sig).with_attr("op_pattern", 8).without_attr("global_symbol")
+        out = bb.emit(relax.call_tir_inplace(bb.add_func(func, "kernel"), params, [len(params) - 1],
+                                             relax.TensorType((m, n), sig.dtype)))
+        bb.emit_func_output(out)
+    vm = machine.load(_build(bb.finalize(), candidate, machine.spec, target, tuned))
+    inputs = [x.reshape(shape) for x, shape in zip(sig.input_sets(np.random.default_rng(3))["random"], shapes)]
+    outputs = [machine.run(vm, machine.tensors([*(x.astype(sig.dtype) for x in inputs),
+                                                np.full((m, n), poison, sig.dtype)]))
+               for poison in POISONS]
+    differ = ~((outputs[0] == outputs[1]) | (np.isnan(outputs[0]) & np.isnan(outputs[1])))
+    if differ.any():
+        return Outcome(False, f"uninitialised output at {sig.key}: {int(differ.sum())} of {differ.size} elements "
+                       f"keep what the output buffer held (first at {tuple(int(i) for i in np.argwhere(differ)[0])})",
+                       verdict="uninitialised output")
+    return None
 
 
 class _ColdTiming:
@@ -256,7 +354,7 @@ def _setup(request: dict[str, Any]):
 def _child(request: dict[str, Any]) -> Outcome:
 
     target, spec, sig, tuned, machine = _setup(request)
-    candidate = find(request["candidate"], sig, target, request.get("external_dir"))
+    candidate = find(request["candidate"], sig, target, request.get("external_dir"), request.get("generated_dir"))
     checks = [sig] + ([sig.edge_case()] if candidate.shape_generic else [])
     try:
         machine = machine()
@@ -264,7 +362,7 @@ def _child(request: dict[str, Any]) -> Outcome:
         for checked in checks:
             built, failure = _check(checked, candidate, machine, target, tuned)
             if failure is not None:
-                return Outcome(False, failure)
+                return failure
             executable = built if checked is sig else executable
         try:
             seconds = _time(executable, sig, machine, request["min_repeat_ms"],
@@ -272,9 +370,10 @@ def _child(request: dict[str, Any]) -> Outcome:
         except RemoteDeviceError:
             raise
         except Exception as err:  # pylint: disable=broad-except  # a run-time failure of the candidate
-            return Outcome(False, f"verified but timing failed: {str(err).strip().splitlines()[-1][:200]}")
+            return Outcome(False, f"verified but timing failed: {str(err).strip().splitlines()[-1][:200]}",
+                           verdict="timing failed")
     except RemoteDeviceError as err:
-        return Outcome(False, str(err), remote_failed=True)
+        return Outcome(False, str(err), remote_failed=True, verdict="remote failure")
     return Outcome(True, "", seconds, [c.key for c in checks])
 
 
@@ -286,7 +385,7 @@ def _race_child(request: dict[str, Any]) -> Race:
         machine = machine()
         timings = {}
         for cid in ids:
-            candidate = find(cid, sig, target, request.get("external_dir"))
+            candidate = find(cid, sig, target, request.get("external_dir"), request.get("generated_dir"))
             timings[cid] = _ColdTiming(sig, machine, lambda mod, c=candidate: _build(mod, c, spec, target, tuned))
         samples: dict[str, list[float]] = {cid: [] for cid in ids}
         for cid in interleaved(ids, request["rounds"]):

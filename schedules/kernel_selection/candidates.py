@@ -22,7 +22,7 @@ from tvm import relax
 
 from .op_kinds import OP_KINDS, Attrs, Group, OpKind, Step, find_group, static_shape
 
-SOURCES = ("generated", "library", "handwritten", "external")
+SOURCES = ("generated", "library", "handwritten", "external", "generator")
 
 Rewrite = Callable[[relax.BlockBuilder, relax.Call], relax.Expr]
 """Emits the candidate's implementation of `call` (an op group of the candidate's signature)."""
@@ -214,7 +214,10 @@ class Candidate:
     from (a file, a library function, a records directory); rewrite: emits it;
     shape_generic: it is made for any shape of the op, so verification also runs it at the
     edge-case shape; digest: a hash of its code where it lives outside the compiler (external);
-    unavailable: why it cannot be built on this machine at all (then it is listed, never tried).
+    unavailable: why it cannot be built on this machine at all (then it is listed, never tried);
+    kernel: for a kernel from outside the compiler (external, generator), its GEMM PrimFunc
+    `(a, b, addends..., c)` at a signature's shapes, which verification also runs on its own
+    (c poisoned beforehand, to catch outputs it leaves unwritten).
     """
 
     source: str
@@ -224,6 +227,7 @@ class Candidate:
     shape_generic: bool = True
     digest: str = ""
     unavailable: str | None = None
+    kernel: Callable[[OpSignature], tvm.tirx.PrimFunc] | None = None
 
     @property
     def id(self) -> str:

@@ -1,7 +1,7 @@
 """A model's kernel choices, as stored and applied: `KernelSelection`.
 
 One `OpChoice` per op signature: every candidate as it was tried (verified or not, with the
-reason, its time and digest) and the winner's id. The choices of each target are kept with
+reason, its time and digest), the kernel generator's rounds where one ran, and the winner's id. The choices of each target are kept with
 provenance in the records directory as `gimlet_kernel_selection.json` (beside MetaSchedule's
 files, under the same lock, written atomically), per target key; `pass_for` is the build pass
 that rewrites each op group into its winner (a winner whose source changed since it was
@@ -40,6 +40,18 @@ class Tried:
     seconds: float | None = None  # raced: the median of `rounds`
     digest: str = ""
     rounds: list[float] = dataclasses.field(default_factory=list)  # seconds in each round of the race
+    verdict: str = ""  # the reason's kind (`gimlet_tvm.selection.verify.VERDICTS`); "" in older records
+
+
+@dataclasses.dataclass
+class GeneratorRound:
+    """One round of a kernel generator on one op group: the candidates it gave (their ids,
+    tried as `Tried`), or why the round failed (bad output, timeout, non-zero exit)."""
+
+    round: int
+    candidates: list[str]
+    failure: str = ""
+    seconds: float = 0.0  # the generator's own time
 
 
 @dataclasses.dataclass
@@ -50,6 +62,7 @@ class OpChoice:
     tried: list[Tried]
     winner: str | None
     count: int = 1  # how often the op occurs in the model
+    generator_rounds: list[GeneratorRound] = dataclasses.field(default_factory=list)
 
     def best_of(self, source: str) -> str | None:
         """The fastest verified candidate of one source."""
@@ -58,23 +71,27 @@ class OpChoice:
 
     def to_json(self) -> dict[str, Any]:
         return {"signature": self.signature.to_json(), "winner": self.winner, "count": self.count,
-                "tried": [dataclasses.asdict(t) for t in self.tried]}
+                "tried": [dataclasses.asdict(t) for t in self.tried],
+                "generator_rounds": [dataclasses.asdict(r) for r in self.generator_rounds]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> OpChoice:
         return cls(OpSignature.from_json(data["signature"]), [Tried(**t) for t in data["tried"]],
-                   data["winner"], data.get("count", 1))
+                   data["winner"], data.get("count", 1),
+                   [GeneratorRound(**r) for r in data.get("generator_rounds", [])])
 
 
 @dataclasses.dataclass
 class KernelSelection:
-    """The choices for one target: op key -> OpChoice, and where external kernels live."""
+    """The choices for one target: op key -> OpChoice, and where external and generated
+    kernels live."""
 
     target: str
     choices: dict[str, OpChoice]
     external_dir: str | None = None
     measured: str = ""
     device: str = "local"  # where the times were measured: "local", or the remote device
+    generated_dir: str | None = None
 
     def restricted_to(self, source: str) -> KernelSelection:
         """The same ops, each with its fastest verified candidate of `source` (none: default)."""
@@ -92,7 +109,7 @@ class KernelSelection:
         if choice is None or choice.winner is None:
             return None
         try:
-            candidate = find(choice.winner, sig, target, self.external_dir)
+            candidate = find(choice.winner, sig, target, self.external_dir, self.generated_dir)
         except KeyError:
             raise GimletError(f"kernel {choice.winner}, selected for {sig.key}, is no longer offered; "
                               "run `gimlet-tvm select` again") from None
@@ -103,14 +120,15 @@ class KernelSelection:
         return candidate
 
     def to_json(self) -> dict[str, Any]:
-        return {"external_dir": self.external_dir, "measured": self.measured, "device": self.device,
+        return {"external_dir": self.external_dir, "generated_dir": self.generated_dir,
+                "measured": self.measured, "device": self.device,
                 "ops": {key: c.to_json() for key, c in self.choices.items()}}
 
     @classmethod
     def from_json(cls, target: str, data: dict[str, Any]) -> KernelSelection:
         choices = {key: OpChoice.from_json(c) for key, c in data["ops"].items()}
         return cls(target, choices, data.get("external_dir"), data.get("measured", ""),
-                   data.get("device", "local"))
+                   data.get("device", "local"), data.get("generated_dir"))
 
     @classmethod
     def load(cls, records: str | os.PathLike, target: tvm.target.Target) -> KernelSelection | None:

@@ -14,7 +14,9 @@
   = its `mcpu`; native when that is this machine's CPU or none) to an object file that the build links into the model (so
   exported models carry it); the function is renamed to a symbol unique to the source and
   every other global symbol of the source made local, so that kernels linked into one model
-  never clash.
+  never clash. The object may call libc's memory functions and libm only
+  (`ALLOWED_CALLS`): one that calls anything else (fork, system, socket, ...) is refused
+  with an `UnsafeKernelError`, as is TVMScript calling an external function outside that list.
 An optional `"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kernel of that op
 group (`OpSignature.epilogue`): it takes each addend after b, as the (rows, columns)
 `OpSignature.addends_2d` gives, and applies the steps in order. An entry is a candidate only
@@ -22,6 +24,9 @@ for its op, shapes, epilogue, dtype and target kind; only GEMMs (op "matmul") ar
 now, an entry of another op is listed as unavailable. The source is parsed only
 when the candidate is built (in the verification subprocess, or by a build after it was
 verified, when its digest must still match).
+
+Kernel generators' candidates (`gimlet_tvm.selection.generator`) are kept in a directory of
+the same form (`add_kernel` writes it), listed as source "generator" instead of "external".
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from typing import Any
 
 import tvm
 
-from ...errors import GimletError
+from ...errors import GimletError, UnsafeKernelError
+from ...files import atomic_path
 from ...runtime.extensions import build_library
 from ...targets import spec_for
 from .candidates import Candidate, OpSignature, call_prim_func
@@ -45,6 +51,15 @@ MANIFEST = "kernels.json"
 FORMATS = ("tvmscript", "c")
 C_COMPILER = os.environ.get("CC", "gcc")
 C_FLAGS = ("-std=c11", "-O3", "-fPIC", "-c")
+C_FUNCTION = "kernel"
+"""The function a generated C kernel defines (`add_kernel`'s entries)."""
+ALLOWED_CALLS = re.compile(
+    r"(mem(cpy|set|move)|__stack_chk_fail|_GLOBAL_OFFSET_TABLE_|(sqrt|cbrt|exp|exp2|expm1|log|log2|log10|log1p|"
+    r"erf|erfc|tanh|sinh|cosh|sin|cos|tan|asin|acos|atan|atan2|pow|fabs|fma|fmax|fmin|floor|ceil|round|"
+    r"trunc|rint|nearbyint|copysign|ldexp|frexp|hypot|fmod)f?)")
+"""The functions an external or generated kernel may call (undefined symbols of its object)."""
+_EXTERN_CALL = re.compile(r'T\.call_(?:pure_)?extern\([^,]*,\s*"([^"]*)"|T\.call_c?packed\(\s*"([^"]*)"')
+"""A TVMScript kernel's calls of outside functions (extern or packed): the name called."""
 LINK_OBJECT = "gimlet.link_object"
 """PrimFunc attribute: the object file the function calls into (`link_objects` gathers them)."""
 
@@ -73,7 +88,17 @@ def _load_prim_func(path: str) -> tvm.tirx.PrimFunc:
         if len(funcs) != 1:
             raise ValueError(f"{path}: expected one PrimFunc, found {len(funcs)}")
         parsed = funcs[0]
+    called = [m.group(1) or m.group(2) for m in _EXTERN_CALL.finditer(parsed.script())]
+    _refuse_calls(path, called)
     return parsed
+
+
+def _refuse_calls(path: str, called: list[str]) -> None:
+    """Raise `UnsafeKernelError` when the kernel at `path` calls a function outside `ALLOWED_CALLS`."""
+    refused = sorted({name for name in called if not ALLOWED_CALLS.fullmatch(name)})
+    if refused:
+        raise UnsafeKernelError(f"{path} calls {', '.join(refused)}: a kernel may call libc's memory "
+                                "functions and libm only")
 
 
 def _c_prim_func(path: str, function: str, sig: OpSignature, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
@@ -88,6 +113,9 @@ def _c_prim_func(path: str, function: str, sig: OpSignature, target: tvm.target.
     march = f"-march={'native' if native else mcpu}"
     obj = _only_global(build_library(symbol, [Path(path)], [*C_FLAGS, march, f"-D{function}={symbol}"],
                                      compiler=C_COMPILER, suffix=".o"), symbol)
+    undefined = subprocess.run(["nm", "-u", "--format=just-symbols", str(obj)], capture_output=True, text=True,
+                               check=True).stdout.split()
+    _refuse_calls(path, undefined)
     m, n, k = sig.gemm
     shapes = [(m, k), (k, n), *sig.addends_2d(), (m, n)]
     buffers = [tvm.tirx.decl_buffer(shape, sig.dtype, f"arg{i}") for i, shape in enumerate(shapes)]
@@ -130,8 +158,33 @@ def digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
-def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Target) -> list[Candidate]:
-    """The directory's candidates for `sig` on `target`."""
+def add_kernel(directory: str, sig: OpSignature, target_kind: str, fmt: str, text: str, name: str,
+               **provenance: Any) -> str:
+    """Keep the kernel source `text` (of `format` fmt, for `sig` on targets of `target_kind`)
+    in `directory` as an entry of its manifest (created if missing; written atomically), named
+    `name` and its content's hash, with `provenance` (e.g. generator, round) beside it; the
+    same kernel added again is the same entry. Returns the entry's name."""
+    os.makedirs(directory, exist_ok=True)
+    content = hashlib.sha256(f"{sig.key}\n{fmt}\n{text}".encode()).hexdigest()[:12]
+    entry_name = f"{re.sub(r'[^A-Za-z0-9_]', '_', name)[:40]}_{content}"
+    manifest = os.path.join(directory, MANIFEST)
+    entries = read_manifest(directory) if os.path.isfile(manifest) else []
+    if any(e["name"] == entry_name for e in entries):
+        return entry_name
+    source = f"{entry_name}.{'c' if fmt == 'c' else 'py'}"
+    with atomic_path(os.path.join(directory, source)) as tmp, open(tmp, "w") as f:
+        f.write(text)
+    entries.append({"name": entry_name, "op": sig.op, "dtype": sig.dtype, "shapes": [list(s) for s in sig.shapes],
+                    "epilogue": [[kind, list(shape)] for kind, shape in sig.epilogue], "target": target_kind,
+                    "format": fmt, "source": source, "function": C_FUNCTION, **provenance})
+    with atomic_path(manifest) as tmp, open(tmp, "w") as f:
+        json.dump({"kernels": entries}, f, indent=1)
+    return entry_name
+
+
+def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Target,
+                        source: str = "external") -> list[Candidate]:
+    """The directory's candidates for `sig` on `target`, of candidate source `source`."""
     found = []
     for entry in read_manifest(directory):
         shapes = tuple(tuple(int(d) for d in s) for s in entry["shapes"])
@@ -153,11 +206,13 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
         elif entry["format"] == "c" and not re.fullmatch(r"[A-Za-z_]\w*", function):
             unavailable = f"function '{function}' is not a C identifier"
 
-        def rewrite(bb, call, path=path, name=entry["name"], function=function, c=entry["format"] == "c"):
-            func = _c_prim_func(path, function, OpSignature.of_call(call), target) if c else _load_prim_func(path)
-            return call_prim_func(bb, call, func, f"external_{name}")
+        def kernel(sig: OpSignature, path=path, function=function, c=entry["format"] == "c") -> tvm.tirx.PrimFunc:
+            return _c_prim_func(path, function, sig, target) if c else _load_prim_func(path)
 
-        found.append(Candidate("external", entry["name"], path, rewrite, shape_generic=False,
-                               digest=digest(path) if unavailable is None else "",
+        def rewrite(bb, call, name=entry["name"], kernel=kernel):
+            return call_prim_func(bb, call, kernel(OpSignature.of_call(call)), f"{source}_{name}")
+
+        found.append(Candidate(source, entry["name"], path, rewrite, shape_generic=False,
+                               digest=digest(path) if unavailable is None else "", kernel=kernel,
                                unavailable=unavailable))
     return found

@@ -12,11 +12,16 @@ candidates it has for an op signature on a target (unavailable ones too, with th
   `DispatchCPULibrary`, epilogue included; the CUDA library's cuBLAS SGEMM for matmul,
   `gimlet.cuda.matmul`, where cuBLAS is installed);
 - handwritten: the target's hand-written kernels for the op (`TargetSpec.handwritten_kernels`);
-- external: kernels in a directory described by `kernels.json` (see `external.py`).
+- external: kernels in a directory described by `kernels.json` (see `external.py`);
+- generator: kernels a kernel generator wrote during selection, kept in a directory of the same
+  form (`gimlet_tvm.selection.generator`).
+
+Each source takes the directories of those last two as `KernelDirs`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -35,7 +40,16 @@ from .op_kinds import find_group
 CUBLAS_MATMUL = f"{CUDA_LIBRARY.name}.matmul"
 
 
-def generated(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
+@dataclasses.dataclass(frozen=True)
+class KernelDirs:
+    """Where kernels from outside the compiler live: `external` (given by the user) and
+    `generated` (written by a kernel generator during selection); None: none."""
+
+    external: str | None = None
+    generated: str | None = None
+
+
+def generated(sig: OpSignature, target: tvm.target.Target, dirs: KernelDirs) -> list[Candidate]:
     def rewrite(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         kind, group = find_group(call)
         call_sig = OpSignature.of_call(call)
@@ -130,12 +144,12 @@ LIBRARY_CANDIDATES = {
 }
 
 
-def library(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
+def library(sig: OpSignature, target: tvm.target.Target, dirs: KernelDirs) -> list[Candidate]:
     return [LIBRARY_CANDIDATES[lib.name][sig.op](sig) for lib in spec_for(target).libraries
             if sig.op in LIBRARY_CANDIDATES.get(lib.name, {})]
 
 
-def handwritten(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
+def handwritten(sig: OpSignature, target: tvm.target.Target, dirs: KernelDirs) -> list[Candidate]:
     def rewrite(kernel):
         def emit(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
             call_sig = OpSignature.of_call(call)
@@ -163,23 +177,30 @@ def handwritten(sig: OpSignature, target: tvm.target.Target, external_dir: str |
     ]
 
 
-def external(sig: OpSignature, target: tvm.target.Target, external_dir: str | None) -> list[Candidate]:
-    return external_candidates(external_dir, sig, target) if external_dir else []
+def external(sig: OpSignature, target: tvm.target.Target, dirs: KernelDirs) -> list[Candidate]:
+    return external_candidates(dirs.external, sig, target) if dirs.external else []
 
 
-SOURCES = {"generated": generated, "library": library, "handwritten": handwritten, "external": external}
+def generator(sig: OpSignature, target: tvm.target.Target, dirs: KernelDirs) -> list[Candidate]:
+    return external_candidates(dirs.generated, sig, target, "generator") if dirs.generated else []
 
 
-def candidates(sig: OpSignature, target: tvm.target.Target, external_dir: str | None = None) -> list[Candidate]:
+SOURCES = {"generated": generated, "library": library, "handwritten": handwritten, "external": external,
+           "generator": generator}
+
+
+def candidates(sig: OpSignature, target: tvm.target.Target, external_dir: str | None = None,
+               generated_dir: str | None = None) -> list[Candidate]:
     """Every candidate for `sig` on `target`, from every source."""
-    return [c for source in SOURCES.values() for c in source(sig, target, external_dir)]
+    dirs = KernelDirs(external_dir, generated_dir)
+    return [c for source in SOURCES.values() for c in source(sig, target, dirs)]
 
 
 def find(candidate_id: str, sig: OpSignature, target: tvm.target.Target,
-         external_dir: str | None = None) -> Candidate:
+         external_dir: str | None = None, generated_dir: str | None = None) -> Candidate:
     """The candidate with this id (`source:name`)."""
     source = candidate_id.split(":", 1)[0]
-    for candidate in SOURCES[source](sig, target, external_dir):
+    for candidate in SOURCES[source](sig, target, KernelDirs(external_dir, generated_dir)):
         if candidate.id == candidate_id:
             return candidate
     raise KeyError(candidate_id)

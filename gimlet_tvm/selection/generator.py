@@ -1,0 +1,224 @@
+"""Kernel generators in the selection loop: the protocol (docs/kernel-generators.md).
+
+A generator is a shell command. For each op group it is offered (`formats_for`), it runs up to
+`Generator.rounds` times with one JSON task on standard input (`task`: the group, its
+reference semantics, the target, the source formats it takes, the best candidate so far and
+the history of earlier rounds) and prints a JSON list of candidates (`format`, `source`,
+optional `name`) on standard output; both directions are checked against the protocol's
+schema (`json_schema`). Each candidate is kept in the records directory's generated-kernel
+directory (`external.add_kernel`, built like an external kernel) and verified and timed like
+every other candidate; its verdict goes into the next round's history. Malformed output, a
+non-zero exit or running past the group's time is a failed round: reported, recorded, and
+selection goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import tvm
+
+from ..errors import GimletError
+from ..schedules.kernel_selection.candidates import OpSignature
+from ..schedules.kernel_selection.choices import GeneratorRound, Tried
+from ..schedules.kernel_selection.external import C_FUNCTION, add_kernel
+from ..schedules.kernel_selection.sources import find
+from ..targets import spec_for
+from ..targets.cpu import cpu_features
+from . import openai_generator, search_generator
+from .json_schema import protocol_errors
+from .verify import Outcome
+
+PROTOCOL = "gimlet-tvm-kernel-generator/1"
+GENERATED_DIR = "generated_kernels"
+"""The records directory's folder of generated kernels (a `kernels.json` directory)."""
+STDERR_TAIL = 300  # characters of a failed generator's standard error kept in its reason
+BUNDLED = {"search": search_generator.__file__, "openai": openai_generator.__file__}
+"""Generators that ship with the compiler, by name: each a script run by this Python (they
+need neither the package nor TVM, so they start in milliseconds), isolated (`-I`: the script's
+folder, which holds a `select.py`, must not shadow the standard library's)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Generator:
+    """A kernel generator: the shell `command`, how many `rounds` per op group, and the
+    `seconds` it may take on one op group, its rounds together (verification not counted)."""
+
+    command: str
+    rounds: int = 3
+    seconds: float = 300.0
+
+    @classmethod
+    def named(cls, command: str, rounds: int = 3, seconds: float = 300.0) -> Generator:
+        """A generator given by a command, or by the name of a bundled one (`BUNDLED`) and its
+        arguments (`openai --url URL --model MODEL`)."""
+        name, _, arguments = command.strip().partition(" ")
+        if name in BUNDLED:
+            command = f"{shlex.quote(sys.executable)} -I {shlex.quote(BUNDLED[name])} {arguments}".rstrip()
+        return cls(command, rounds, seconds)
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.seconds <= 0:
+            raise GimletError(f"a kernel generator needs at least one round and some time (got {self.rounds} "
+                              f"rounds, {self.seconds:g} s per op group)")
+
+
+def formats_for(sig: OpSignature, target: tvm.target.Target) -> tuple[str, ...]:
+    """The source formats a generator may answer in for `sig` on `target`; empty: the group
+    is not offered (for now GEMMs on CPU targets, built as external kernels are)."""
+    spec = spec_for(target)
+    if sig.op != "matmul" or not spec.is_cpu or sig.addends_2d() is None:
+        return ()
+    return ("c", "tvmscript") if spec.runs_here() and sig.dtype == "float32" else ("tvmscript",)
+
+
+def numpy_expression(sig: OpSignature) -> str:
+    """What the group computes as a numpy expression of `a`, `b` and `addend0`, ...
+    (`erf`: `math.erf` elementwise)."""
+    expr, addends = "a @ b", 0
+    for kind, _ in sig.epilogue:
+        if kind == "add":
+            expr, addends = f"({expr}) + addend{addends}", addends + 1
+        elif kind == "relu":
+            expr = f"np.maximum({expr}, 0)"
+        else:
+            expr = f"0.5 * ({expr}) * (1 + erf(({expr}) / np.sqrt(2)))"
+    return expr
+
+
+def _interface(sig: OpSignature, formats: tuple[str, ...]) -> dict[str, str]:
+    """How a kernel of each format takes its operands."""
+    m, n, k = sig.gemm
+    addends = [f"addend{i}[{rows}][{cols}]" for i, (rows, cols) in enumerate(sig.addends_2d())]
+    c_args = ", ".join(["const float *a", "const float *b", *(f"const float *addend{i}" for i in range(len(addends))),
+                        "float *c"])
+    arrays = ", ".join([f"a[{m}][{k}]", f"b[{k}][{n}]", *addends, f"c[{m}][{n}]"])
+    described = {
+        "c": (f"C11 source defining void {C_FUNCTION}({c_args}); arrays {arrays}, compact row-major (batch axes "
+              "folded into M); each addend broadcasts over c (a dimension of 1 repeats); write every element of "
+              "c; compiled with gcc -O3 -march=<the target's CPU>; libc and libm only, no threads, processes, "
+              "files or network"),
+        "tvmscript": (f"TVMScript of one T.prim_func (T is tvm.script.tirx) with buffers {arrays} in that order, "
+                      f"dtype {sig.dtype}, as PrimFunc.script() prints it, no Python imports; give it "
+                      'T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True}) when it is scheduled'),
+    }
+    return {fmt: described[fmt] for fmt in formats}
+
+
+def _target_facts(target: tvm.target.Target) -> dict[str, Any]:
+    spec = spec_for(target)
+    return {"kind": target.kind.name, "target": json.loads(str(target)), "facts": spec.facts(),
+            "features": cpu_features(target) if spec.is_cpu else []}
+
+
+def task(sig: OpSignature, target: tvm.target.Target, round_: int, rounds: int,
+         best: dict[str, Any] | None, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON task of one round (`generator_schema.json`'s "task")."""
+    m, n, k = sig.gemm
+    formats = formats_for(sig, target)
+    return {
+        "protocol": PROTOCOL, "round": round_, "rounds": rounds,
+        "group": {"key": sig.key, "op": sig.op, "ops": [sig.op, *(kind for kind, _ in sig.epilogue)],
+                  "dtype": sig.dtype, "shapes": [list(s) for s in (*sig.shapes, *sig.addend_shapes)],
+                  "epilogue": [[kind, list(shape)] for kind, shape in sig.epilogue],
+                  "layout": "row-major; a[..., M, K] @ b[K, N] -> c[..., M, N]; addends broadcast numpy-style",
+                  "gemm": {"m": m, "n": n, "k": k}, "addends": [list(s) for s in sig.addends_2d()],
+                  "weight": sig.weight},
+        "reference": {"tvmscript": sig.module().script(), "numpy": numpy_expression(sig)},
+        "target": _target_facts(target), "formats": list(formats), "interface": _interface(sig, formats),
+        "best": best, "history": history,
+    }
+
+
+def call_generator(command: str, task_json: dict[str, Any], timeout: float) -> tuple[list[dict[str, Any]], str]:
+    """Run the generator on one task: (its candidates, "") or ([], why the round failed).
+    On a timeout its whole process group is killed (a shell command's children too)."""
+    problems = protocol_errors(task_json, "task")
+    if problems:  # our own side of the protocol
+        raise ValueError(f"kernel generator task does not match the schema: {problems[:3]}")
+    if timeout <= 0:
+        return [], "no time left for this group"
+    proc = subprocess.Popen(command, shell=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(json.dumps(task_json), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return [], f"timed out after {timeout:.0f} s"
+    if proc.returncode != 0:
+        tail = err.strip()[-STDERR_TAIL:] or "no error output"
+        return [], f"exited with code {proc.returncode}: {tail}"
+    try:
+        answer = json.loads(out)
+    except ValueError as error:
+        return [], f"malformed output (not JSON: {error})"
+    problems = protocol_errors(answer, "candidates")
+    if problems:
+        return [], "malformed output: " + "; ".join(problems[:3])
+    return answer, ""
+
+
+def _attempt(tried: Tried, fmt: str, source: str) -> dict[str, Any]:
+    return {"name": tried.id.split(":", 1)[1], "format": fmt, "source": source, "verdict": tried.verdict,
+            "error": tried.reason, "seconds": tried.seconds}
+
+
+def generate(sig: OpSignature, target: tvm.target.Target, generator: Generator, directory: str,
+             verify: Callable[[str], Outcome], tried: list[Tried],
+             report: Callable[[str], None]) -> list[GeneratorRound]:
+    """Run `generator`'s rounds on `sig`: each candidate it gives is kept in `directory`,
+    verified and timed by `verify` (candidate id -> outcome) and appended to `tried` (which
+    holds the group's other candidates: the best so far is told to the generator)."""
+    formats = formats_for(sig, target)
+    sources: dict[str, tuple[str, str]] = {}  # generated candidate id -> (format, source)
+    history: list[dict[str, Any]] = []
+    rounds = []
+    left = generator.seconds  # the generator's own time: verification is not counted
+    for round_ in range(1, generator.rounds + 1):
+        verified = [t for t in tried if t.verified]
+        best = min(verified, key=lambda t: t.seconds, default=None)
+        best_json = None if best is None else {"candidate": best.id, "seconds": best.seconds,
+                                               "format": sources.get(best.id, (None, None))[0],
+                                               "source": sources.get(best.id, (None, None))[1]}
+        started = time.monotonic()
+        answer, failure = call_generator(generator.command, task(sig, target, round_, generator.rounds,
+                                                                 best_json, history),
+                                         left)
+        spent = time.monotonic() - started
+        left -= spent
+        if not failure:
+            refused = [c["format"] for c in answer if c["format"] not in formats]
+            if refused:
+                answer, failure = [], f"format '{refused[0]}' is not accepted here (only {', '.join(formats)})"
+        attempts, ids = [], []
+        for index, candidate in enumerate(answer):
+            name = add_kernel(directory, sig, target.kind.name, candidate["format"], candidate["source"],
+                              candidate.get("name") or f"r{round_}_{index}", generator=generator.command,
+                              round=round_)
+            cid = f"generator:{name}"
+            ids.append(cid)
+            done = next((t for t in tried if t.id == cid), None)
+            if done is None:  # a kernel given again keeps its first verdict
+                made = find(cid, sig, target, generated_dir=directory)
+                outcome = verify(cid)
+                done = Tried(cid, f"{made.provenance} (generator round {round_})", outcome.verified,
+                             outcome.reason, outcome.seconds, made.digest, verdict=outcome.verdict)
+                tried.append(done)
+                sources[cid] = (candidate["format"], candidate["source"])
+                report(f"{sig.key}: {cid} (round {round_}) "
+                       + (f"{done.seconds * 1e3:.3f} ms" if done.verified else f"no: {done.reason}"))
+            attempts.append(_attempt(done, candidate["format"], candidate["source"]))
+        if failure:
+            report(f"{sig.key}: generator round {round_} failed: {failure}")
+        history.append({"round": round_, "failure": failure, "attempts": attempts})
+        rounds.append(GeneratorRound(round_, ids, failure, round(spent, 3)))
+    return rounds

@@ -1,0 +1,168 @@
+"""A kernel generator that needs no model: a hill climb over a C GEMM template.
+
+    gimlet-tvm select model.onnx --records DIR --generator search
+    (any command running this file as a script does the same: `python search_generator.py`)
+
+It speaks the kernel generator protocol (docs/kernel-generators.md): a task on standard
+input, a JSON list of candidates on standard output. The template (`c_gemm`) computes c in
+tiles of MR rows by NV vectors of VW floats (GCC vector extensions; the tiles at the edges
+scalar), its K loop unrolled U times, the group's epilogue applied to each tile as it is
+stored. Round 1 proposes the smallest tile; each later round the neighbours (one parameter one
+step up or down) of the fastest kernel the history calls `ok`, never a configuration already
+tried (the configuration is in the kernel's name). When none is `ok` yet, it tries
+configurations it has not, smallest first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import re
+import sys
+from typing import Any
+
+MR = (1, 2, 3, 4, 6, 8)
+NV = (1, 2, 3, 4)
+VW = (4, 8, 16)
+UNROLL = (1, 2, 4, 8)
+PER_ROUND = 4
+NAME = re.compile(r"mr(\d+)_nv(\d+)_vw(\d+)_u(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One point of the template's space."""
+
+    mr: int
+    nv: int
+    vw: int
+    unroll: int
+
+    @property
+    def name(self) -> str:
+        return f"mr{self.mr}_nv{self.nv}_vw{self.vw}_u{self.unroll}"
+
+    @classmethod
+    def parse(cls, name: str) -> Config | None:
+        found = NAME.match(name)
+        return None if found is None else cls(*map(int, found.groups()))
+
+    def neighbours(self, widths: tuple[int, ...]) -> list[Config]:
+        """Each parameter one step up or down its axis."""
+        found = []
+        for field, axis in (("mr", MR), ("nv", NV), ("vw", widths), ("unroll", UNROLL)):
+            value = getattr(self, field)
+            if value not in axis:
+                continue
+            index = axis.index(value)
+            for step in (1, -1):
+                if 0 <= index + step < len(axis):
+                    found.append(dataclasses.replace(self, **{field: axis[index + step]}))
+        return found
+
+
+def _epilogue(group: dict[str, Any]) -> str:
+    """C statements applying the group's epilogue to `x`, the output element at (i, j)."""
+    lines, addend = [], 0
+    for kind, _ in group["epilogue"]:
+        if kind == "add":
+            rows, cols = group["addends"][addend]
+            row = "0" if rows == 1 else f"i * {cols}"
+            col = "0" if cols == 1 else "j"
+            lines.append(f"x += addend{addend}[{row} + {col}];")
+            addend += 1
+        elif kind == "relu":
+            lines.append("x = x < 0.0f ? 0.0f : x;")  # NaN stays NaN, as numpy's maximum
+        else:
+            lines.append("x = 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));")
+    return " ".join(lines)
+
+
+def c_gemm(config: Config, group: dict[str, Any]) -> str:
+    """The template's C source for the task's group at `config`."""
+    m, n, k = group["gemm"]["m"], group["gemm"]["n"], group["gemm"]["k"]
+    addends = "".join(f"const float *addend{i}, " for i in range(len(group["addends"])))
+    addend_args = "".join(f"addend{i}, " for i in range(len(group["addends"])))
+    nr = config.nv * config.vw
+    return f"""#include <math.h>
+#include <string.h>
+enum {{ M = {m}, N = {n}, K = {k}, MR = {config.mr}, NV = {config.nv}, VW = {config.vw}, NR = {nr} }};
+typedef float vf __attribute__((vector_size(VW * 4)));
+
+static inline void finish(int i0, int rows, int j0, int cols, {addends}float *c) {{
+  for (int i = i0; i < i0 + rows; ++i)
+    for (int j = j0; j < j0 + cols; ++j) {{
+      float x = c[i * N + j];
+      {_epilogue(group)}
+      c[i * N + j] = x;
+    }}
+}}
+
+void kernel(const float *a, const float *b, {addends}float *c) {{
+  for (int i0 = 0; i0 < M; i0 += MR) {{
+    int rows = M - i0 < MR ? M - i0 : MR;
+    for (int j0 = 0; j0 < N; j0 += NR) {{
+      int cols = N - j0 < NR ? N - j0 : NR;
+      if (rows == MR && cols == NR) {{
+        vf acc[MR][NV];
+        memset(acc, 0, sizeof acc);
+        #pragma GCC unroll {config.unroll}
+        for (int k = 0; k < K; ++k) {{
+          vf bv[NV];
+          for (int v = 0; v < NV; ++v) memcpy(&bv[v], b + k * N + j0 + v * VW, sizeof(vf));
+          for (int r = 0; r < MR; ++r) {{
+            float s = a[(i0 + r) * K + k];
+            for (int v = 0; v < NV; ++v) acc[r][v] += s * bv[v];
+          }}
+        }}
+        for (int r = 0; r < MR; ++r)
+          for (int v = 0; v < NV; ++v) memcpy(c + (i0 + r) * N + j0 + v * VW, &acc[r][v], sizeof(vf));
+      }} else {{
+        for (int i = i0; i < i0 + rows; ++i)
+          for (int j = j0; j < j0 + cols; ++j) {{
+            float sum = 0.0f;
+            for (int k = 0; k < K; ++k) sum += a[i * K + k] * b[k * N + j];
+            c[i * N + j] = sum;
+          }}
+      }}
+      finish(i0, rows, j0, cols, {addend_args}c);
+    }}
+  }}
+}}
+"""
+
+
+def propose(task: dict[str, Any]) -> list[Config]:
+    """The configurations to try this round (at most PER_ROUND, none tried before)."""
+    bits = int(task["target"]["facts"].get("vector_bits", 128))
+    widths = tuple(w for w in VW if w * 32 <= bits) or VW[:1]
+    attempts = [a for h in task["history"] for a in h["attempts"]]
+    tried = {Config.parse(a["name"]) for a in attempts}
+    ok = [(a["seconds"], Config.parse(a["name"])) for a in attempts
+          if a["verdict"] == "ok" and a["seconds"] is not None and Config.parse(a["name"]) is not None]
+    smallest = Config(MR[0], NV[0], widths[0], UNROLL[0])
+    if not task["history"]:
+        return [smallest]
+    if ok:
+        best = min(ok, key=lambda pair: pair[0])[1]
+        pool = best.neighbours(widths)
+    else:  # nothing verified yet: the space, smallest tiles first
+        pool = sorted((Config(*point) for point in itertools.product(MR, NV, widths, UNROLL)),
+                      key=lambda c: (c.mr * c.nv * c.vw, c.unroll))
+    return [c for c in dict.fromkeys(pool) if c not in tried][:PER_ROUND]
+
+
+def answer(task: dict[str, Any]) -> list[dict[str, str]]:
+    """The candidates for one task (C only; none when the target does not take C)."""
+    if "c" not in task["formats"] or task["group"]["op"] != "matmul":
+        return []
+    return [{"format": "c", "name": c.name, "source": c_gemm(c, task["group"])} for c in propose(task)]
+
+
+def main() -> None:
+    json.dump(answer(json.load(sys.stdin)), sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""Kernel generators in the selection loop (docs/kernel-generators.md): the protocol's task and
+answers checked against its schema, rounds with feedback, failed rounds that do not fail
+selection, and generated kernels verified in the child like every candidate. The generator
+here is `scripted_generator.py` (real processes, real builds, real checks)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import re
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import gimlet_tvm
+from gimlet_tvm.compiler import resolve_target
+from gimlet_tvm.errors import GimletError, UnsafeKernelError
+from gimlet_tvm.frontend import import_model
+from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
+from gimlet_tvm.schedules.kernel_selection.external import add_kernel
+from gimlet_tvm.schedules.kernel_selection.sources import find
+from gimlet_tvm.schedules.kernel_selection.choices import SELECTION_FILE, KernelSelection, OpChoice
+from gimlet_tvm.schedules.tuning.records import target_key
+from gimlet_tvm.selection.generator import Generator, generate, numpy_expression, task
+from gimlet_tvm.selection.json_schema import SCHEMA_FILE, protocol_errors
+from gimlet_tvm.selection.select import op_signatures
+from gimlet_tvm.selection.verify import run_candidate
+
+from .test_kernel_selection import K, M, N, WEIGHT_SIG, _matmul_model
+
+SCRIPT = Path(__file__).with_name("scripted_generator.py")
+
+
+def scripted(*plans: str) -> str:
+    """The shell command of the scripted generator answering round r with plans[r - 1]."""
+    return f"{sys.executable} {SCRIPT} {','.join(plans)}"
+
+
+def _request(target) -> dict:
+    return {"signature": WEIGHT_SIG.to_json(), "target": json.loads(str(target)), "external_dir": None,
+            "records": None, "min_repeat_ms": 1}
+
+
+def test_task_matches_the_schema_and_says_what_to_compute():
+    """The task of a bias + ReLU GEMM: valid against the shipped schema, with the reference as
+    TVMScript and numpy, the C interface with the addend, and the CPU's features."""
+    _, target = resolve_target("llvm")
+    sig = OpSignature("matmul", ((1, M, K), (K, N)), "float32", (("add", (N,)), ("relu", ())), weight=True)
+    made = task(sig, target, 1, 3, None, [])
+    assert protocol_errors(made, "task") == []
+    assert made["group"]["gemm"] == {"m": M, "n": N, "k": K} and made["group"]["addends"] == [[1, N]]
+    assert made["group"]["ops"] == ["matmul", "add", "relu"]
+    assert made["reference"]["numpy"] == "np.maximum((a @ b) + addend0, 0)"
+    assert "R.nn.relu" in made["reference"]["tvmscript"]
+    assert made["formats"] == ["c", "tvmscript"]
+    assert "void kernel(const float *a, const float *b, const float *addend0, float *c)" in made["interface"]["c"]
+    assert made["target"]["kind"] == "llvm" and made["target"]["features"]
+    gelu = OpSignature("matmul", ((M, K), (K, N)), "float32", (("gelu", ()),))
+    assert numpy_expression(gelu) == "0.5 * (a @ b) * (1 + erf((a @ b) / np.sqrt(2)))"
+    # The schema names what is wrong, where.
+    assert protocol_errors(dict(made, round=0), "task") == ["$.round: 0 < 1"]
+    assert protocol_errors([{"format": "cuda", "source": "x"}], "candidates") == [
+        "$[0].format: 'cuda' is not one of ['c', 'tvmscript']"]
+    assert protocol_errors([{"source": ""}], "candidates") == ["$[0]: lacks 'format'",
+                                                               "$[0].source: shorter than 1 characters"]
+    assert json.loads(SCHEMA_FILE.read_text())["$schema"].startswith("https://json-schema.org/")
+
+
+def test_generator_rounds_get_feedback_and_failed_rounds_go_on(tmp_path, monkeypatch):
+    """Six rounds: a right and a wrong C kernel (verified, and rejected as a wrong result);
+    output that is no JSON; JSON that is no candidate list; a non-zero exit; the right kernel
+    again (not verified twice) with a TVMScript one; a generator that hangs (killed at the
+    group's time). Each later task carries the history and the best so far."""
+    _, target = resolve_target("llvm")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    monkeypatch.setenv("GIMLET_TEST_TASKS", str(tasks))
+    generator = Generator(scripted("good+wrong", "malformed", "notlist", "exit", "good+tvmscript", "hang"),
+                          rounds=6, seconds=5)
+    tried, lines, verified = [], [], []
+
+    def verify(cid):
+        verified.append(cid)
+        return run_candidate(dict(_request(target), candidate=cid, generated_dir=str(tmp_path / "kernels")), 120)
+
+    rounds = generate(WEIGHT_SIG, target, generator, str(tmp_path / "kernels"), verify, tried, lines.append)
+    assert [r.round for r in rounds] == [1, 2, 3, 4, 5, 6]
+    good, wrong = rounds[0].candidates
+    assert re.fullmatch(r"generator:good_[0-9a-f]{12}", good) and wrong.startswith("generator:wrong_")
+    outcomes = {t.id: t for t in tried}
+    assert outcomes[good].verified and outcomes[good].verdict == "ok" and outcomes[good].seconds > 0
+    assert outcomes[wrong].verdict == "wrong result" and "max abs error 1 >" in outcomes[wrong].reason
+    assert rounds[1].failure.startswith("malformed output (not JSON")
+    assert rounds[2].failure == "malformed output: $: expected array, got dict"
+    assert rounds[3].failure == "exited with code 3: generator gave up"
+    assert rounds[4].candidates[0] == good and not rounds[4].failure
+    assert outcomes[rounds[4].candidates[1]].verified  # the TVMScript GEMM
+    assert rounds[5].failure.startswith("timed out after") and rounds[5].seconds < 5
+    assert len(verified) == 3 == len(tried)  # the repeated kernel was not verified again
+    assert any("generator round 4 failed: exited with code 3" in line for line in lines)
+
+    saved = {int(p.stem[5:]): json.loads(p.read_text()) for p in tasks.glob("round*.json")}
+    assert sorted(saved) == [1, 2, 3, 4, 5, 6]
+    assert all(protocol_errors(t, "task") == [] for t in saved.values())
+    assert saved[1]["best"] is None and saved[1]["history"] == []
+    (first,) = saved[2]["history"]
+    assert [(a["verdict"], a["format"]) for a in first["attempts"]] == [("ok", "c"), ("wrong result", "c")]
+    assert saved[2]["best"]["candidate"] == good and "void kernel" in saved[2]["best"]["source"]
+    assert [h["failure"][:16] for h in saved[6]["history"]] == ["", "malformed output", "malformed output",
+                                                                 "exited with code", ""]
+
+
+def test_generator_answers_only_in_the_formats_offered(tmp_path):
+    """C is offered for float32 GEMMs only: C kernels for a float16 GEMM fail the round, and
+    nothing is built or verified."""
+    _, target = resolve_target("llvm")
+    half = OpSignature("matmul", ((M, K), (K, N)), "float16", weight=True)
+    assert task(half, target, 1, 1, None, [])["formats"] == ["tvmscript"]
+    tried = []
+    rounds = generate(half, target, Generator(scripted("good")), str(tmp_path), lambda cid: pytest.fail(cid),
+                      tried, lambda line: None)
+    assert rounds[0].failure == "format 'c' is not accepted here (only tvmscript)" and not tried
+    with pytest.raises(GimletError, match="at least one round"):
+        Generator("true", rounds=0)
+
+
+@pytest.mark.slow  # about 140 s on 2 shared cores: every standard candidate is verified and raced too
+def test_select_with_a_generator_builds_its_winner(cli, tmp_path):
+    """`gimlet-tvm select --generator`: the generator's kernels are tried beside the others,
+    listed with their verdicts and rounds in the table and the records, and a build restricted
+    to the generator's kernels runs its winner."""
+    model_path = tmp_path / "matmul.onnx"
+    onnx.save(_matmul_model(), model_path)
+    records = tmp_path / "records"
+    code, out, err = cli("select", str(model_path), "--records", str(records), "--input-shape", f"x={M},{K}",
+                         "--generator", scripted("wrong", "good"), "--rounds", "2", "--per-group-seconds", "60")
+    assert code == 0, err
+    assert re.search(r"generator:wrong_\w+ +no: wrong result at", out), out
+    assert re.search(r"generator:good_\w+ +yes +[0-9.]+", out), out
+    assert re.search(r"generator round 1 \([0-9.]+ s\): 1 candidates", out), out
+    stored = json.loads((records / SELECTION_FILE).read_text())
+    (choice,) = next(iter(stored["targets"].values()))["ops"].values()
+    assert [len(r["candidates"]) for r in choice["generator_rounds"]] == [1, 1]
+    verdicts = {t["id"].split("_")[0]: t["verdict"] for t in choice["tried"] if t["id"].startswith("generator:")}
+    assert verdicts == {"generator:wrong": "wrong result", "generator:good": "ok"}
+    assert (records / "generated_kernels" / "kernels.json").is_file()
+
+    _, target = resolve_target("llvm")
+    only_generated = KernelSelection.load(records, target).restricted_to("generator")
+    assert next(iter(only_generated.choices.values())).winner.startswith("generator:good_")
+    model = gimlet_tvm.build(model_path, "llvm", input_shapes={"x": [M, K]}, selection=only_generated)
+    x = np.random.default_rng(8).standard_normal((M, K)).astype(np.float32)
+    want = x @ onnx.numpy_helper.to_array(_matmul_model().graph.initializer[0])
+    np.testing.assert_allclose(model(x)[0], want, rtol=1e-4, atol=1e-4)
+
+
+def _linear_relu_model(m: int, k: int, n: int) -> onnx.ModelProto:
+    """x @ w + bias, then ReLU: one GEMM op group with a bias + ReLU epilogue."""
+    rng = np.random.default_rng(9)
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), name)
+             for name, s in (("w", (k, n)), ("bias", (n,)))]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "bias"], ["z"]),
+             helper.make_node("Relu", ["z"], ["y"])]
+    graph = helper.make_graph(nodes, "linear_relu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.slow  # about 100 s on 2 shared cores: five kernels verified and timed, one model built
+def test_search_generator_improves_on_its_first_round_and_its_winner_builds(tmp_path):
+    """The bundled search over the C GEMM template, on a linear layer + ReLU: its later rounds
+    (neighbours of its fastest verified kernel, nothing tried twice) beat its first, and the
+    model built with its winner computes what numpy does."""
+    m, k, n = 48, 128, 128
+    proto = _linear_relu_model(m, k, n)
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(proto, {})
+    (sig,) = op_signatures(mod, target)
+    assert [kind for kind, _ in sig.epilogue] == ["add", "relu"]
+    directory = str(tmp_path / "kernels")
+    request = dict(_request(target), signature=sig.to_json(), generated_dir=directory)
+    tried = []
+    rounds = generate(sig, target, Generator.named("search", rounds=2, seconds=60), directory,
+                      lambda cid: run_candidate(dict(request, candidate=cid), 120), tried, lambda line: None)
+    assert not any(r.failure for r in rounds), rounds
+    outcomes = {t.id: t for t in tried}
+    names = [cid for r in rounds for cid in r.candidates]
+    assert len(names) == len(set(names)) == len(tried)  # nothing proposed twice
+    assert all(t.verified for t in tried), [(t.id, t.reason) for t in tried if not t.verified]
+    first = min(outcomes[cid].seconds for cid in rounds[0].candidates)
+    later = min(outcomes[cid].seconds for r in rounds[1:] for cid in r.candidates)
+    assert later < first, (first, later)
+
+    winner = min(tried, key=lambda t: t.seconds)
+    selection = KernelSelection(target_key(target), {sig.key: OpChoice(sig, tried, winner.id)},
+                                generated_dir=directory)
+    model = gimlet_tvm.build(proto, "llvm", selection=selection)
+    assert f"generator_{winner.id.split(':')[1]}" in model._module.as_text()  # pylint: disable=protected-access
+    x = np.random.default_rng(10).standard_normal((m, k)).astype(np.float32)
+    w, bias = (onnx.numpy_helper.to_array(init) for init in proto.graph.initializer)
+    np.testing.assert_allclose(model(x)[0], np.maximum(x @ w + bias, 0), rtol=1e-4, atol=1e-4)
+
+
+def _verify_in(directory: Path, target, timeout: float):
+    request = dict(_request(target), generated_dir=str(directory))
+    return lambda cid: run_candidate(dict(request, candidate=cid), timeout)
+
+
+def test_unsafe_and_wrong_generated_kernels_are_rejected_with_their_reason(tmp_path):
+    """One round of a right kernel, one that never writes its first output element and one that
+    calls fork(): each bad one rejected with its own reason (the fork before it is ever run),
+    and only the right one verified. (One off by one element: the rounds test above.)"""
+    _, target = resolve_target("llvm")
+    tried = []
+    generate(WEIGHT_SIG, target, Generator(scripted("good+uninit+fork"), rounds=1), str(tmp_path),
+             _verify_in(tmp_path, target, 120), tried, lambda line: None)
+    outcomes = {t.id.split(":")[1].split("_")[0]: t for t in tried}
+    assert outcomes["good"].verified and outcomes["good"].verdict == "ok"
+    assert outcomes["uninit"].verdict == "uninitialised output"
+    assert "1 of 200 elements keep what the output buffer held (first at (0, 0))" in outcomes["uninit"].reason
+    assert outcomes["fork"].verdict == "unsafe" and "calls fork: a kernel may call" in outcomes["fork"].reason
+    assert [t.id for t in tried if t.verified] == [outcomes["good"].id]
+
+
+def test_generated_kernel_that_never_returns_is_rejected_as_a_timeout(tmp_path):
+    """An endless loop is killed at the candidate's time (with its process group)."""
+    _, target = resolve_target("llvm")
+    tried = []
+    generate(WEIGHT_SIG, target, Generator(scripted("loop"), rounds=1), str(tmp_path),
+             _verify_in(tmp_path, target, 30), tried, lambda line: None)
+    (loop,) = tried
+    assert loop.verdict == "timeout" and loop.reason.startswith("timed out after 30 s"), loop.reason
+
+
+def test_kernel_that_does_not_propagate_nan_is_rejected(tmp_path):
+    """A TVMScript GEMM that clamps its output at +-1e30 (so NaN becomes a number and Inf a
+    finite value) passes the random inputs but not the NaN/Inf ones."""
+    _, target = resolve_target("llvm")
+    clamped = TVMSCRIPT_CLAMPED.format(m=M, k=K, n=N)
+    name = add_kernel(str(tmp_path), WEIGHT_SIG, "llvm", "tvmscript", clamped, "clamped")
+    outcome = _verify_in(tmp_path, target, 120)(f"generator:{name}")
+    assert outcome.verdict == "wrong result" and "on NaN/Inf inputs" in outcome.reason, outcome.reason
+
+
+def test_tvmscript_kernel_calling_outside_functions_is_unsafe(tmp_path):
+    """TVMScript may call libm (expf) but not, say, system()."""
+    _, target = resolve_target("llvm")
+    calls = TVMSCRIPT_CALLING.format(m=M, k=K, n=N)
+    name = add_kernel(str(tmp_path), WEIGHT_SIG, "llvm", "tvmscript", calls, "calls")
+    with pytest.raises(UnsafeKernelError, match="calls system: a kernel may call"):
+        find(f"generator:{name}", WEIGHT_SIG, target, generated_dir=str(tmp_path)).kernel(WEIGHT_SIG)
+
+
+TVMSCRIPT_CLAMPED = """
+# from tvm.script import tirx as T
+
+@T.prim_func
+def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
+         c: T.Buffer(({m}, {n}), "float32")):
+    T.func_attr({{"tir.noalias": True, "tirx.is_scheduled": True}})
+    for i, j in T.grid({m}, {n}):
+        c[i, j] = T.float32(0)
+        for kk in range({k}):
+            c[i, j] = c[i, j] + a[i, kk] * b[kk, j]
+        c[i, j] = T.min(T.max(c[i, j], T.float32(-1e30)), T.float32(1e30))
+"""
+TVMSCRIPT_CALLING = """
+# from tvm.script import tirx as T
+
+@T.prim_func
+def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
+         c: T.Buffer(({m}, {n}), "float32")):
+    T.func_attr({{"tir.noalias": True, "tirx.is_scheduled": True}})
+    for i, j in T.grid({m}, {n}):
+        c[i, j] = T.call_pure_extern("float32", "expf", T.float32(0))
+        T.evaluate(T.call_extern("int32", "system", "true"))
+"""
+
+
+class _FakeEndpoint(http.server.BaseHTTPRequestHandler):
+    """A chat-completions endpoint replaying `replies` in turn; `requests` keeps what it got."""
+
+    replies: list[str] = []
+    requests: list[tuple[str, str | None, dict]] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.requests.append((self.path, self.headers.get("Authorization"), body))
+        reply = self.replies[len(self.requests) - 1]
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+def test_openai_adapter_gets_the_task_and_its_bad_kernels_are_rejected(tmp_path, monkeypatch):
+    """The bundled adapter against a fake endpoint on 127.0.0.1: it sends the task with the key;
+    the endpoint's wrong, uninitialised-output and forking kernels (in a ```json block) are
+    rejected with their reasons, a reply with no JSON is a failed round, and its right kernel
+    (bare JSON) is verified."""
+    from .scripted_generator import kernel
+
+    gemm = {"m": M, "n": N, "k": K}
+    handler = type("Endpoint", (_FakeEndpoint,), {"requests": [], "replies": [
+        "Here are three:\n```json\n" + json.dumps([kernel(p, gemm) for p in ("wrong", "uninit", "fork")]) + "\n```",
+        "I am sorry, I cannot write kernels.",
+        json.dumps([kernel("good", gemm)])]})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("FAKE_KEY", "test-key")
+    try:
+        _, target = resolve_target("llvm")
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        generator = Generator.named(f"openai --url {url} --model fake-coder --key-env FAKE_KEY", rounds=3, seconds=60)
+        tried = []
+        rounds = generate(WEIGHT_SIG, target, generator, str(tmp_path), _verify_in(tmp_path, target, 120), tried,
+                          lambda line: None)
+    finally:
+        server.shutdown()
+    assert handler.requests, rounds
+    path, auth, body = handler.requests[0]
+    assert path == "/v1/chat/completions" and auth == "Bearer test-key" and body["model"] == "fake-coder"
+    sent = json.loads(body["messages"][1]["content"])
+    assert sent["group"]["key"] == WEIGHT_SIG.key and sent["round"] == 1 and protocol_errors(sent, "task") == []
+    later = json.loads(handler.requests[2][2]["messages"][1]["content"])
+    assert [a["verdict"] for a in later["history"][0]["attempts"]] == ["wrong result", "uninitialised output",
+                                                                      "unsafe"]
+    assert rounds[1].failure.startswith("malformed output (not JSON")
+    verdicts = {t.id.split(":")[1].split("_")[0]: t.verdict for t in tried}
+    assert verdicts == {"wrong": "wrong result", "uninit": "uninitialised output", "fork": "unsafe", "good": "ok"}
