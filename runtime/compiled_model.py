@@ -17,6 +17,7 @@ from ..carriers import from_carrier
 from ..errors import ArtifactError, GimletError, TargetUnavailableError, summary
 from ..io_spec import IOSpec, TensorSpec
 from . import artifact
+from .index_checks import input_error
 from .libraries import target_runtimes
 from .placement_report import PlacementReport
 from .remote import RemoteDevice, RemoteModel
@@ -60,7 +61,9 @@ class CompiledModel:
 
     `model(*arrays)` returns the outputs as a list of numpy arrays in the model's output
     order; `model.run({name: array})` returns `{name: array}`. Inputs are checked against the
-    model's interface first: a wrong name, shape or dtype raises `InputError` naming it.
+    model's interface first: a wrong name, shape or dtype raises `InputError` naming it; so
+    does an index outside its axis, found by the kernel that reads it (the op, the input and
+    the value named; the model stays usable).
     """
 
     def __init__(
@@ -137,7 +140,13 @@ class CompiledModel:
 
     def _execute(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         entry = self._entry()
-        result = entry(*device_tensors(arrays, self.device), *self._weights)
+        try:
+            result = entry(*device_tensors(arrays, self.device), *self._weights)
+        except IndexError as err:  # a kernel's index check (relax_passes.checked_indexing)
+            error = input_error(err, dict(zip(self.input_names, arrays)))
+            if error is None:
+                raise
+            raise error from None
         flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
         return [from_carrier(to_numpy(value), spec.dtype)
                 for value, spec in zip(flat, self.outputs)]
