@@ -73,6 +73,7 @@ def graph_passes() -> list[tvm.transform.Pass]:
 
 def kernel_passes(
     devices: Sequence[BuildDevice], selection: tvm.transform.Pass | None = None,
+    checked_indices: bool = True,
 ) -> list[tvm.transform.Pass]:
     """Graph (placed already, with several devices) to fused TIR kernels, each tagged with the
     target that compiles it; first each target's fixes of library kernels (`TargetSpec.
@@ -80,14 +81,14 @@ def kernel_passes(
     library passes. Sorts (`R.argsort`, which LegalizeOps does not lower) become TOPI's kernel
     for each op's target: the generic one on CPUs, the GPU one on targets keyed "gpu".
     Gathers and scatters with run-time indices get bounds-checked kernels unless
-    `$GIMLET_TVM_INDEX_CHECKS` is 0."""
+    `checked_indices` is False or `$GIMLET_TVM_INDEX_CHECKS` is 0."""
     return [
         *[_fix_library_kernels(spec) for spec, _ in devices],
         *graph_passes(),
         *([selection] if selection is not None else []),
         *[p for spec, _ in devices for p in library_passes(spec)],
         relax.backend.DispatchSortScan(),
-        *([CheckedIndexing()] if index_checks() else []),
+        *([CheckedIndexing()] if checked_indices and index_checks() else []),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
@@ -121,12 +122,13 @@ def device_pipeline(
     tuned: ApplyRecords | None = None,
     memory: RecordPlannedMemory | None = None,
     selection: tvm.transform.Pass | None = None,
+    checked_indices: bool = True,
 ) -> tvm.transform.Pass:
     """The whole Relax pipeline; `devices[0]` compiles the kernels no device claimed.
 
     Each target's kernels get its default schedule rules; `tuned` schedules the first
-    target's kernels that have tuning records; `memory` records the memory plan. Target
-    specifics come from the specs alone.
+    target's kernels that have tuning records; `memory` records the memory plan;
+    `checked_indices` as for `kernel_passes`. Target specifics come from the specs alone.
     """
     default = devices[0][1]
 
@@ -135,7 +137,7 @@ def device_pipeline(
         return [dlight.ApplyDefaultSchedule(*rules)] if rules else []
 
     passes = [
-        *kernel_passes(devices, selection),
+        *kernel_passes(devices, selection, checked_indices),
         *([PerTarget([default], default, lambda target: [tuned])] if tuned is not None else []),
         PerTarget([target for _, target in devices], default, schedule),
         *generic_pipeline.dataflow_lower_passes(default),

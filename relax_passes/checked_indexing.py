@@ -49,17 +49,18 @@ _SAME_VALUES_MOVED = ("relax.reshape", "relax.expand_dims", "relax.squeeze", "re
 
 @dataclasses.dataclass
 class _Checks:
-    """What a kernel's index reads must satisfy, gathered while its compute is written.
+    """How one kernel treats the indices it reads.
 
     `raises`: assert (CPU kernels) rather than clamp (device kernels). `wraps`: the kernel
-    maps a negative index to index + extent itself (else the importer did). Each `index`
-    call returns the index expression the compute uses."""
+    maps a negative index to index + extent itself (else the importer did). `index` is the
+    index expression the compute uses, `condition` what the assert requires of a read."""
 
     raises: bool
     wraps: bool
     dtype: str  # the indices' element type
 
     def index(self, value: tirx.Expr, extent: tirx.Expr) -> tirx.Expr:
+        """`value` wrapped if the kernel wraps, clamped into [0, extent) if it cannot raise."""
         extent = extent.astype(self.dtype)
         if self.wraps and not self.dtype.startswith("uint"):
             value = tirx.Select(value < tirx.const(0, self.dtype), value + extent, value)
@@ -116,8 +117,8 @@ def _take(checks: _Checks, call: relax.Call):
         shape = [*data.shape[:axis_], *indices.shape, *data.shape[axis_ + 1:]]
 
         def element(*i):
-            index = checks.index(indices[i[axis_:axis_ + rank]], data.shape[axis_])
-            return data[(*i[:axis_], index, *i[axis_ + rank:])]
+            index = checks.index(indices(*i[axis_:axis_ + rank]), data.shape[axis_])
+            return data(*i[:axis_], index, *i[axis_ + rank:])
         return te.compute(shape, element, name="checked_take", tag="injective")
 
     def sites(data: te.Tensor, indices: te.Tensor) -> Sites:
@@ -133,8 +134,8 @@ def _gather_elements(checks: _Checks, call: relax.Call):
         axis_ = axis % len(data.shape)
 
         def element(*i):
-            index = checks.index(indices[i], data.shape[axis_])
-            return data[(*i[:axis_], index, *i[axis_ + 1:])]
+            index = checks.index(indices(*i), data.shape[axis_])
+            return data(*i[:axis_], index, *i[axis_ + 1:])
         return te.compute(indices.shape, element, name="checked_gather_elements", tag="injective")
 
     def sites(data: te.Tensor, indices: te.Tensor) -> Sites:
@@ -151,8 +152,8 @@ def _gather_nd(checks: _Checks, call: relax.Call):
         shape = [*indices.shape[:-1], *data.shape[batch + slots:]]
 
         def element(*i):
-            coords = [checks.index(indices[(*i[:outer], j)], data.shape[batch + j]) for j in range(slots)]
-            return data[(*i[:batch], *coords, *i[outer:])]
+            coords = [checks.index(indices(*i[:outer], j), data.shape[batch + j]) for j in range(slots)]
+            return data(*i[:batch], *coords, *i[outer:])
         return te.compute(shape, element, name="checked_gather_nd", tag="injective")
 
     def sites(data: te.Tensor, indices: te.Tensor) -> Sites:
@@ -165,7 +166,7 @@ def _gather_nd(checks: _Checks, call: relax.Call):
 def _checked_indices(checks: _Checks, indices: te.Tensor, extent_of: Callable[[tirx.Expr], tirx.Expr]) -> te.Tensor:
     """The indices, each checked (or clamped) against `extent_of(its position's last index)`:
     the first block of a scatter kernel."""
-    return te.compute(indices.shape, lambda *i: checks.index(indices[i], extent_of(i[-1])),
+    return te.compute(indices.shape, lambda *i: checks.index(indices(*i), extent_of(i[-1])),
                       name="checked_indices")
 
 
