@@ -40,6 +40,9 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..runtime.index_checks import check_message
 
+# The annotation on a checked block: how many of its innermost iteration axes the index check
+# does not depend on, the only ones a schedule may vectorize (schedules/rules/cpu/base.py).
+FREE_AXES_ANNOTATION = "gimlet.index_check_free_axes"
 _INJECTIVE = 2  # TVM's OpPatternKind kInjective: FuseOps fuses it with elementwise neighbours
 # Ops that pass index values through unchanged (only their positions may move).
 _SAME_VALUES = ("relax.astype",)
@@ -313,29 +316,41 @@ def _checkable(call: relax.Call) -> bool:
 def _with_asserts(func: tirx.PrimFunc, block: str, indices: str, sites: Sites, checks: _Checks,
                   message: str) -> tirx.PrimFunc:
     """`func` with an assert opening the body of its block `block`: every index the block
-    reads from buffer `indices` (at `sites` of its iteration variables) lies in its axis."""
-    def check(found: s_tir.SBlock) -> tirx.Stmt:
+    reads from buffer `indices` (at `sites` of its iteration variables) lies in its axis.
+
+    The block is annotated with how many of its innermost iteration axes the assert does not
+    depend on (`FREE_AXES_ANNOTATION`): only those may be vectorized, since LLVM cannot branch
+    on a vector of conditions."""
+    def check(found: s_tir.SBlock) -> s_tir.SBlock:
         buffer = next(region.source for region in found.reads if region.source.name == indices)
-        conditions = [checks.condition(tirx.BufferLoad(buffer, positions), extent)
-                      for positions, extent in sites([iv.var for iv in found.iter_vars])]
+        iter_vars = [iv.var for iv in found.iter_vars]
+        checked = sites(iter_vars)
+        conditions = [checks.condition(tirx.BufferLoad(buffer, positions), extent) for positions, extent in checked]
         condition = conditions[0]
         for more in conditions[1:]:
             condition = tirx.And(condition, more)
         # TVM 0.27's Python AssertStmt passes its arguments in the wrong order to the FFI
         # constructor, which takes (condition, kind, message parts).
         assertion = tirx.AssertStmt(condition, tvm.ir.StringImm("IndexError"), [tvm.ir.StringImm(message)])
-        return tirx.SeqStmt([assertion, found.body])
+        used = [i for i, var in enumerate(iter_vars)
+                if any(position.same_as(var) for positions, _ in checked for position in positions)]
+        free = len(iter_vars) - 1 - max(used, default=-1)
+        return s_tir.SBlock(found.iter_vars, found.reads, found.writes, found.name_hint,
+                            tirx.SeqStmt([assertion, found.body]), found.init, found.alloc_buffers,
+                            found.match_buffers, {**found.annotations, FREE_AXES_ANNOTATION: free})
     return func.with_body(_map_block(func.body, block, check))
 
 
-def _map_block(stmt: tirx.Stmt, name: str, rewrite: Callable[[s_tir.SBlock], tirx.Stmt]) -> tirx.Stmt:
-    """`stmt` with the body of its block `name` replaced by `rewrite(block)`: TE's loop nests
-    of blocks, rebuilt node by node (TVM offers no statement mutator to Python)."""
+def _map_block(stmt: tirx.Stmt, name: str, rewrite: Callable[[s_tir.SBlock], s_tir.SBlock]) -> tirx.Stmt:
+    """`stmt` with its block `name` replaced by `rewrite(block)`: TE's loop nests of blocks,
+    rebuilt node by node (TVM offers no statement mutator to Python)."""
     if isinstance(stmt, s_tir.SBlockRealize):
         return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, _map_block(stmt.block, name, rewrite))
     if isinstance(stmt, s_tir.SBlock):
-        body = rewrite(stmt) if stmt.name_hint == name else _map_block(stmt.body, name, rewrite)
-        return s_tir.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
+        if stmt.name_hint == name:
+            return rewrite(stmt)
+        return s_tir.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint,
+                            _map_block(stmt.body, name, rewrite), stmt.init,
                             stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
     if isinstance(stmt, tirx.For):
         return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, _map_block(stmt.body, name, rewrite),

@@ -14,6 +14,7 @@ import gimlet_tvm
 from gimlet_tvm.compiler import INDEX_CHECKS_ENV, fusion_passes
 from gimlet_tvm.errors import InputError
 from gimlet_tvm.frontend import import_model
+from gimlet_tvm.schedules.rules.cpu.injective import Injective
 from gimlet_tvm.targets import lookup
 
 from .conftest import assert_matches, load_script, onnxruntime_outputs
@@ -142,6 +143,29 @@ def test_checked_lookup_fuses_with_its_neighbour() -> None:
                if isinstance(func, tvm.tirx.PrimFunc) and "gimlet-index-check" in func.script()]
     assert len(checked) == 1 and "op=Gather input=ids" in checked[0]
     assert "T.max" in checked[0]  # the Relu, in the same kernel
+
+
+def _checked_kernel(model: onnx.ModelProto) -> tuple[tvm.tirx.PrimFunc, tvm.target.Target]:
+    mod, _ = import_model(model)
+    spec, _ = lookup("llvm")
+    target = spec.make_target()
+    with target:
+        fused = tvm.transform.Sequential(fusion_passes(spec, target))(mod)
+    func = next(func for _, func in fused.functions_items()
+                if isinstance(func, tvm.tirx.PrimFunc) and "gimlet-index-check" in func.script())
+    return func, target
+
+
+@pytest.mark.parametrize("make, vectorized", [(embedding, True), (gather_elements, False)])
+def test_checks_keep_the_axes_they_do_not_read_vectorized(make, vectorized) -> None:
+    """LLVM cannot branch on a vector of conditions, so a checked kernel is vectorized only
+    along the axes its check does not read: the embedding's row copy is, GatherElements (one
+    index per element) is not, and both compile."""
+    func, target = _checked_kernel(make())
+    scheduled = Injective().apply(func, target, False)
+    assert scheduled is not None
+    assert ("T.vectorized" in scheduled.mod.script()) == vectorized
+    tvm.compile(scheduled.mod["main"].with_attr("global_symbol", "main"), target)
 
 
 def test_checks_can_be_turned_off(monkeypatch) -> None:
