@@ -14,9 +14,11 @@ where onnxruntime raises INVALID_ARGUMENT.
    branch to an early return with an `IndexError`, which the VM raises in Python; the
    message (`runtime.index_checks.check_message`) names the ONNX op and the model input the
    indices came from, and the run turns it into `InputError` with the offending value. The
-   gathers keep their op pattern (injective), so FuseOps still fuses them with their
-   neighbours and the check runs inside the fused kernel; the scatters (opaque kernels
-   already) check their indices in a first block of their own kernel.
+   gathers are marked injective (TVM calls its own unchecked ones opaque), so FuseOps fuses
+   them with their neighbours and the check runs inside the fused kernel; those whose shapes
+   need symbolic values passed in (an axis of `end - begin`, given as extra arguments), which
+   FuseTIR cannot fuse, are marked opaque. The scatters (opaque kernels) check their indices in a first block of
+   their own kernel.
 3. Negative indices: the importer wraps them (idx + extent) before Gather, GatherElements,
    GatherND and ScatterND, so those kernels accept [0, extent); ScatterElements' kernel wraps
    them itself and accepts [-extent, extent). Either way ONNX's valid range.
@@ -44,6 +46,7 @@ from ..runtime.index_checks import check_message
 # does not depend on, the only ones a schedule may vectorize (schedules/rules/cpu/base.py).
 FREE_AXES_ANNOTATION = "gimlet.index_check_free_axes"
 _INJECTIVE = 2  # TVM's OpPatternKind kInjective: FuseOps fuses it with elementwise neighbours
+_OPAQUE = 8  # kOpaque: FuseOps leaves it alone
 # Ops that pass index values through unchanged (only their positions may move).
 _SAME_VALUES = ("relax.astype",)
 _SAME_VALUES_MOVED = ("relax.reshape", "relax.expand_dims", "relax.squeeze", "relax.flatten",
@@ -271,7 +274,8 @@ class _Rewriter(PyExprMutator):  # pylint: disable=abstract-method
             message = check_message(op.onnx, self._source(_indices_arg(call), op.per), extents, op.per)
             func = _with_asserts(func, kernel.block, indices.name, kernel.sites(data, indices), checks, message)
         if op.injective:
-            func = func.with_attr("op_pattern", _INJECTIVE)
+            symbolic_args = len(lowered.args[1].fields) > len(call.args)
+            func = func.with_attr("op_pattern", _OPAQUE if symbolic_args else _INJECTIVE)
         self.builder_.update_func(g_var, func)
         # The call's own type: the kernel's output keeps the call's virtual device, if any.
         return relax.call_tir(g_var, lowered.args[1], call.ty)
