@@ -34,8 +34,10 @@ where onnxruntime raises INVALID_ARGUMENT.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
+import numpy as np
 import tvm
 from tvm import relax, s_tir, te, tirx, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -333,16 +335,46 @@ def _with_asserts(func: tirx.PrimFunc, block: str, indices: str, sites: Sites, c
         condition = conditions[0]
         for more in conditions[1:]:
             condition = tirx.And(condition, more)
-        # TVM 0.27's Python AssertStmt passes its arguments in the wrong order to the FFI
-        # constructor, which takes (condition, kind, message parts).
-        assertion = tirx.AssertStmt(condition, tvm.ir.StringImm("IndexError"), [tvm.ir.StringImm(message)])
         used = [i for i, var in enumerate(iter_vars)
                 if any(position.same_as(var) for positions, _ in checked for position in positions)]
         free = len(iter_vars) - 1 - max(used, default=-1)
-        return s_tir.SBlock(found.iter_vars, found.reads, found.writes, found.name_hint,
-                            tirx.SeqStmt([assertion, found.body]), found.init, found.alloc_buffers,
-                            found.match_buffers, {**found.annotations, FREE_AXES_ANNOTATION: free})
+        return _asserting(found, condition, message, free)
     return func.with_body(_map_block(func.body, block, check))
+
+
+def _asserting(block: s_tir.SBlock, condition: tirx.Expr, message: str, free_axes: int,
+               reads: Sequence[tirx.BufferRegion] = ()) -> s_tir.SBlock:
+    """`block` opening with an assert of `condition` (raising `IndexError: message`), reading
+    `reads` too, annotated with the innermost axes the condition does not depend on."""
+    # TVM 0.27's Python AssertStmt passes its arguments in the wrong order to the FFI
+    # constructor, which takes (condition, kind, message parts).
+    assertion = tirx.AssertStmt(condition, tvm.ir.StringImm("IndexError"), [tvm.ir.StringImm(message)])
+    return s_tir.SBlock(block.iter_vars, [*block.reads, *reads], block.writes, block.name_hint,
+                        tirx.SeqStmt([assertion, block.body]), block.init, block.alloc_buffers,
+                        block.match_buffers, {**block.annotations, FREE_AXES_ANNOTATION: free_axes})
+
+
+def require(bb: relax.BlockBuilder, value: relax.Expr, ok: relax.Expr, message: str) -> relax.Expr:
+    """`value` passed on by a kernel that first asserts every element of the bool tensor `ok`
+    (of static shape): how converters check what only the run knows (a size, a step) before
+    anything computes with it. Whatever uses the check's result runs after it; `message` is
+    `runtime.index_checks.value_check_message`'s, which a run turns into `InputError`."""
+    flags_shape = [int(dim) for dim in ok.ty.shape]
+
+    def compute(values: te.Tensor, _flags: te.Tensor) -> te.Tensor:
+        return te.compute(values.shape, lambda *i: values(*i), name="checked_values")
+    call = bb.call_te(compute, value, ok, primfunc_name_hint="checked_values")
+    g_var = call.args[0]
+    func = bb.get()[g_var]
+    flags = func.params[1]  # a buffer-typed parameter: loads and regions take it as the buffer
+    condition = functools.reduce(tirx.And, [tirx.BufferLoad(flags, [tirx.const(i, "int64") for i in at])
+                                            for at in np.ndindex(*flags_shape)], tirx.const(True, "bool"))
+    region = tirx.BufferRegion(flags, [tvm.ir.Range.from_min_extent(0, dim) for dim in flags_shape])
+
+    def check(found: s_tir.SBlock) -> s_tir.SBlock:
+        return _asserting(found, condition, message, len(found.iter_vars), [region])
+    bb.update_func(g_var, func.with_body(_map_block(func.body, "checked_values", check)))
+    return bb.emit(call)
 
 
 def _map_block(stmt: tirx.Stmt, name: str, rewrite: Callable[[s_tir.SBlock], s_tir.SBlock]) -> tirx.Stmt:

@@ -14,7 +14,7 @@ from tvm.runtime.vm import VirtualMachine
 
 from .. import __version__
 from ..carriers import from_carrier
-from ..errors import ArtifactError, GimletError, TargetUnavailableError, summary
+from ..errors import ArtifactError, GimletError, InputError, TargetUnavailableError, summary
 from ..io_spec import IOSpec, TensorSpec
 from . import artifact
 from .index_checks import input_error
@@ -142,14 +142,19 @@ class CompiledModel:
         entry = self._entry()
         try:
             result = entry(*device_tensors(arrays, self.device), *self._weights)
-        except IndexError as err:  # a kernel's index check (relax_passes.checked_indexing)
+            flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
+            return [from_carrier(to_numpy(value), spec.dtype)
+                    for value, spec in zip(flat, self.outputs)]
+        except GimletError:
+            raise
+        except Exception as err:  # pylint: disable=broad-except
+            # A kernel's check of run-time values (relax_passes.checked_indexing), raised
+            # directly or wrapped by a parallel loop's task; else the inputs, valid in
+            # shape and dtype, carry values the model cannot run on (a size past memory).
             error = input_error(err, dict(zip(self.input_names, arrays)))
-            if error is None:
-                raise
-            raise error from None
-        flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
-        return [from_carrier(to_numpy(value), spec.dtype)
-                for value, spec in zip(flat, self.outputs)]
+            if error is not None:
+                raise error from None
+            raise InputError(f"running the model on these inputs failed: {summary(err)}") from err
 
     def benchmark(
         self,

@@ -1,5 +1,6 @@
 """What a failed index check in a kernel means: the message the kernel raises, and the
-`InputError` a run turns it into.
+`InputError` a run turns it into; the same for a converter's check of other run-time values
+(a size, a step: `value_check_message`).
 
 `relax_passes.checked_indexing` compiles every index a kernel reads from a run-time tensor
 with a bounds check that raises `IndexError` with a constant message (`check_message`). The
@@ -20,6 +21,8 @@ from ..errors import InputError
 
 _TAG = "gimlet-index-check"
 _PATTERN = re.compile(rf"{_TAG} op=(\w+) input=(\S*) extents=(\S+) per=(axis|element)")
+_VALUE_TAG = "gimlet-value-check"
+_VALUE_PATTERN = re.compile(rf"{_VALUE_TAG} op=(\w+) problem=([^\n']*)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,13 @@ def check_message(op: str, source: str | None, extents: Sequence[int | None], pe
     return f"{_TAG} op={op} input={source or ''} extents={listed} per={per}"
 
 
+def value_check_message(op: str, problem: str) -> str:
+    """The constant message a converter's check of run-time values raises (`relax_passes.
+    checked_indexing.require`): the op and what its values must satisfy."""
+    assert "'" not in problem and "\n" not in problem, "the message is read back up to a quote or a line end"
+    return f"{_VALUE_TAG} op={op} problem={problem}"
+
+
 def parse(text: str) -> FailedCheck | None:
     """The failed check an error message names, or None when it is not one of ours."""
     found = _PATTERN.search(text)
@@ -73,7 +83,12 @@ def parse(text: str) -> FailedCheck | None:
 def input_error(err: BaseException, inputs: Mapping[str, np.ndarray]) -> InputError | None:
     """The `InputError` for a kernel's failed index check (`inputs`: the run's inputs by
     name), or None when `err` is something else."""
-    failed = parse(str(err))
+    text = str(err)
+    value_check = _VALUE_PATTERN.search(text)
+    if value_check is not None:
+        op, problem = value_check.groups()
+        return InputError(f"{op}: {problem} (values given or computed at run time)")
+    failed = parse(text)
     if failed is None:
         return None
     what = f"{failed.op}: an index is outside the indexed axis"

@@ -225,3 +225,93 @@ def test_device_kernels_clamp_instead(compiled) -> None:
     table = onnx.numpy_helper.to_array(model.graph.initializer[0])
     np.testing.assert_allclose(rows[0, 0], np.maximum(table[49], 0), rtol=1e-6)
     np.testing.assert_allclose(rows[1, 1], np.maximum(table[0], 0), rtol=1e-6)
+
+
+def _one_node(op: str, inputs, output_rank: int, outputs=("y",), **attrs) -> onnx.ModelProto:
+    """One `op` node over `inputs` ((name, type, shape)), outputs of rank `output_rank`."""
+    node = helper.make_node(op, [name for name, *_ in inputs], list(outputs), **attrs)
+    types = {"y": FLOAT, "i": INT64}
+    return _model([node], inputs, [(name, types.get(name, FLOAT), [f"{name}{k}" for k in range(output_rank)])
+                                   for name in outputs])
+
+
+_X = ("x", FLOAT, [3, 4])
+_X4 = ("x", FLOAT, [1, 1, 3, 4])
+_SHAPE = ("s", INT64, [2])
+# Ops whose sizes, steps or counts come from run-time tensors: model, good values of the
+# run-time inputs (x is random), bad values, the error's words. ONNX (and onnxruntime)
+# rejects each bad value; before these checks some crashed the process (SIGFPE on a Slice step
+# or Range delta of 0), read outside the input (a Reshape to another element count, an
+# incompatible Expand) or died of std::bad_alloc.
+SIZE_CASES = {
+    "Slice step 0": (_one_node("Slice", [_X, ("b", INT64, [1]), ("e", INT64, [1]), ("a", INT64, [1]),
+                                         ("t", INT64, [1])], 2),
+                     {"b": [-100], "e": [100], "a": [1], "t": [2]}, {"t": [0]}, "Slice: a step is 0"),
+    "Slice axis": (_one_node("Slice", [_X, ("b", INT64, [1]), ("e", INT64, [1]), ("a", INT64, [1])], 2),
+                   {"b": [1], "e": [3], "a": [-1]}, {"a": [2]}, "Slice: an axis is outside the 2 dims"),
+    "Reshape count": (_one_node("Reshape", [_X, _SHAPE], 2), {"s": [-1, 6]}, {"s": [5, 5]},
+                      "Reshape: the shape does not fit the input"),
+    "Reshape two -1": (_one_node("Reshape", [_X, _SHAPE], 2), {"s": [0, -1]}, {"s": [-1, -1]},
+                       "Reshape: the shape does not fit the input"),
+    "Expand": (_one_node("Expand", [_X, _SHAPE], 2), {"s": [1, 4]}, {"s": [5, 4]},
+               "Expand: the shape does not broadcast"),
+    "Expand negative": (_one_node("Expand", [_X, _SHAPE], 2), {"s": [3, 1]}, {"s": [-3, 4]},
+                        "Expand: the shape does not broadcast"),
+    "Tile": (_one_node("Tile", [_X, ("r", INT64, [2])], 2), {"r": [2, 1]}, {"r": [-1, 2]},
+             "Tile: a repeat count is negative"),
+    "Pad": (_one_node("Pad", [_X, ("p", INT64, [4])], 2), {"p": [1, -1, 0, 2]}, {"p": [-5, 0, 0, 0]},
+            "pad: a size is negative"),
+    "Resize scale": (_one_node("Resize", [_X4, ("r", FLOAT, [0]), ("c", FLOAT, [4])], 4, mode="nearest"),
+                     {"r": np.zeros(0, np.float32), "c": np.array([1, 1, 2, 0.5], np.float32)},
+                     {"c": np.array([1, 1, 0, 0], np.float32)}, "Resize: a scale is not above 0"),
+    "Resize size": (_model([helper.make_node("Resize", ["x", "", "", "z"], ["y"], mode="nearest")],
+                           [_X4, ("z", INT64, [4])], [("y", FLOAT, ["a", "b", "c", "d"])]),
+                    {"z": [1, 1, 5, 2]}, {"z": [1, 1, -2, 4]}, "resize: a size is negative"),
+    "TopK": (_one_node("TopK", [_X, ("k", INT64, [1])], 2, outputs=("y", "i")), {"k": [3]}, {"k": [9]},
+             r"TopK: k is outside \[0, length of the axis\]"),
+    "TopK negative": (_one_node("TopK", [_X, ("k", INT64, [1])], 2, outputs=("y", "i")), {"k": [0]}, {"k": [-2]},
+                      r"TopK: k is outside"),
+    "OneHot": (_one_node("OneHot", [("i", INT64, [3]), ("d", INT64, [1]), ("v", FLOAT, [2])], 2),
+               {"i": [0, 7, -2], "d": [5], "v": np.array([0, 1], np.float32)}, {"d": [-4]},
+               "onehot: a size is negative"),
+    "ConstantOfShape": (_one_node("ConstantOfShape", [_SHAPE], 2), {"s": [2, 3]}, {"s": [-2, 3]},
+                        "ConstantOfShape: a size is negative"),
+    "Range": (_model([helper.make_node("Range", ["a", "b", "c"], ["y"])], [("a", INT64, []), ("b", INT64, []),
+                                                                          ("c", INT64, [])], [("y", INT64, ["n"])]),
+              {"a": 0, "b": 5, "c": 2}, {"c": 0}, "Range: delta is 0"),
+}
+
+
+def _feeds(model: onnx.ModelProto, values: dict) -> dict[str, np.ndarray]:
+    """`values` as arrays of the model's input types; a random float `x` where it takes one."""
+    feeds = {}
+    for info in model.graph.input:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type)
+        shape = [d.dim_value for d in info.type.tensor_type.shape.dim]
+        feeds[info.name] = np.asarray(values[info.name], dtype) if info.name in values else _floats(*shape)
+    return feeds
+
+
+@pytest.mark.parametrize("case", list(SIZE_CASES))
+def test_bad_sizes_raise_input_error(case) -> None:
+    """Good values match onnxruntime; a bad one raises InputError naming the op (where
+    onnxruntime rejects it too), and the model runs on."""
+    model, good, bad, words = SIZE_CASES[case]
+    built = gimlet_tvm.build(model, "llvm")
+    feeds = _feeds(model, good)
+    assert_matches(built.run(feeds).values(), onnxruntime_outputs(model, feeds))
+    spoiled = {**feeds, **_feeds(model, {**good, **bad})}
+    with pytest.raises(Exception):
+        onnxruntime_outputs(model, spoiled)
+    with pytest.raises(InputError, match=words):
+        built.run(spoiled)
+    assert_matches(built.run(feeds).values(), onnxruntime_outputs(model, feeds))
+
+
+def test_a_size_past_memory_is_an_input_error() -> None:
+    """Valid in shape and dtype, values whose tensor cannot be allocated: InputError, not a
+    crash (std::bad_alloc inside TVM)."""
+    model, good, _, _ = SIZE_CASES["Tile"]
+    built = gimlet_tvm.build(model, "llvm")
+    with pytest.raises(InputError, match="running the model on these inputs failed"):
+        built.run(_feeds(model, {"r": [1 << 40, 1 << 20]}))
