@@ -15,9 +15,11 @@ where onnxruntime raises INVALID_ARGUMENT.
    message (`runtime.index_checks.check_message`) names the ONNX op and the model input the
    indices came from, and the run turns it into `InputError` with the offending value. The
    gathers are marked injective (TVM calls its own unchecked ones opaque), so FuseOps fuses
-   them with their neighbours and the check runs inside the fused kernel; those whose shapes
-   need symbolic values passed in (an axis of `end - begin`, given as extra arguments), which
-   FuseTIR cannot fuse, are marked opaque. The scatters (opaque kernels) check their indices in a first block of
+   them with their neighbours and the check runs inside the fused kernel; but only those
+   whose output dims are constants or dims of the function's parameters. A dim bound inside
+   the function (a shape computed at run time) may be computed by the very ops FuseOps would
+   fuse with the gather, which it does not see as a dependence (the dim's binding is lost),
+   and an axis of `end - begin` is one FuseTIR cannot take: those stay opaque, as TVM's own. The scatters (opaque kernels) check their indices in a first block of
    their own kernel.
 3. Negative indices: the importer wraps them (idx + extent) before Gather, GatherElements,
    GatherND and ScatterND, so those kernels accept [0, extent); ScatterElements' kernel wraps
@@ -47,6 +49,9 @@ from ..runtime.index_checks import check_message
 # The annotation on a checked block: how many of its innermost iteration axes the index check
 # does not depend on, the only ones a schedule may vectorize (schedules/rules/cpu/base.py).
 FREE_AXES_ANNOTATION = "gimlet.index_check_free_axes"
+# The attribute marking `require`'s kernels, which the pass strips of their assert on devices.
+VALUE_CHECK_ATTR = "gimlet.value_check"
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _INJECTIVE = 2  # TVM's OpPatternKind kInjective: FuseOps fuses it with elementwise neighbours
 _OPAQUE = 8  # kOpaque: FuseOps leaves it alone
 # Ops that pass index values through unchanged (only their positions may move).
@@ -236,6 +241,8 @@ class CheckedIndexing:  # pylint: disable=too-few-public-methods
         for g_var, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 rewriter.inputs = {param.name for param in func.params}
+                rewriter.entry_dims = {dim for param in func.params for dim in _dims(param.ty)
+                                       if isinstance(dim, tirx.Var)}
                 rewriter.builder_.update_func(g_var, rewriter.visit_expr(func))
         return rewriter.builder_.get()
 
@@ -247,6 +254,12 @@ def _raises(call: relax.Call) -> bool:
     return target is None or "cpu" in target.keys
 
 
+def _dims(ty: relax.Type) -> list[tirx.Expr]:
+    """The dims of a tensor type with a known shape, else none."""
+    shape = getattr(ty, "shape", None)
+    return list(shape.values) if isinstance(shape, relax.ShapeExpr) else []
+
+
 def _indices_arg(call: relax.Call) -> relax.Expr:
     return call.args[1]
 
@@ -254,9 +267,12 @@ def _indices_arg(call: relax.Call) -> relax.Expr:
 @mutator
 class _Rewriter(PyExprMutator):  # pylint: disable=abstract-method
     inputs: set[str] = set()
+    entry_dims: set[tirx.Var] = set()
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
+        if call.op.same_as(_CALL_TIR) and not _raises(call):
+            return self._without_value_check(call)
         op = _OPS.get(call.op.name) if isinstance(call.op, tvm.ir.Op) else None
         if op is None or isinstance(_indices_arg(call), tvm.ir.GenericConst) or not _checkable(call):
             return call
@@ -276,11 +292,25 @@ class _Rewriter(PyExprMutator):  # pylint: disable=abstract-method
             message = check_message(op.onnx, self._source(_indices_arg(call), op.per), extents, op.per)
             func = _with_asserts(func, kernel.block, indices.name, kernel.sites(data, indices), checks, message)
         if op.injective:
-            symbolic_args = len(lowered.args[1].fields) > len(call.args)
-            func = func.with_attr("op_pattern", _OPAQUE if symbolic_args else _INJECTIVE)
+            known = all(isinstance(dim, tirx.IntImm) or dim in self.entry_dims for dim in _dims(call.ty))
+            func = func.with_attr("op_pattern", _INJECTIVE if known else _OPAQUE)
         self.builder_.update_func(g_var, func)
         # The call's own type: the kernel's output keeps the call's virtual device, if any.
         return relax.call_tir(g_var, lowered.args[1], call.ty)
+
+    def _without_value_check(self, call: relax.Call) -> relax.Call:
+        """A `require` kernel's call on a device target, which cannot raise, goes to a copy of
+        the kernel without its assert (the value passes unchecked); other calls stay."""
+        func = self.builder_.get()[call.args[0]]
+        if not isinstance(func, tirx.PrimFunc) or VALUE_CHECK_ATTR not in (func.attrs or {}):
+            return call
+
+        def strip(block: s_tir.SBlock) -> s_tir.SBlock:
+            return s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, block.body.seq[1],
+                                block.init, block.alloc_buffers, block.match_buffers)
+        unchecked = func.with_body(_map_block(func.body, "checked_values", strip)).without_attr(VALUE_CHECK_ATTR)
+        g_var = self.builder_.add_func(unchecked, "unchecked_values")
+        return relax.Call(call.op, [g_var, *call.args[1:]], call.attrs, call.ty_args)
 
     def _source(self, expr: relax.Expr, per: str) -> str | None:
         """The model input `expr`'s values come from unchanged (through casts, the importer's
@@ -373,7 +403,8 @@ def require(bb: relax.BlockBuilder, value: relax.Expr, ok: relax.Expr, message: 
 
     def check(found: s_tir.SBlock) -> s_tir.SBlock:
         return _asserting(found, condition, message, len(found.iter_vars), [region])
-    bb.update_func(g_var, func.with_body(_map_block(func.body, "checked_values", check)))
+    checked = func.with_body(_map_block(func.body, "checked_values", check))
+    bb.update_func(g_var, checked.with_attr(VALUE_CHECK_ATTR, True))
     return bb.emit(call)
 
 
