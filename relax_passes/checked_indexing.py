@@ -46,9 +46,6 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..runtime.index_checks import check_message
 
-# The annotation on a checked block: how many of its innermost iteration axes the index check
-# does not depend on, the only ones a schedule may vectorize (schedules/rules/cpu/base.py).
-FREE_AXES_ANNOTATION = "gimlet.index_check_free_axes"
 # The attribute marking `require`'s kernels, which the pass strips of their assert on devices.
 VALUE_CHECK_ATTR = "gimlet.value_check"
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
@@ -352,36 +349,26 @@ def _checkable(call: relax.Call) -> bool:
 def _with_asserts(func: tirx.PrimFunc, block: str, indices: str, sites: Sites, checks: _Checks,
                   message: str) -> tirx.PrimFunc:
     """`func` with an assert opening the body of its block `block`: every index the block
-    reads from buffer `indices` (at `sites` of its iteration variables) lies in its axis.
-
-    The block is annotated with how many of its innermost iteration axes the assert does not
-    depend on (`FREE_AXES_ANNOTATION`): only those may be vectorized, since LLVM cannot branch
-    on a vector of conditions."""
+    reads from buffer `indices` (at `sites` of its iteration variables) lies in its axis."""
     def check(found: s_tir.SBlock) -> s_tir.SBlock:
         buffer = next(region.source for region in found.reads if region.source.name == indices)
-        iter_vars = [iv.var for iv in found.iter_vars]
-        checked = sites(iter_vars)
-        conditions = [checks.condition(tirx.BufferLoad(buffer, positions), extent) for positions, extent in checked]
-        condition = conditions[0]
-        for more in conditions[1:]:
-            condition = tirx.And(condition, more)
-        used = [i for i, var in enumerate(iter_vars)
-                if any(position.same_as(var) for positions, _ in checked for position in positions)]
-        free = len(iter_vars) - 1 - max(used, default=-1)
-        return _asserting(found, condition, message, free)
+        conditions = [checks.condition(tirx.BufferLoad(buffer, positions), extent)
+                      for positions, extent in sites([iv.var for iv in found.iter_vars])]
+        return _asserting(found, functools.reduce(tirx.And, conditions), message)
     return func.with_body(_map_block(func.body, block, check))
 
 
-def _asserting(block: s_tir.SBlock, condition: tirx.Expr, message: str, free_axes: int,
+def _asserting(block: s_tir.SBlock, condition: tirx.Expr, message: str,
                reads: Sequence[tirx.BufferRegion] = ()) -> s_tir.SBlock:
     """`block` opening with an assert of `condition` (raising `IndexError: message`), reading
-    `reads` too, annotated with the innermost axes the condition does not depend on."""
+    `reads` too. A schedule vectorizes only loops the condition does not depend on (LLVM
+    cannot branch on a vector of conditions: `schedules/rules/cpu/base.vectorizable_axes`)."""
     # TVM 0.27's Python AssertStmt passes its arguments in the wrong order to the FFI
     # constructor, which takes (condition, kind, message parts).
     assertion = tirx.AssertStmt(condition, tvm.ir.StringImm("IndexError"), [tvm.ir.StringImm(message)])
     return s_tir.SBlock(block.iter_vars, [*block.reads, *reads], block.writes, block.name_hint,
                         tirx.SeqStmt([assertion, block.body]), block.init, block.alloc_buffers,
-                        block.match_buffers, {**block.annotations, FREE_AXES_ANNOTATION: free_axes})
+                        block.match_buffers, block.annotations)
 
 
 def require(bb: relax.BlockBuilder, value: relax.Expr, ok: relax.Expr, message: str) -> relax.Expr:
@@ -402,7 +389,7 @@ def require(bb: relax.BlockBuilder, value: relax.Expr, ok: relax.Expr, message: 
     region = tirx.BufferRegion(flags, [tvm.ir.Range.from_min_extent(0, dim) for dim in flags_shape])
 
     def check(found: s_tir.SBlock) -> s_tir.SBlock:
-        return _asserting(found, condition, message, len(found.iter_vars), [region])
+        return _asserting(found, condition, message, [region])
     checked = func.with_body(_map_block(func.body, "checked_values", check))
     bb.update_func(g_var, checked.with_attr(VALUE_CHECK_ATTR, True))
     return bb.emit(call)

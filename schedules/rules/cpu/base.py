@@ -9,8 +9,7 @@ from tvm.s_tir.dlight import ScheduleRule
 from tvm.s_tir.dlight.base import get_extent
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
-
-from ....relax_passes.checked_indexing import FREE_AXES_ANNOTATION
+from tvm.tirx.analysis import undefined_vars
 
 # Loop nests with fewer iterations than this run serially: a parallel launch on TVM's
 # thread pool costs a few microseconds, more than the work it would split.
@@ -102,14 +101,29 @@ def vectorize_innermost(
 
 
 def vectorizable_axes(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int | None:
-    """How many of `block`'s innermost loops may be vectorized: None (any) unless the block
-    checks indices (`relax_passes.checked_indexing`), whose assert cannot take a vector
-    condition; then only the loops of the axes the check does not read, 0 when the loops no
-    longer match the block's axes one to one."""
-    free = sch.get(block).annotations.get(FREE_AXES_ANNOTATION)
-    if free is None:
+    """How many of `block`'s innermost loops may be vectorized: any (None) unless the block
+    opens with an assert (a run-time check of `relax_passes.checked_indexing`), whose
+    condition LLVM cannot take as a vector; then the innermost loops that no iteration
+    variable the condition reads is bound to."""
+    body = sch.get(block).body
+    first = body.seq[0] if isinstance(body, tirx.SeqStmt) else body
+    if not isinstance(first, tirx.AssertStmt):
         return None
-    return int(free) if len(sch.get_loops(block)) == len(sch.get(block).iter_vars) else 0
+    loops = sch.get_loops(block)
+    if not loops:
+        return 0
+    realize = sch.get(loops[-1]).body
+    if not isinstance(realize, s_tir.SBlockRealize):
+        return 0
+    read = {var for var in undefined_vars(first.condition)}
+    bindings = [value for iv, value in zip(sch.get(block).iter_vars, realize.iter_values) if iv.var in read]
+    used = {var for value in bindings for var in undefined_vars(value)}
+    free = 0
+    for loop in reversed(loops):
+        if sch.get(loop).loop_var in used:
+            break
+        free += 1
+    return free
 
 
 def _vector_suffix(extents: list[int | None], lanes: int) -> tuple[int, int]:
