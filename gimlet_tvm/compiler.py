@@ -26,6 +26,7 @@ from .errors import CompileError, GimletError, TargetUnavailableError, summary
 from .frontend import InputShapes, ModelLike, import_model, load_model
 from .logs import TVMLog, quiet_tvm_logs
 from .op_timing import OpTimer, RecordedTimes
+from .relax_passes.checked_indexing import CheckedIndexing
 from .relax_passes.graph_fusion import graph_fusion_passes
 from .relax_passes.kernel_targets import AssignKernelTargets, PerTarget
 from .relax_passes.library_dispatch import library_passes
@@ -42,6 +43,14 @@ from .targets import DEFAULT_TARGET, DeviceCode, TargetLike, TargetSpec, host_sp
 Targets = Union[TargetLike, Sequence[TargetLike]]
 BuildDevice = tuple[TargetSpec, tvm.target.Target]
 logger = logging.getLogger(__name__)
+INDEX_CHECKS_ENV = "GIMLET_TVM_INDEX_CHECKS"
+"""Set to 0 to compile gathers and scatters without run-time bounds checks (as TVM does),
+e.g. to measure what the checks cost; any other value, or none, keeps them."""
+
+
+def index_checks() -> bool:
+    """Whether builds check run-time indices (`relax_passes.checked_indexing`)."""
+    return os.environ.get(INDEX_CHECKS_ENV, "1").strip() != "0"
 
 
 def canonicalize_passes() -> list[tvm.transform.Pass]:
@@ -64,18 +73,22 @@ def graph_passes() -> list[tvm.transform.Pass]:
 
 def kernel_passes(
     devices: Sequence[BuildDevice], selection: tvm.transform.Pass | None = None,
+    checked_indices: bool = True,
 ) -> list[tvm.transform.Pass]:
     """Graph (placed already, with several devices) to fused TIR kernels, each tagged with the
     target that compiles it; first each target's fixes of library kernels (`TargetSpec.
     fix_library_kernels`); `selection` (kernel selection's chosen kernels) runs before the
     library passes. Sorts (`R.argsort`, which LegalizeOps does not lower) become TOPI's kernel
-    for each op's target: the generic one on CPUs, the GPU one on targets keyed "gpu"."""
+    for each op's target: the generic one on CPUs, the GPU one on targets keyed "gpu".
+    Gathers and scatters with run-time indices get bounds-checked kernels unless
+    `checked_indices` is False or `$GIMLET_TVM_INDEX_CHECKS` is 0."""
     return [
         *[_fix_library_kernels(spec) for spec, _ in devices],
         *graph_passes(),
         *([selection] if selection is not None else []),
         *[p for spec, _ in devices for p in library_passes(spec)],
         relax.backend.DispatchSortScan(),
+        *([CheckedIndexing()] if checked_indices and index_checks() else []),
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
@@ -109,12 +122,13 @@ def device_pipeline(
     tuned: ApplyRecords | None = None,
     memory: RecordPlannedMemory | None = None,
     selection: tvm.transform.Pass | None = None,
+    checked_indices: bool = True,
 ) -> tvm.transform.Pass:
     """The whole Relax pipeline; `devices[0]` compiles the kernels no device claimed.
 
     Each target's kernels get its default schedule rules; `tuned` schedules the first
-    target's kernels that have tuning records; `memory` records the memory plan. Target
-    specifics come from the specs alone.
+    target's kernels that have tuning records; `memory` records the memory plan;
+    `checked_indices` as for `kernel_passes`. Target specifics come from the specs alone.
     """
     default = devices[0][1]
 
@@ -123,7 +137,7 @@ def device_pipeline(
         return [dlight.ApplyDefaultSchedule(*rules)] if rules else []
 
     passes = [
-        *kernel_passes(devices, selection),
+        *kernel_passes(devices, selection, checked_indices),
         *([PerTarget([default], default, lambda target: [tuned])] if tuned is not None else []),
         PerTarget([target for _, target in devices], default, schedule),
         *generic_pipeline.dataflow_lower_passes(default),
@@ -269,13 +283,18 @@ def build(
     default the one stored in `records`, if any (`targets[0]["selected_kernels"]`: op groups
     it rewrote).
 
+    Gathers and scatters check their run-time indices: an index outside its axis raises
+    `InputError` when the model runs (see `$GIMLET_TVM_INDEX_CHECKS`).
+
     TVM's C++ log lines stay off stderr (`gimlet_tvm.logs`); the one that matters, indices
-    compiled without bounds checks, becomes a warning of ours (logger `gimlet_tvm`).
+    compiled without bounds checks (only with the checks turned off), becomes a warning of
+    ours (logger `gimlet_tvm`).
     """
     with quiet_tvm_logs() as tvm_log:
         compiled, proto = _build(model, targets, input_shapes, records, pins, device_facts,
                                  placement_costs, selection)
-    _warn_unchecked_indices(proto, tvm_log)
+    if not index_checks():
+        _warn_unchecked_indices(proto, tvm_log)
     return compiled
 
 

@@ -19,6 +19,7 @@ from ..errors import ArtifactError, GimletError, RunError, TargetUnavailableErro
 from ..io_spec import IOSpec, TensorSpec
 from ..resources import Need, require
 from . import artifact
+from .index_checks import input_error
 from .libraries import target_runtimes
 from .placement_report import PlacementReport
 from .remote import RemoteDevice, RemoteModel
@@ -62,7 +63,9 @@ class CompiledModel:
 
     `model(*arrays)` returns the outputs as a list of numpy arrays in the model's output
     order; `model.run({name: array})` returns `{name: array}`. Inputs are checked against the
-    model's interface first: a wrong name, shape or dtype raises `InputError` naming it.
+    model's interface first: a wrong name, shape or dtype raises `InputError` naming it; so
+    does an index outside its axis, found by the kernel that reads it (the op, the input and
+    the value named; the model stays usable).
     """
 
     def __init__(
@@ -142,11 +145,19 @@ class CompiledModel:
         tensors = device_tensors(arrays, self.device)
         try:
             result = entry(*tensors, *self._weights)
+            flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
+            return [from_carrier(to_numpy(value), spec.dtype)
+                    for value, spec in zip(flat, self.outputs)]
+        except GimletError:
+            raise
         except Exception as err:  # TVM's runtime raises its checks' failures as many types
+            # A kernel's check of run-time values (relax_passes.checked_indexing), raised
+            # directly or wrapped by a parallel loop's task, names the op and the value;
+            # anything else is TVM failing on inputs that fit the interface (a size past memory).
+            error = input_error(err, dict(zip(self.input_names, arrays)))
+            if error is not None:
+                raise error from None
             raise RunError(f"running the model failed: {summary(err)}") from err
-        flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
-        return [from_carrier(to_numpy(value), spec.dtype)
-                for value, spec in zip(flat, self.outputs)]
 
     def benchmark(
         self,

@@ -26,6 +26,7 @@ from tvm.runtime.vm import VirtualMachine
 from ..carriers import from_carrier
 from ..errors import GimletError, RemoteDeviceError, RPCAuthError, summary
 from ..io_spec import IOSpec
+from .index_checks import input_error
 from .libraries import load_available
 from .rpc_auth import (ALL_INTERFACES, KEY_FILE_ENV, Gate, Relay, asks_for_key, check_key, key_file,
                        listening_key, loopback_port, read_key, relay_for)
@@ -184,7 +185,16 @@ class RemoteModel:
 
     def _execute(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         self._set_inputs(arrays)
-        self._device.call("run", lambda: self._vm.invoke_stateful("main"))
+
+        def run() -> None:
+            try:
+                self._vm.invoke_stateful("main")
+            except Exception as err:  # pylint: disable=broad-except
+                error = input_error(err, {spec.name: a for spec, a in zip(self.io.inputs, arrays)})
+                if error is None:
+                    raise
+                raise error from None  # a kernel's check of run-time values, as on a local device
+        self._device.call("run", run)
         result = self._device.call("fetch outputs", lambda: self._vm.get_outputs("main"))
         flat = list(result) if isinstance(result, (list, tuple)) else [result]
         return self._device.call("fetch outputs", lambda: [

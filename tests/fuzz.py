@@ -82,8 +82,6 @@ TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
 EXTENSIONS = {"build": ".onnx", "compile": ".onnx", "load": ".so", "run": ".npz", "call": ".json",
               "records": ".json"}
 KNOWN = {
-    ("run", "index_out_of_range", "gather"): "Gather indices past the table are not bounds-checked "
-    "at run time: a read out of bounds, wrong values or a segfault",
     ("run", "nan_inf", "softmax"): "Relu(NaN) is 0 here (TVM's max(x, 0)), NaN in onnxruntime: "
     "the Softmax after it then gives finite values where onnxruntime gives NaN",
     ("run", "nan_inf", "conv"): "Relu(NaN) is 0 here, NaN in onnxruntime: after Conv over NaN and "

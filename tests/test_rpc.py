@@ -12,11 +12,13 @@ import time
 import numpy as np
 import pytest
 
-from gimlet_tvm.errors import GimletError, RemoteDeviceError
+from gimlet_tvm import build
+from gimlet_tvm.errors import GimletError, InputError, RemoteDeviceError
 from gimlet_tvm.models import SUITE
 from gimlet_tvm.runtime.remote import RemoteDevice
 
 from .conftest import assert_matches, compiled_suite_model
+from .test_runtime_checks import CASES, embedding
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "gimlet-tvm")
 KEYS = ("cpu-a", "cpu-b")
@@ -103,6 +105,18 @@ def test_direct_server_and_loaded_artifact(server, tmp_path) -> None:
     inputs = SUITE["mobilenet_cnn"].example_inputs(batch=1)
     with loaded.remote(RemoteDevice(server=server.address, timeout=60)) as remote:
         assert_matches(remote(*inputs.values()), loaded(*inputs.values()))
+
+
+def test_bad_index_on_a_remote_device_is_an_input_error(server) -> None:
+    """A kernel's failed index check comes back over RPC as the same InputError as locally,
+    and the remote model runs on."""
+    _, good, name, where, bad = CASES["Gather"]
+    spoiled = {name: good[name].copy()}
+    spoiled[name][where] = bad
+    with build(embedding(), "llvm").remote(RemoteDevice(server=server.address, timeout=60)) as remote:
+        with pytest.raises(InputError, match=f"Gather: input '{name}' holds index {bad}"):
+            remote.run(spoiled)
+        assert remote.run(good)["y"].shape == (2, 5, 8)
 
 
 def test_killed_server_gives_clear_error(server) -> None:

@@ -10,6 +10,8 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter  # noqa: F401  (re-exported)
 
 from ..errors import ModelImportError
+from ..relax_passes.checked_indexing import require as checked_values
+from ..runtime.index_checks import value_check_message
 
 
 class OpsetConverter(OnnxOpConverter):
@@ -97,10 +99,20 @@ def with_fresh_shape(bb: relax.BlockBuilder, x: relax.Expr, prefix: str) -> rela
     return bb.match_cast(x, relax.TensorType(dims, dtype_of(x)))
 
 
+def require(bb: relax.BlockBuilder, value: relax.Expr, ok: relax.Expr, op: str, problem: str) -> relax.Expr:
+    """`value`, after a run-time check that every element of the bool tensor `ok` holds; else
+    the run raises `InputError` "`op`: `problem`". Later ops must use the result."""
+    return checked_values(bb, value, bb.emit(ok), value_check_message(op, problem))
+
+
 def shape_from_tensor(bb: relax.BlockBuilder, shape: relax.Expr, ndim: int,
                       prefix: str) -> relax.ShapeExpr:
-    """The run-time int64 tensor `shape` (length `ndim`) as a shape of symbolic dims."""
+    """The run-time int64 tensor `shape` (length `ndim`) as a shape of symbolic dims, checked
+    at run time to hold no negative size (`prefix` names the op in the error)."""
     shape = bb.match_cast(shape, relax.TensorType([ndim], "int64"))
+    if ndim:
+        shape = require(bb, shape, relax.op.greater_equal(shape, relax.const(0, "int64")), prefix,
+                        "a size is negative")
     value = bb.emit(relax.op.tensor_to_shape(shape))
     dims = [tirx.Var(f"{prefix}_{i}", "int64") for i in range(ndim)]
     bb.match_cast(value, relax.ShapeType(dims))

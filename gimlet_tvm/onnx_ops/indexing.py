@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 from tvm import relax
 
-from ._common import OnnxOpConverter, dtype_of, rank_of, reject, scalar, scalar_dim
+from ._common import (OnnxOpConverter, const_value, dim_tensor, dtype_of, rank_of, reject, require, scalar,
+                      scalar_dim)
 
 _op = relax.op
 
@@ -47,8 +48,13 @@ class TopK(OnnxOpConverter):
 
     @classmethod
     def _impl_v10(cls, bb, inputs, attr, params):
-        k = scalar_dim(bb, inputs[1], "topk")
-        return cls._topk(bb, inputs[0], k, attr.get("axis", -1), bool(attr.get("largest", 1)))
+        data, k, axis = inputs[0], inputs[1], attr.get("axis", -1)
+        if const_value(k) is None and rank_of(data) > 0:
+            k = bb.emit(_op.reshape(_op.astype(k, "int64"), [1]))
+            extent = dim_tensor(data.ty.shape[axis % rank_of(data)])
+            k = require(bb, k, _op.logical_and(_op.greater_equal(k, scalar(0, "int64")), _op.less_equal(k, extent)),
+                        cls.__name__, "k is outside [0, length of the axis]")
+        return cls._topk(bb, data, scalar_dim(bb, k, "topk"), axis, bool(attr.get("largest", 1)))
 
 
 class OneHot(OnnxOpConverter):

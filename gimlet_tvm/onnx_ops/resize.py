@@ -21,7 +21,7 @@ import numpy as np
 from tvm import relax, tirx
 
 from ._common import (OnnxOpConverter, const, const_value, dtype_of, normalize_axes,
-                      optional_input, rank_of, reject, scalar, shape_from_tensor, static_shape,
+                      optional_input, rank_of, reject, require, scalar, shape_from_tensor, static_shape,
                       text_attr)
 
 _op = relax.op
@@ -97,6 +97,7 @@ class _Plan:
         flengths = _op.astype(lengths, _F64)
         if scales is not None:
             scale = bb.emit(_op.astype(scales, _F64))
+            scale = require(bb, scale, _op.greater(scale, _f64(0.0)), "Resize", "a scale is not above 0")
             return scale, bb.emit(_op.astype(_op.floor(_op.multiply(scale, flengths)), "int64"))
         scale = bb.emit(_op.divide(_op.astype(sizes, _F64), flengths))
         if policy == "stretch":

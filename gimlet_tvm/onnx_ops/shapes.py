@@ -16,7 +16,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx import onnx_frontend
 
 from ._common import (OnnxOpConverter, const, const_value, inclusive_cumsum, optional_input,
-                      rank_of, reject, scalar, shape_from_tensor, static_shape)
+                      rank_of, reject, require, scalar, shape_from_tensor, static_shape)
 
 _op = relax.op
 
@@ -79,6 +79,11 @@ class Reshape(_RunTimeOrTVM):
         known = _op.prod(_op.where(inferred, scalar(1, "int64"), shape))
         rest = _op.floor_divide(total, _op.maximum(known, scalar(1, "int64")))
         shape = bb.emit(_op.where(inferred, rest, shape))
+        fits = _op.logical_and(_op.less_equal(_op.sum(_op.astype(inferred, "int64")), scalar(1, "int64")),
+                               _op.equal(_op.prod(shape), total))
+        shape = require(bb, shape, _op.logical_and(_op.greater_equal(shape, scalar(0, "int64")), fits),
+                        cls.__name__, "the shape does not fit the input (a size below -1, two -1s, or "
+                                      "another element count)")
         return bb.emit(_op.reshape(x, shape_from_tensor(bb, shape, length, "reshape")))
 
 
@@ -118,8 +123,11 @@ class Slice(_RunTimeOrTVM):
         axes = optional_input(inputs, 3)
         axes = as_i64(axes) if axes is not None else const(np.arange(length, dtype="int64"))
         axes = bb.emit(_op.where(_op.less(axes, i64(0)), _op.add(axes, i64(rank)), axes))
+        axes = require(bb, axes, _op.logical_and(_op.greater_equal(axes, i64(0)), _op.less(axes, i64(rank))),
+                       cls.__name__, f"an axis is outside the {rank} dims of the input")
         steps = optional_input(inputs, 4)
         steps = as_i64(steps) if steps is not None else const(np.ones(length, "int64"))
+        steps = require(bb, steps, _op.not_equal(steps, i64(0)), cls.__name__, "a step is 0")
         # hits[k, d]: slice entry k applies to dimension d
         hits = bb.emit(_op.astype(_op.equal(_op.expand_dims(axes, 1),
                                             const(np.arange(rank, dtype="int64"))), "int64"))
@@ -193,5 +201,10 @@ class Expand(_RunTimeOrTVM):
         in_shape = _shape_tensor(bb, x) if rank > 0 else ones(0)
         in_shape = bb.emit(_op.concat([ones(out_rank - rank), in_shape]))
         shape = bb.emit(_op.concat([ones(out_rank - length), _op.astype(inputs[1], "int64")]))
-        shape = bb.emit(_op.where(_op.equal(shape, scalar(1, "int64")), in_shape, shape))
+        one = scalar(1, "int64")
+        broadcasts = _op.logical_or(_op.equal(shape, in_shape),
+                                    _op.logical_or(_op.equal(shape, one), _op.equal(in_shape, one)))
+        shape = require(bb, shape, _op.logical_and(_op.greater_equal(shape, scalar(0, "int64")), broadcasts),
+                        cls.__name__, "the shape does not broadcast with the shape of the input")
+        shape = bb.emit(_op.where(_op.equal(shape, one), in_shape, shape))
         return bb.emit(_op.broadcast_to(x, shape_from_tensor(bb, shape, out_rank, "expand")))

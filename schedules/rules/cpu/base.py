@@ -9,6 +9,7 @@ from tvm.s_tir.dlight import ScheduleRule
 from tvm.s_tir.dlight.base import get_extent
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
+from tvm.tirx.analysis import undefined_vars
 
 # Loop nests with fewer iterations than this run serially: a parallel launch on TVM's
 # thread pool costs a few microseconds, more than the work it would split.
@@ -99,6 +100,32 @@ def vectorize_innermost(
     return outer
 
 
+def vectorizable_axes(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int | None:
+    """How many of `block`'s innermost loops may be vectorized: any (None) unless the block
+    opens with an assert (a run-time check of `relax_passes.checked_indexing`), whose
+    condition LLVM cannot take as a vector; then the innermost loops that no iteration
+    variable the condition reads is bound to."""
+    body = sch.get(block).body
+    first = body.seq[0] if isinstance(body, tirx.SeqStmt) else body
+    if not isinstance(first, tirx.AssertStmt):
+        return None
+    loops = sch.get_loops(block)
+    if not loops:
+        return 0
+    realize = sch.get(loops[-1]).body
+    if not isinstance(realize, s_tir.SBlockRealize):
+        return 0
+    read = {var for var in undefined_vars(first.condition)}
+    bindings = [value for iv, value in zip(sch.get(block).iter_vars, realize.iter_values) if iv.var in read]
+    used = {var for value in bindings for var in undefined_vars(value)}
+    free = 0
+    for loop in reversed(loops):
+        if sch.get(loop).loop_var in used:
+            break
+        free += 1
+    return free
+
+
 def _vector_suffix(extents: list[int | None], lanes: int) -> tuple[int, int]:
     """(number of innermost loops to fuse, vector width) for a spatial loop nest.
 
@@ -127,8 +154,9 @@ def schedule_spatial_block(
 ) -> None:
     """Loops of a spatial block: an innermost suffix vectorized, the rest fused and parallel.
 
-    See `_vector_suffix` for the suffix; when none fits (symbolic or odd inner extents), the
-    whole nest is fused so vectors still fill, with a scalar tail.
+    See `_vector_suffix` for the suffix, taken among the loops `vectorizable_axes` allows; when
+    none fits (symbolic or odd inner extents), all those loops are fused so vectors still fill,
+    with a scalar tail.
     """
     loops = sch.get_loops(block)
     if not loops:
@@ -136,12 +164,16 @@ def schedule_spatial_block(
     extents = [get_extent(sch, loop) for loop in loops]
     static = [extent if isinstance(extent, int) else None for extent in extents]
     iterations = None if None in static else math.prod(static)
-    count, width = _vector_suffix(static, lanes)
+    free = vectorizable_axes(sch, block)
+    vectorizable = static if free is None else static[len(static) - free:]
+    count, width = _vector_suffix(vectorizable, lanes)
     if count == 0:
-        count, width = len(loops), lanes
-    suffix = loops[-count:]
-    inner = sch.fuse(*suffix) if len(suffix) > 1 else suffix[0]
-    vector_outer = vectorize_innermost(sch, inner, width)
-    outer = [*loops[:-count], *([] if vector_outer is None else [vector_outer])]
+        count, width = len(vectorizable), lanes
+    outer = loops[:len(loops) - count]
+    if count:
+        suffix = loops[-count:]
+        inner = sch.fuse(*suffix) if len(suffix) > 1 else suffix[0]
+        vector_outer = vectorize_innermost(sch, inner, width)
+        outer += [] if vector_outer is None else [vector_outer]
     if outer and worth_parallel(iterations):
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])

@@ -11,6 +11,7 @@ from .base import (
     CPURule,
     loop_product,
     vector_lanes,
+    vectorizable_axes,
     vectorize_innermost,
     worth_parallel,
 )
@@ -73,7 +74,8 @@ class WindowReduction(CPURule):
             # than it (a pad) would never write the points that read no reduction output.
             if [get_extent(sch, loop) for loop in sch.get_loops(epilogue)] == extents:
                 sch.reverse_compute_at(epilogue, spatial[-2], preserve_unit_loops=True)
-            vectorize_innermost(sch, sch.get_loops(epilogue)[-1], lanes)
+            if vectorizable_axes(sch, epilogue) != 0:
+                vectorize_innermost(sch, sch.get_loops(epilogue)[-1], lanes)
         # Vectorize before splitting off the init block, which copies the vectorized loop.
         vectorize_innermost(sch, sch.get_loops(reduction.block_rv)[-1], lanes)
         sch.decompose_reduction(reduction.block_rv, window[0])
@@ -88,5 +90,6 @@ class WindowReduction(CPURule):
     ) -> None:
         """Vectorize the innermost loop of a block computed under `parallel_loop`."""
         loops = sch.get_loops(block)
-        if len(loops) > 1 and not sch.get(loops[-1]).same_as(sch.get(parallel_loop)):
+        if (len(loops) > 1 and not sch.get(loops[-1]).same_as(sch.get(parallel_loop))
+                and vectorizable_axes(sch, block) != 0):
             vectorize_innermost(sch, loops[-1], lanes)
