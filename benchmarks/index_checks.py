@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import statistics
 import time
 
 import numpy as np
@@ -75,8 +74,8 @@ def _build(model: onnx.ModelProto, checks: bool):
         os.environ.pop(INDEX_CHECKS_ENV)
 
 
-def _medians(model: onnx.ModelProto, inputs: dict, repeat: int) -> tuple[float, float]:
-    """Median ms without and with the checks, timed runs interleaved."""
+def _timings(model: onnx.ModelProto, inputs: dict, repeat: int) -> tuple[list[float], list[float]]:
+    """ms per run without and with the checks, timed runs interleaved round by round."""
     without, with_ = _build(model, False), _build(model, True)
     np.testing.assert_array_equal(without(*inputs.values())[0], with_(*inputs.values())[0])
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -87,7 +86,13 @@ def _medians(model: onnx.ModelProto, inputs: dict, repeat: int) -> tuple[float, 
             start = time.perf_counter()
             compiled.run(inputs)
             times[checked].append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[False]), statistics.median(times[True])
+    return times[False], times[True]
+
+
+def _spread(values: list[float], digits: int = 3) -> str:
+    """Median [25th-75th percentile]."""
+    low, mid, high = np.percentile(values, [25, 50, 75])
+    return f"{mid:.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
 
 
 def _suite_unchanged() -> list[str]:
@@ -119,11 +124,13 @@ def main() -> None:
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     print(f"suite models with identical kernels either way: {', '.join(_suite_unchanged())}")
     ids = {"input_ids": np.random.default_rng(0).integers(0, 50257, (1, 128), dtype=np.int64)}
-    print("| model | without checks (ms) | with checks (ms) | cost |\n|---|---|---|---|")
+    print("median [25th-75th percentile] of the runs; cost: of the rounds' with/without ratios\n")
+    print("| model | without checks (ms) | with checks (ms) | cost (%) |\n|---|---|---|---|")
     for name, model in (("embedding lookup 50257x768, 128 tokens", embedding_onnx()),
                         ("GPT-2 widths, 2 layers, 128 tokens", gpt2_onnx(768, 2, 12, 50257, 128))):
-        off, on = _medians(model, ids, args.repeat)
-        print(f"| {name} | {off:.3f} | {on:.3f} | {100 * (on - off) / off:+.1f}% |", flush=True)
+        off, on = _timings(model, ids, args.repeat)
+        cost = [100 * (b / a - 1) for a, b in zip(off, on)]
+        print(f"| {name} | {_spread(off)} | {_spread(on)} | {_spread(cost, 1)} |", flush=True)
 
 
 if __name__ == "__main__":
