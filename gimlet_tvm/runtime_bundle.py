@@ -51,7 +51,7 @@ print("\\n".join(m.__file__ for m in list(sys.modules.values()) if getattr(m, "_
 """
 
 TVM_LIBRARIES = ("libtvm_runtime.so", "libtvm_runtime_cuda.so")
-BASE_MODULES = ("__init__.py", "errors.py", "files.py", "io_spec.py", "carriers.py")
+BASE_MODULES = ("__init__.py", "errors.py", "files.py", "io_spec.py", "carriers.py", "resources.py")
 DEPENDENCIES = ("ml_dtypes", "typing_extensions", "scipy_openblas32", "cloudpickle", "psutil")
 """Python packages the runtime needs on a device that has only numpy."""
 

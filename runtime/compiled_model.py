@@ -266,9 +266,10 @@ def _memory_need(path: str | os.PathLike, meta: dict[str, Any]) -> Need:
     and its inputs and outputs where their shapes are static."""
     need = Need({"the artifact (code and weights)": os.path.getsize(path)})
     host = tvm.cpu().dlpack_device_type()
+    # Artifacts written before targets recorded their device type count no planned memory.
     need.parts["planned memory"] = sum(
         int(t.get("planned_memory") or 0) for t in meta["targets"]
-        if tvm.device(t["device_type"]).dlpack_device_type() == host)
+        if "device_type" in t and tvm.device(t["device_type"]).dlpack_device_type() == host)
     io = IOSpec.from_json(meta["io"])
     static = [t for t in (*io.inputs, *io.outputs) if all(isinstance(d, int) for d in t.shape)]
     for spec in static:

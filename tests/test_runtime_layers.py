@@ -20,7 +20,7 @@ from gimlet_tvm.runtime import artifact
 from .conftest import compiled_suite_model
 
 RUNTIME_DIR = Path(gimlet_tvm.runtime.__file__).parent
-BASE_MODULES = {"", "errors", "files", "io_spec", "carriers"}  # `from .. import __version__`
+BASE_MODULES = {"", "errors", "files", "io_spec", "carriers", "resources"}  # `from .. import __version__`
 THIRD_PARTY = {"numpy", "tvm", "tvm_ffi", "scipy_openblas32", "matplotlib"}
 COMPILER_SIDE = ("gimlet_tvm.compiler", "gimlet_tvm.frontend", "gimlet_tvm.targets",
                  "gimlet_tvm.relax_passes", "gimlet_tvm.schedules", "gimlet_tvm.cli",
