@@ -19,7 +19,9 @@ where onnxruntime raises INVALID_ARGUMENT.
    whose output dims are constants or dims of the function's parameters. A dim bound inside
    the function (a shape computed at run time) may be computed by the very ops FuseOps would
    fuse with the gather, which it does not see as a dependence (the dim's binding is lost),
-   and an axis of `end - begin` is one FuseTIR cannot take: those stay opaque, as TVM's own. The scatters (opaque kernels) check their indices in a first block of
+   and an axis of `end - begin` is one FuseTIR cannot take: those stay opaque, as TVM's own.
+   So do the clamped kernels of device targets (DLight's GPU reduction rule cannot take a
+   gather fused into a reduction). The scatters (opaque kernels) check their indices in a first block of
    their own kernel.
 3. Negative indices: the importer wraps them (idx + extent) before Gather, GatherElements,
    GatherND and ScatterND, so those kernels accept [0, extent); ScatterElements' kernel wraps
@@ -290,7 +292,7 @@ class _Rewriter(PyExprMutator):  # pylint: disable=abstract-method
             func = _with_asserts(func, kernel.block, indices.name, kernel.sites(data, indices), checks, message)
         if op.injective:
             known = all(isinstance(dim, tirx.IntImm) or dim in self.entry_dims for dim in _dims(call.ty))
-            func = func.with_attr("op_pattern", _INJECTIVE if known else _OPAQUE)
+            func = func.with_attr("op_pattern", _INJECTIVE if known and checks.raises else _OPAQUE)
         self.builder_.update_func(g_var, func)
         # The call's own type: the kernel's output keeps the call's virtual device, if any.
         return relax.call_tir(g_var, lowered.args[1], call.ty)

@@ -256,6 +256,7 @@ def _select_on_matmul_model(cli, tmp_path, kernels):
     return out, err, model_path, records
 
 
+@pytest.mark.slow  # ~100 s; CI runs the same rejections over RPC (test_rpc.test_select_on_a_remote_server)
 def test_select_rejects_wrong_and_crashing_kernels_and_builds(cli, kernels, tmp_path):
     from gimlet_tvm.selection import select
 

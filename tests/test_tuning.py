@@ -113,6 +113,7 @@ def test_tuning_also_selects_each_op_groups_kernel(tmp_path):
     assert again.selection.choices[choice.signature.key].winner == choice.winner
 
 
+@pytest.mark.slow  # ~90 s; CI keeps test_tuning_also_selects_each_op_groups_kernel
 def test_tune_generated_tunes_each_op_groups_generated_kernel(tmp_path):
     """With `tune_generated` the matmul group's generated TIR is a task of its own, named after
     the group; a build that runs the group's generated kernel applies its record, one more
