@@ -31,6 +31,7 @@ from gimlet_tvm.selection.json_schema import SCHEMA_FILE, protocol_errors
 from gimlet_tvm.selection.select import op_signatures
 from gimlet_tvm.selection.verify import run_candidate
 
+from .scripted_generator import TVMSCRIPT, kernel
 from .test_kernel_selection import K, M, N, WEIGHT_SIG, _matmul_model
 
 SCRIPT = Path(__file__).with_name("scripted_generator.py")
@@ -256,19 +257,8 @@ def test_tvmscript_kernel_calling_outside_functions_is_unsafe(tmp_path):
         find(f"generator:{name}", WEIGHT_SIG, target, generated_dir=str(tmp_path)).kernel(WEIGHT_SIG)
 
 
-TVMSCRIPT_CLAMPED = """
-# from tvm.script import tirx as T
-
-@T.prim_func
-def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
-         c: T.Buffer(({m}, {n}), "float32")):
-    T.func_attr({{"tir.noalias": True, "tirx.is_scheduled": True}})
-    for i, j in T.grid({m}, {n}):
-        c[i, j] = T.float32(0)
-        for kk in range({k}):
-            c[i, j] = c[i, j] + a[i, kk] * b[kk, j]
-        c[i, j] = T.min(T.max(c[i, j], T.float32(-1e30)), T.float32(1e30))
-"""
+# The scripted generator's GEMM, its result clamped (a different kernel doing the same work).
+TVMSCRIPT_CLAMPED = TVMSCRIPT.rstrip("\n") + "\n        c[i, j] = T.min(T.max(c[i, j], T.float32(-1e30)), T.float32(1e30))\n"
 TVMSCRIPT_CALLING = """
 # from tvm.script import tirx as T
 
@@ -308,8 +298,6 @@ def test_openai_adapter_gets_the_task_and_its_bad_kernels_are_rejected(tmp_path,
     the endpoint's wrong, uninitialised-output and forking kernels (in a ```json block) are
     rejected with their reasons, a reply with no JSON is a failed round, and its right kernel
     (bare JSON) is verified."""
-    from .scripted_generator import kernel
-
     gemm = {"m": M, "n": N, "k": K}
     handler = type("Endpoint", (_FakeEndpoint,), {"requests": [], "replies": [
         "Here are three:\n```json\n" + json.dumps([kernel(p, gemm) for p in ("wrong", "uninit", "fork")]) + "\n```",
