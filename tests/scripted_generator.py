@@ -2,9 +2,12 @@
 r of an op group by the r-th PLAN, each a '+'-joined list of kernels, or one misbehaviour:
 
     good  wrong  uninit  loop  fork   C GEMMs for the task's shapes (matmul without epilogue):
-                                      right; off by one element; the first output element never
+    oob  oobwrite  before  stray      right; off by one element; the first output element never
                                       written; an endless loop; a fork() call (never reached on
-                                      real inputs: only its presence is under test)
+                                      real inputs: only its presence is under test); reading
+                                      one element past the end of b; writing one past the end
+                                      of c; reading one element before the start of a; writing
+                                      far from every operand
     tvmscript                         a right GEMM in TVMScript
     malformed  notlist  exit  hang    not JSON; JSON but no list of candidates; exit code 3; sleep
 
@@ -36,6 +39,10 @@ C_KERNELS = {
     "uninit": {"first": "1"},
     "loop": {"prelude": "volatile int spin = 1; while (spin) {{}}"},
     "fork": {"prelude": "if (a[0] == 1234.5f && b[0] == -1234.5f) fork();"},
+    "oob": {"after": "c[0] += 0.0f * b[{k} * {n}];"},
+    "oobwrite": {"after": "c[{m} * {n}] = 0.0f;"},
+    "before": {"after": "c[0] += 0.0f * a[-1];"},
+    "stray": {"after": "c[(long)1 << 41] = 1.0f;"},
 }
 TVMSCRIPT = """
 # from tvm.script import tirx as T

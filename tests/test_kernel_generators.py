@@ -29,7 +29,7 @@ from gimlet_tvm.schedules.tuning.records import target_key
 from gimlet_tvm.selection.generator import Generator, generate, numpy_expression, task
 from gimlet_tvm.selection.json_schema import SCHEMA_FILE, protocol_errors
 from gimlet_tvm.selection.select import op_signatures
-from gimlet_tvm.selection.verify import run_candidate
+from gimlet_tvm.selection.verify import out_of_bounds, run_candidate
 
 from .test_kernel_selection import K, M, N, WEIGHT_SIG, _matmul_model
 
@@ -227,6 +227,28 @@ def test_unsafe_and_wrong_generated_kernels_are_rejected_with_their_reason(tmp_p
     assert [t.id for t in tried if t.verified] == [outcomes["good"].id]
 
 
+def test_guard_pages_catch_accesses_out_of_bounds_and_name_the_operand(tmp_path):
+    """C kernels called on their own, each operand against a guard page: one element read past
+    the end of b, written past the end of c, read before the start of a; one writing far from
+    every operand crashes without them too (a crash); the right one passes."""
+    from .scripted_generator import kernel
+
+    _, target = resolve_target("llvm")
+    found = {}
+    for plan in ("good", "oob", "oobwrite", "before", "stray"):
+        source = kernel(plan, {"m": M, "n": N, "k": K})["source"]
+        name = add_kernel(str(tmp_path), WEIGHT_SIG, "llvm", "c", source, plan)
+        candidate = find(f"generator:{name}", WEIGHT_SIG, target, generated_dir=str(tmp_path))
+        found[plan] = out_of_bounds(WEIGHT_SIG, candidate.c_source, target)
+    assert found["good"] is None
+    assert {found[plan].verdict for plan in ("oob", "oobwrite", "before")} == {"out-of-bounds access"}
+    assert found["oob"].reason.endswith("faults with each operand against a guard page, past the end of b "
+                                        "(or writes this input)"), found["oob"].reason
+    assert found["oobwrite"].reason.endswith("past the end of c"), found["oobwrite"].reason
+    assert "before the start of a" in found["before"].reason, found["before"].reason
+    assert found["stray"].verdict == "crash" and found["stray"].reason.startswith("crashed (SIGSEGV) at matmul")
+
+
 def test_generated_kernel_that_never_returns_is_rejected_as_a_timeout(tmp_path):
     """An endless loop is killed at the candidate's time (with its process group)."""
     _, target = resolve_target("llvm")
@@ -305,14 +327,15 @@ class _FakeEndpoint(http.server.BaseHTTPRequestHandler):
 
 def test_openai_adapter_gets_the_task_and_its_bad_kernels_are_rejected(tmp_path, monkeypatch):
     """The bundled adapter against a fake endpoint on 127.0.0.1: it sends the task with the key;
-    the endpoint's wrong, uninitialised-output and forking kernels (in a ```json block) are
-    rejected with their reasons, a reply with no JSON is a failed round, and its right kernel
+    the endpoint's wrong, uninitialised-output, forking and out-of-bounds-reading kernels (in a
+    ```json block) are rejected with their reasons, a reply with no JSON is a failed round, and its right kernel
     (bare JSON) is verified."""
     from .scripted_generator import kernel
 
     gemm = {"m": M, "n": N, "k": K}
     handler = type("Endpoint", (_FakeEndpoint,), {"requests": [], "replies": [
-        "Here are three:\n```json\n" + json.dumps([kernel(p, gemm) for p in ("wrong", "uninit", "fork")]) + "\n```",
+        "Here are four:\n```json\n" + json.dumps([kernel(p, gemm) for p in ("wrong", "uninit", "fork", "oob")])
+        + "\n```",
         "I am sorry, I cannot write kernels.",
         json.dumps([kernel("good", gemm)])]})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -334,7 +357,9 @@ def test_openai_adapter_gets_the_task_and_its_bad_kernels_are_rejected(tmp_path,
     assert sent["group"]["key"] == WEIGHT_SIG.key and sent["round"] == 1 and protocol_errors(sent, "task") == []
     later = json.loads(handler.requests[2][2]["messages"][1]["content"])
     assert [a["verdict"] for a in later["history"][0]["attempts"]] == ["wrong result", "uninitialised output",
-                                                                      "unsafe"]
+                                                                      "unsafe", "out-of-bounds access"]
     assert rounds[1].failure.startswith("malformed output (not JSON")
     verdicts = {t.id.split(":")[1].split("_")[0]: t.verdict for t in tried}
-    assert verdicts == {"wrong": "wrong result", "uninit": "uninitialised output", "fork": "unsafe", "good": "ok"}
+    assert verdicts == {"wrong": "wrong result", "uninit": "uninitialised output", "fork": "unsafe",
+                        "oob": "out-of-bounds access", "good": "ok"}
+    assert "past the end of b" in next(t.reason for t in tried if t.verdict == "out-of-bounds access")

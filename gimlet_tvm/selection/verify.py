@@ -17,7 +17,10 @@ harder: their object may call libc's memory functions and libm only (`external.A
 no processes, files or network: "unsafe"); on inputs with a NaN and an Inf their output must
 have NaN and Inf exactly where the float64 reference has them; and run on their own into an
 output buffer filled first with one poison, then another, they must give the same result
-("uninitialised output" otherwise). The child runs in a session of its own under resource
+("uninitialised output" otherwise). A C kernel is also called directly (`guard_pages`, a
+process of its own) on operands that each end where an inaccessible page begins, then that each
+begin right after one, its inputs read-only: a fault is an "out-of-bounds access", its
+operand named. The child runs in a session of its own under resource
 limits (`_limit`: CPU time, address space), and its whole process group is killed when it
 runs past its time ("timeout").
 
@@ -55,9 +58,11 @@ from ..runtime.remote import RemoteDevice
 from ..errors import UnsafeKernelError
 from ..schedules.kernel_selection.apply import rewrite_ops
 from ..schedules.kernel_selection.candidates import OpSignature
+from ..schedules.kernel_selection.external import shared_library
 from ..schedules.kernel_selection.sources import find
 from ..schedules.tuning.records import ApplyRecords, RecordsDB
 from ..targets import spec_for
+from . import guard_pages
 
 RESULT_PREFIX = "GIMLET_RESULT "
 # Timing rotates through operand copies of at least this many bytes in all (three times a
@@ -68,10 +73,14 @@ MAX_COPIES = 64
 MIN_RUNS = 5
 # |ours - reference| must stay within this fraction of `OpSignature.error_scale` (float32 sums).
 TOLERANCE = 1e-4
-VERDICTS = ("ok", "unavailable", "compile error", "unsafe", "cannot run", "wrong result", "uninitialised output",
-             "crash", "timeout", "timing failed", "remote failure")
+VERDICTS = ("ok", "unavailable", "compile error", "unsafe", "cannot run", "out-of-bounds access", "wrong result",
+            "uninitialised output", "crash", "timeout", "timing failed", "remote failure")
 POISONS = (np.nan, -3.0e38)
 """What an outside kernel's output buffer holds before each of its two poisoned runs."""
+KERNEL_CHECKS = ("calls: libc memory functions and libm only",
+                 "outputs against the float64 reference: random, integer, large, zero inputs",
+                 "NaN/Inf propagation", "uninitialised output: two poisons", "guard pages: C kernels")
+"""The checks an outside kernel passes to be verified (the accepted-kernel cache keys on them)."""
 """What became of a candidate: `Outcome.verdict` (a kernel generator is told it)."""
 
 
@@ -229,6 +238,10 @@ def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, Outco
     if cannot_run is not None:
         return executable, Outcome(False, f"compiled; cannot run on this machine: {cannot_run}",
                                    verdict="cannot run")
+    if candidate.c_source is not None:
+        outside = out_of_bounds(sig, candidate.c_source, target)
+        if outside is not None:
+            return executable, outside
     vm = machine.load(executable)
     poisoned = _poisoned(sig, candidate, machine, target, tuned) if candidate.kernel is not None else None
     if poisoned is not None:
@@ -271,11 +284,58 @@ def _propagates(sig, machine: _Machine, vm) -> Outcome | None:
     return None
 
 
+def _kernel_operands(sig) -> list[tuple[str, tuple[int, ...]]]:
+    """The name and shape of each operand of an outside kernel's interface, the output last."""
+    m, n, k = sig.gemm
+    addends = [(f"addend{i}", shape) for i, shape in enumerate(sig.addends_2d())]
+    return [("a", (m, k)), ("b", (k, n)), *addends, ("c", (m, n))]
+
+
+FAULTS = {-signal.SIGSEGV: "SIGSEGV", -signal.SIGBUS: "SIGBUS"}
+
+
+def _guarded_run(library: str, function: str, shapes: list, placement: str, protect: list[int]) -> tuple[int, str]:
+    """(exit status, standard error's last line) of `guard_pages` calling the kernel once."""
+    job = {"library": library, "function": function, "shapes": shapes, "placement": placement, "protect": protect}
+    done = subprocess.run([sys.executable, "-I", guard_pages.__file__], input=json.dumps(job), text=True,
+                          capture_output=True, check=False)
+    return done.returncode, (done.stderr.strip().splitlines() or [""])[-1][:200]
+
+
+def out_of_bounds(sig, c_source: tuple[str, str], target) -> Outcome | None:
+    """None when the C kernel (`c_source`: its file and function) runs without a fault on
+    operands placed against guard pages, after their ends and then before their starts, its
+    inputs read-only; otherwise an "out-of-bounds access", naming the operand found by
+    protecting each alone, or a "crash" where it also fails on ordinary arrays (a stray access
+    far from every operand) or fails otherwise."""
+    library, function = str(shared_library(c_source[0], target)), c_source[1]
+    operands = _kernel_operands(sig)
+    shapes = [list(shape) for _, shape in operands]
+    every = list(range(len(operands)))
+    for placement, where in (("end", "past the end of"), ("start", "before the start of")):
+        status, error = _guarded_run(library, function, shapes, placement, every)
+        if status == 0:
+            continue
+        if status in FAULTS:
+            status, error = _guarded_run(library, function, shapes, placement, [])
+        if status != 0:
+            how = FAULTS.get(status, f"exit status {status}")
+            return Outcome(False, f"crashed ({how}) at {sig.key} when called on its own: {error or 'no error output'}",
+                           verdict="crash")
+        culprit = next((i for i in every if _guarded_run(library, function, shapes, placement, [i])[0] in FAULTS),
+                       None)
+        what = "its operands together" if culprit is None else operands[culprit][0]
+        written = " (or writes this input)" if culprit is not None and culprit < len(operands) - 1 else ""
+        return Outcome(False, f"out-of-bounds access at {sig.key}: faults with each operand against a guard page, "
+                       f"{where} {what}{written}", verdict="out-of-bounds access")
+    return None
+
+
 def _poisoned(sig, candidate, machine: _Machine, target, tuned) -> Outcome | None:
     """None when the kernel, run on its own into an output buffer holding each of `POISONS`,
     gives the same output: every element written, none read before."""
-    m, n, k = sig.gemm
-    shapes = [(m, k), (k, n), *sig.addends_2d(), (m, n)]
+    m, n, _ = sig.gemm
+    shapes = [shape for _, shape in _kernel_operands(sig)]
     params = [relax.Var(f"arg{i}", relax.TensorType(shape, sig.dtype)) for i, shape in enumerate(shapes)]
     bb = relax.BlockBuilder()
     with bb.function("main", params):

@@ -217,7 +217,9 @@ class Candidate:
     unavailable: why it cannot be built on this machine at all (then it is listed, never tried);
     kernel: for a kernel from outside the compiler (external, generator), its GEMM PrimFunc
     `(a, b, addends..., c)` at a signature's shapes, which verification also runs on its own
-    (c poisoned beforehand, to catch outputs it leaves unwritten).
+    (c poisoned beforehand, to catch outputs it leaves unwritten); c_source: for one given as
+    C, its source file and function, which verification also calls directly on operands placed
+    against guard pages (to catch out-of-bounds accesses).
     """
 
     source: str
@@ -228,6 +230,7 @@ class Candidate:
     digest: str = ""
     unavailable: str | None = None
     kernel: Callable[[OpSignature], tvm.tirx.PrimFunc] | None = None
+    c_source: tuple[str, str] | None = None
 
     @property
     def id(self) -> str:

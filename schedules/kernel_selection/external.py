@@ -50,7 +50,7 @@ from .candidates import Candidate, OpSignature, call_prim_func
 MANIFEST = "kernels.json"
 FORMATS = ("tvmscript", "c")
 C_COMPILER = os.environ.get("CC", "gcc")
-C_FLAGS = ("-std=c11", "-O3", "-fPIC", "-c")
+C_FLAGS = ("-std=c11", "-O3", "-fPIC")
 C_FUNCTION = "kernel"
 """The function a generated C kernel defines (`add_kernel`'s entries)."""
 ALLOWED_CALLS = re.compile(
@@ -106,13 +106,8 @@ def _c_prim_func(path: str, function: str, sig: OpSignature, target: tvm.target.
     from the C source at `path`, compiled (cached) with the function renamed to a symbol of
     its own; the object file is named in the `LINK_OBJECT` attribute."""
     symbol = f"gimlet_external_{digest(path)}_{function}"
-    mcpu = str(target.attrs.get("mcpu", ""))
-    # This machine's own CPU model is `native` to gcc too, also where gcc's release predates
-    # LLVM's name for it (gcc 12 has no znver4).
-    native = not mcpu or mcpu == str(tvm.target.codegen.llvm_get_system_cpu())
-    march = f"-march={'native' if native else mcpu}"
-    obj = _only_global(build_library(symbol, [Path(path)], [*C_FLAGS, march, f"-D{function}={symbol}"],
-                                     compiler=C_COMPILER, suffix=".o"), symbol)
+    flags = [*C_FLAGS, "-c", _march(target), f"-D{function}={symbol}"]
+    obj = _only_global(build_library(symbol, [Path(path)], flags, compiler=C_COMPILER, suffix=".o"), symbol)
     undefined = subprocess.run(["nm", "-u", "--format=just-symbols", str(obj)], capture_output=True, text=True,
                                check=True).stdout.split()
     _refuse_calls(path, undefined)
@@ -122,6 +117,22 @@ def _c_prim_func(path: str, function: str, sig: OpSignature, target: tvm.target.
     body = tvm.tirx.Evaluate(tvm.tirx.call_extern("void", symbol, *(b.data for b in buffers)))
     func = tvm.tirx.PrimFunc(buffers, body)
     return func.with_attrs({"tir.noalias": True, "tirx.is_scheduled": True, LINK_OBJECT: str(obj)})
+
+
+def _march(target: tvm.target.Target) -> str:
+    """gcc's `-march` for the target's CPU."""
+    mcpu = str(target.attrs.get("mcpu", ""))
+    # This machine's own CPU model is `native` to gcc too, also where gcc's release predates
+    # LLVM's name for it (gcc 12 has no znver4).
+    native = not mcpu or mcpu == str(tvm.target.codegen.llvm_get_system_cpu())
+    return f"-march={'native' if native else mcpu}"
+
+
+def shared_library(path: str, target: tvm.target.Target) -> Path:
+    """The C source at `path` compiled (cached) as the build compiles it, into a shared library
+    whose functions keep their names: what verification calls directly (`verify.out_of_bounds`)."""
+    return build_library(f"gimlet_external_{digest(path)}", [Path(path)], [*C_FLAGS, "-shared", _march(target)],
+                         compiler=C_COMPILER)
 
 
 def _only_global(obj: Path, symbol: str) -> Path:
@@ -214,5 +225,6 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
 
         found.append(Candidate(source, entry["name"], path, rewrite, shape_generic=False,
                                digest=digest(path) if unavailable is None else "", kernel=kernel,
-                               unavailable=unavailable))
+                               unavailable=unavailable,
+                               c_source=(path, function) if entry["format"] == "c" else None))
     return found
