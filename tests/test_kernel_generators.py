@@ -26,6 +26,7 @@ from gimlet_tvm.schedules.kernel_selection.external import add_kernel
 from gimlet_tvm.schedules.kernel_selection.sources import find
 from gimlet_tvm.schedules.kernel_selection.choices import SELECTION_FILE, KernelSelection, OpChoice
 from gimlet_tvm.schedules.tuning.records import target_key
+from gimlet_tvm.selection import accepted
 from gimlet_tvm.selection.generator import Generator, generate, numpy_expression, task
 from gimlet_tvm.selection.json_schema import SCHEMA_FILE, protocol_errors
 from gimlet_tvm.selection.select import op_signatures
@@ -209,6 +210,41 @@ def test_search_generator_improves_on_its_first_round_and_its_winner_builds(tmp_
 def _verify_in(directory: Path, target, timeout: float):
     request = dict(_request(target), generated_dir=str(directory))
     return lambda cid: run_candidate(dict(request, candidate=cid), timeout)
+
+
+def test_accepted_kernels_are_cached_by_content_with_their_provenance(tmp_path, monkeypatch):
+    """Selecting again with the same generator answer: the kernel accepted the first time is not
+    verified again (reported cached, its time from then), the wrong one is; the cache keeps the
+    generator, the round and the checks passed, and a verifier with other checks misses it."""
+    _, target = resolve_target("llvm")
+    directory = tmp_path / "kernels"
+    verified, lines = [], []
+
+    def verify(cid):
+        verified.append(cid)
+        return _verify_in(directory, target, 120)(cid)
+
+    runs = []
+    for _ in range(2):
+        tried = []
+        generate(WEIGHT_SIG, target, Generator(scripted("good+wrong"), rounds=1), str(directory), verify, tried,
+                 lines.append)
+        runs.append({t.id.split(":")[1].split("_")[0]: t for t in tried})
+    first, second = runs
+    assert [cid.split(":")[1].split("_")[0] for cid in verified] == ["good", "wrong", "wrong"]
+    assert first["good"].verified and not first["good"].cached
+    assert second["good"].verified and second["good"].cached and second["good"].seconds == first["good"].seconds
+    assert second["wrong"].verdict == "wrong result" and not second["wrong"].cached
+    assert any(f"{second['good'].id} (round 1) cached, verified before: " in line for line in lines), lines
+    (entry,) = json.loads((directory / accepted.CACHE_FILE).read_text())["kernels"].values()
+    assert entry["name"] == first["good"].id.split(":")[1] and entry["round"] == 1
+    assert entry["generator"] == scripted("good+wrong") and "guard pages: C kernels" in entry["checks"]
+    assert entry["shapes_checked"] == [WEIGHT_SIG.key]
+    source = (directory / f"{entry['name']}.c").read_text()
+    digest = accepted.content_hash(WEIGHT_SIG, target, "c", source)
+    assert accepted.AcceptedKernels(str(directory)).get(digest) == entry
+    monkeypatch.setattr(accepted, "KERNEL_CHECKS", ("fewer checks",))
+    assert accepted.content_hash(WEIGHT_SIG, target, "c", source) != digest
 
 
 def test_unsafe_and_wrong_generated_kernels_are_rejected_with_their_reason(tmp_path):

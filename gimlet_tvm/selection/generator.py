@@ -7,9 +7,9 @@ the history of earlier rounds) and prints a JSON list of candidates (`format`, `
 optional `name`) on standard output; both directions are checked against the protocol's
 schema (`json_schema`). Each candidate is kept in the records directory's generated-kernel
 directory (`external.add_kernel`, built like an external kernel) and verified and timed like
-every other candidate; its verdict goes into the next round's history. Malformed output, a
-non-zero exit or running past the group's time is a failed round: reported, recorded, and
-selection goes on.
+every other candidate, unless the same kernel was accepted before (`accepted`); its verdict
+goes into the next round's history. Malformed output, a non-zero exit or running past the
+group's time is a failed round: reported, recorded, and selection goes on.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ..schedules.kernel_selection.sources import find
 from ..targets import spec_for
 from ..targets.cpu import cpu_features
 from . import openai_generator, search_generator
+from .accepted import AcceptedKernels, content_hash
 from .json_schema import protocol_errors
 from .verify import Outcome
 
@@ -172,6 +173,23 @@ def _attempt(tried: Tried, fmt: str, source: str) -> dict[str, Any]:
             "error": tried.reason, "seconds": tried.seconds}
 
 
+def _verified(sig: OpSignature, target: tvm.target.Target, cid: str, candidate: dict[str, Any], directory: str,
+              verify: Callable[[str], Outcome], cache: AcceptedKernels, command: str, round_: int) -> Tried:
+    """The generated candidate `cid` verified and timed by `verify`, or, where the same kernel
+    was accepted before (`cache`), its verdict and time from then."""
+    made = find(cid, sig, target, generated_dir=directory)
+    digest = content_hash(sig, target, candidate["format"], candidate["source"])
+    known = cache.get(digest)
+    if known is not None:
+        outcome = Outcome(True, seconds=known["seconds"], checks=known["shapes_checked"])
+    else:
+        outcome = verify(cid)
+        if outcome.verified:
+            cache.add(digest, made.name, outcome, command, round_)
+    return Tried(cid, f"{made.provenance} (generator round {round_})", outcome.verified, outcome.reason,
+                 outcome.seconds, made.digest, verdict=outcome.verdict, cached=known is not None)
+
+
 def generate(sig: OpSignature, target: tvm.target.Target, generator: Generator, directory: str,
              verify: Callable[[str], Outcome], tried: list[Tried],
              report: Callable[[str], None]) -> list[GeneratorRound]:
@@ -182,6 +200,7 @@ def generate(sig: OpSignature, target: tvm.target.Target, generator: Generator, 
     sources: dict[str, tuple[str, str]] = {}  # generated candidate id -> (format, source)
     history: list[dict[str, Any]] = []
     rounds = []
+    cache = AcceptedKernels(directory)
     left = generator.seconds  # the generator's own time: verification is not counted
     for round_ in range(1, generator.rounds + 1):
         verified = [t for t in tried if t.verified]
@@ -208,13 +227,10 @@ def generate(sig: OpSignature, target: tvm.target.Target, generator: Generator, 
             ids.append(cid)
             done = next((t for t in tried if t.id == cid), None)
             if done is None:  # a kernel given again keeps its first verdict
-                made = find(cid, sig, target, generated_dir=directory)
-                outcome = verify(cid)
-                done = Tried(cid, f"{made.provenance} (generator round {round_})", outcome.verified,
-                             outcome.reason, outcome.seconds, made.digest, verdict=outcome.verdict)
+                done = _verified(sig, target, cid, candidate, directory, verify, cache, generator.command, round_)
                 tried.append(done)
                 sources[cid] = (candidate["format"], candidate["source"])
-                report(f"{sig.key}: {cid} (round {round_}) "
+                report(f"{sig.key}: {cid} (round {round_}) " + ("cached, verified before: " if done.cached else "")
                        + (f"{done.seconds * 1e3:.3f} ms" if done.verified else f"no: {done.reason}"))
             attempts.append(_attempt(done, candidate["format"], candidate["source"]))
         if failure:
