@@ -5,6 +5,7 @@ here is `scripted_generator.py` (real processes, real builds, real checks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from numpy.lib.stride_tricks import sliding_window_view
 import pytest
 from onnx import TensorProto, helper
 
@@ -70,6 +72,78 @@ def test_task_matches_the_schema_and_says_what_to_compute():
     assert protocol_errors([{"source": ""}], "candidates") == ["$[0]: lacks 'format'",
                                                                "$[0].source: shorter than 1 characters"]
     assert json.loads(SCHEMA_FILE.read_text())["$schema"].startswith("https://json-schema.org/")
+
+
+CONV_ATTRS = {"stride_h": 2, "stride_w": 1, "pad_top": 1, "pad_left": 2, "pad_bottom": 0, "pad_right": 2,
+              "dilation_h": 1, "dilation_w": 2, "groups": 2}
+CONV_SIG = OpSignature.from_json({"op": "conv2d", "shapes": [[2, 4, 9, 8], [6, 2, 3, 2]], "dtype": "float32",
+                                  "weight": True, "attrs": CONV_ATTRS})
+
+
+def test_conv2d_groups_are_offered_with_their_sizes_and_reference():
+    """A grouped, strided, dilated, unevenly padded conv2d with a bias + ReLU epilogue: offered
+    in C and TVMScript, the task valid against the schema, stating its sizes and attributes,
+    the C interface with the bias at the output's rank, and a numpy expression that computes
+    what the reference does."""
+    _, target = resolve_target("llvm")
+    sig = dataclasses.replace(CONV_SIG, epilogue=(("add", (6, 1, 1)), ("relu", ())))
+    made = task(sig, target, 1, 3, None, [])
+    assert protocol_errors(made, "task") == []
+    assert made["formats"] == ["c", "tvmscript"] and "gemm" not in made["group"]
+    assert made["group"]["conv2d"] == {"n": 2, "c": 4, "h": 9, "w": 8, "o": 6, "kh": 3, "kw": 2, "oh": 4, "ow": 10,
+                                       "stride": [2, 1], "pad": [1, 2, 0, 2], "dilation": [1, 2], "groups": 2}
+    assert made["group"]["addends"] == [[1, 6, 1, 1]] and made["group"]["layout"].startswith("NCHW data")
+    assert ("void kernel(const float *data, const float *weight, const float *addend0, float *out); arrays "
+            "data[2][4][9][8], weight[6][2][3][2], addend0[1][6][1][1], out[2][6][4][10]") in made["interface"]["c"]
+    rng = np.random.default_rng(11)
+    a, b, addend0 = (rng.standard_normal(shape) for shape in (*sig.shapes, *sig.addend_shapes))
+    got = eval(made["reference"]["numpy"], {"np": np, "sliding_window_view": sliding_window_view},  # noqa: S307
+               {"a": a, "b": b, "addend0": addend0})
+    np.testing.assert_allclose(got, sig.reference(a, b, addend0), rtol=1e-12, atol=1e-12)
+
+
+def _conv_model() -> onnx.ModelProto:
+    """One ONNX Conv of `CONV_SIG` (its weight an initializer), no bias."""
+    weight = np.random.default_rng(12).standard_normal(CONV_SIG.shapes[1]).astype(np.float32)
+    p = CONV_ATTRS
+    node = helper.make_node("Conv", ["x", "w"], ["y"], strides=[p["stride_h"], p["stride_w"]],
+                            pads=[p["pad_top"], p["pad_left"], p["pad_bottom"], p["pad_right"]],
+                            dilations=[p["dilation_h"], p["dilation_w"]], group=p["groups"])
+    graph = helper.make_graph([node], "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                             CONV_SIG.shapes[0])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, CONV_SIG.out_shape)],
+                              [onnx.numpy_helper.from_array(weight, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_generated_conv2d_kernels_are_verified_and_the_right_one_builds(tmp_path):
+    """A model's conv2d group offered to a generator: its C kernels checked in the child as
+    selection does it, the right one verified (built into the group, against the reference,
+    poisoned, against guard pages), one that forgets the padding rejected for reading before
+    the start of data; the model built with the right one computes the conv."""
+    proto = _conv_model()
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(proto, {})
+    (sig,) = op_signatures(mod, target)
+    assert sig == CONV_SIG, sig.key
+    tried = []
+    request = dict(_request(target), signature=sig.to_json(), generated_dir=str(tmp_path))
+    rounds = generate(sig, target, Generator(scripted("conv+convnopad"), rounds=1), str(tmp_path),
+                      lambda cid: run_candidate(dict(request, candidate=cid), 120), tried, lambda line: None)
+    assert not rounds[0].failure, rounds
+    outcomes = {t.id.split(":")[1].split("_")[0]: t for t in tried}
+    assert outcomes["conv"].verified, outcomes["conv"].reason
+    assert outcomes["convnopad"].verdict == "out-of-bounds access", outcomes["convnopad"].reason
+    assert "before the start of data" in outcomes["convnopad"].reason
+
+    selection = KernelSelection(target_key(target), {sig.key: OpChoice(sig, tried, outcomes["conv"].id)},
+                                generated_dir=str(tmp_path))
+    model = gimlet_tvm.build(proto, "llvm", selection=selection)
+    text = model._module.as_text()  # pylint: disable=protected-access
+    assert f"generator_{outcomes['conv'].id.split(':')[1]}" in text
+    x = np.random.default_rng(13).standard_normal(sig.shapes[0]).astype(np.float32)
+    want = sig.reference(x, onnx.numpy_helper.to_array(proto.graph.initializer[0]))
+    np.testing.assert_allclose(model(x)[0], want, rtol=1e-4, atol=1e-4)
 
 
 def test_generator_rounds_get_feedback_and_failed_rounds_go_on(tmp_path, monkeypatch):

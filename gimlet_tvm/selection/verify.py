@@ -284,13 +284,6 @@ def _propagates(sig, machine: _Machine, vm) -> Outcome | None:
     return None
 
 
-def _kernel_operands(sig) -> list[tuple[str, tuple[int, ...]]]:
-    """The name and shape of each operand of an outside kernel's interface, the output last."""
-    m, n, k = sig.gemm
-    addends = [(f"addend{i}", shape) for i, shape in enumerate(sig.addends_2d())]
-    return [("a", (m, k)), ("b", (k, n)), *addends, ("c", (m, n))]
-
-
 FAULTS = {-signal.SIGSEGV: "SIGSEGV", -signal.SIGBUS: "SIGBUS"}
 
 
@@ -309,7 +302,7 @@ def out_of_bounds(sig, c_source: tuple[str, str], target) -> Outcome | None:
     protecting each alone, or a "crash" where it also fails on ordinary arrays (a stray access
     far from every operand) or fails otherwise."""
     library, function = str(shared_library(c_source[0], target)), c_source[1]
-    operands = _kernel_operands(sig)
+    operands = sig.kernel_operands()
     shapes = [list(shape) for _, shape in operands]
     every = list(range(len(operands)))
     for placement, where in (("end", "past the end of"), ("start", "before the start of")):
@@ -334,19 +327,19 @@ def out_of_bounds(sig, c_source: tuple[str, str], target) -> Outcome | None:
 def _poisoned(sig, candidate, machine: _Machine, target, tuned) -> Outcome | None:
     """None when the kernel, run on its own into an output buffer holding each of `POISONS`,
     gives the same output: every element written, none read before."""
-    m, n, _ = sig.gemm
-    shapes = [shape for _, shape in _kernel_operands(sig)]
+    shapes = [shape for _, shape in sig.kernel_operands()]
+    out_shape = shapes[-1]
     params = [relax.Var(f"arg{i}", relax.TensorType(shape, sig.dtype)) for i, shape in enumerate(shapes)]
     bb = relax.BlockBuilder()
     with bb.function("main", params):
         func = candidate.kernel(sig).with_attr("op_pattern", 8).without_attr("global_symbol")
         out = bb.emit(relax.call_tir_inplace(bb.add_func(func, "kernel"), params, [len(params) - 1],
-                                             relax.TensorType((m, n), sig.dtype)))
+                                             relax.TensorType(out_shape, sig.dtype)))
         bb.emit_func_output(out)
     vm = machine.load(_build(bb.finalize(), candidate, machine.spec, target, tuned))
     inputs = [x.reshape(shape) for x, shape in zip(sig.input_sets(np.random.default_rng(3))["random"], shapes)]
     outputs = [machine.run(vm, machine.tensors([*(x.astype(sig.dtype) for x in inputs),
-                                                np.full((m, n), poison, sig.dtype)]))
+                                                np.full(out_shape, poison, sig.dtype)]))
                for poison in POISONS]
     differ = ~((outputs[0] == outputs[1]) | (np.isnan(outputs[0]) & np.isnan(outputs[1])))
     if differ.any():
