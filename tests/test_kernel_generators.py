@@ -379,6 +379,19 @@ def test_kernel_that_does_not_propagate_nan_is_rejected(tmp_path):
     assert outcome.verdict == "wrong result" and "on NaN/Inf inputs" in outcome.reason, outcome.reason
 
 
+def test_tvmscript_kernel_reading_past_the_end_is_rejected(tmp_path):
+    """A TVMScript GEMM that reads one element past the end of b (whose size is a multiple of
+    64 bytes, so it ends exactly at the guard page, DLPack's alignment notwithstanding) faults
+    there, in the child: an out-of-bounds access, not a crash."""
+    _, target = resolve_target("llvm")
+    assert K * N * 4 % 64 == 0
+    name = add_kernel(str(tmp_path), WEIGHT_SIG, "llvm", "tvmscript", TVMSCRIPT_PAST_END.format(m=M, k=K, n=N),
+                      "past_end")
+    outcome = _verify_in(tmp_path, target, 120)(f"generator:{name}")
+    assert outcome.verdict == "out-of-bounds access", outcome.reason
+    assert outcome.reason.startswith(f"out-of-bounds access at {WEIGHT_SIG.key}: SIGSEGV with each operand")
+
+
 def test_tvmscript_kernel_calling_outside_functions_is_unsafe(tmp_path):
     """TVMScript may call libm (expf) but not, say, system()."""
     _, target = resolve_target("llvm")
@@ -400,6 +413,19 @@ def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
         for kk in range({k}):
             c[i, j] = c[i, j] + a[i, kk] * b[kk, j]
         c[i, j] = T.min(T.max(c[i, j], T.float32(-1e30)), T.float32(1e30))
+"""
+TVMSCRIPT_PAST_END = """
+# from tvm.script import tirx as T
+
+@T.prim_func
+def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
+         c: T.Buffer(({m}, {n}), "float32")):
+    T.func_attr({{"tir.noalias": True, "tirx.is_scheduled": True}})
+    for i, j in T.grid({m}, {n}):
+        c[i, j] = T.float32(0)
+        for kk in range({k}):
+            c[i, j] = c[i, j] + a[i, kk] * b[kk, j]
+    c[0, 0] = T.max(c[0, 0], T.min(c[0, 0], b[{k}, 0]))
 """
 TVMSCRIPT_CALLING = """
 # from tvm.script import tirx as T

@@ -38,16 +38,18 @@ def _protect(address: int, size: int, prot: int) -> None:
 
 class Guarded:
     """A float32 array of `shape` in a mapping of its own, against a PROT_NONE page after its
-    end (`at_end`) or before its start."""
+    end (`at_end`) or before its start. With `align`, its start is a multiple of that many
+    bytes: at the end it then lies within align - 4 bytes of the page (TVM takes DLPack data
+    64-byte aligned only)."""
 
-    def __init__(self, shape: list[int], at_end: bool) -> None:
+    def __init__(self, shape: list[int] | tuple[int, ...], at_end: bool, align: int = 4) -> None:
         nbytes = math.prod(shape) * 4
         self.pages = -(-nbytes // PAGE)
         self.map = mmap.mmap(-1, (self.pages + 1) * PAGE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
         self.usable = self.base if at_end else self.base + PAGE  # the pages the array lies in
         _protect(self.base + self.pages * PAGE if at_end else self.base, PAGE, PROT_NONE)
-        offset = self.usable - self.base + (self.pages * PAGE - nbytes if at_end else 0)
+        offset = self.usable - self.base + ((self.pages * PAGE - nbytes) // align * align if at_end else 0)
         self.array = np.frombuffer(self.map, np.float32, math.prod(shape), offset).reshape(shape)
 
     def read_only(self) -> None:

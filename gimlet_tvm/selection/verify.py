@@ -17,12 +17,15 @@ harder: their object may call libc's memory functions and libm only (`external.A
 no processes, files or network: "unsafe"); on inputs with a NaN and an Inf their output must
 have NaN and Inf exactly where the float64 reference has them; and run on their own into an
 output buffer filled first with one poison, then another, they must give the same result
-("uninitialised output" otherwise). A C kernel is also called directly (`guard_pages`, a
-process of its own) on operands that each end where an inaccessible page begins, then that each
-begin right after one, its inputs read-only: a fault is an "out-of-bounds access", its
-operand named. The child runs in a session of its own under resource
-limits (`_limit`: CPU time, address space), and its whole process group is killed when it
-runs past its time ("timeout").
+("uninitialised output" otherwise). Each also runs on operands that each end where an
+inaccessible page begins, then that each begin right after one, its inputs read-only: a fault
+there (and not on ordinary arrays) is an "out-of-bounds access". A C kernel is called directly
+for this, first (`out_of_bounds`: `guard_pages` in a process of its own, exact placement, the
+operand named); a TVMScript kernel here after its poisoned runs (`_guard_pages`: DLPack wants
+64-byte aligned data, so an array may end up to 60 bytes short of its page), the fault ending
+this child, which `_spawn` reads by the stage the child announced. The child runs in a session of its own under resource limits (`_limit`: CPU time,
+address space), and its whole process group is killed when it runs past its time
+("timeout").
 
 A request naming several `candidates` (verified before) is a race instead: one child builds
 each for timing, then times them in turn, round after round (`race_candidates`), so near
@@ -65,6 +68,9 @@ from ..targets import spec_for
 from . import guard_pages
 
 RESULT_PREFIX = "GIMLET_RESULT "
+STAGE_PREFIX = "GIMLET_STAGE "  # the child announces a stage whose crash means something of its own
+GUARD_STAGE = "guard pages"
+FAULTS = {-signal.SIGSEGV: "SIGSEGV", -signal.SIGBUS: "SIGBUS"}
 # Timing rotates through operand copies of at least this many bytes in all (three times a
 # large server L3; where the L3 is larger, "cold" is at best cooler), at most MAX_COPIES, for
 # MIN_RUNS runs or more.
@@ -148,6 +154,11 @@ def _spawn(request: dict[str, Any], timeout: float) -> dict[str, Any] | tuple[st
     for line in out.splitlines()[::-1]:
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
+    stages = [line[len(STAGE_PREFIX):] for line in out.splitlines() if line.startswith(STAGE_PREFIX)]
+    if proc.returncode in FAULTS and stages[-1:] == [GUARD_STAGE]:
+        key = OpSignature.from_json(request["signature"]).key
+        return "out-of-bounds access", (f"out-of-bounds access at {key}: {FAULTS[proc.returncode]} with each operand "
+                                        "against a guard page (after its end, within 60 bytes, or before its start)")
     if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
         return "timeout", f"ran past its CPU time limit ({signal.Signals(-proc.returncode).name})"
     if proc.returncode < 0:
@@ -238,14 +249,17 @@ def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, Outco
     if cannot_run is not None:
         return executable, Outcome(False, f"compiled; cannot run on this machine: {cannot_run}",
                                    verdict="cannot run")
-    if candidate.c_source is not None:
-        outside = out_of_bounds(sig, candidate.c_source, target)
-        if outside is not None:
-            return executable, outside
+    if candidate.kernel is not None:
+        alone = _alone(sig, candidate, machine, target, tuned)
+        if candidate.c_source is not None:  # called on its own in a process of its own
+            failure = out_of_bounds(sig, candidate.c_source, target) or _poisoned(sig, machine, alone)
+        else:  # here, after runs on ordinary arrays (a crash there is no out-of-bounds access)
+            failure = _poisoned(sig, machine, alone)
+            if failure is None and machine.remote is None:
+                _guard_pages(sig, machine, alone)  # a fault ends this child
+        if failure is not None:
+            return executable, failure
     vm = machine.load(executable)
-    poisoned = _poisoned(sig, candidate, machine, target, tuned) if candidate.kernel is not None else None
-    if poisoned is not None:
-        return executable, poisoned
     for label, operands in sig.input_sets(np.random.default_rng(0)).items():
         got = machine.run(vm, machine.tensors([x.astype(sig.dtype) for x in operands])).astype(np.float64)
         want = sig.reference(*[x.astype(sig.dtype) for x in operands])
@@ -282,9 +296,6 @@ def _propagates(sig, machine: _Machine, vm) -> Outcome | None:
         return Outcome(False, f"wrong result at {sig.key} on NaN/Inf inputs: {got[where]} at {where}, "
                        f"expected {want[where]} (NaN and Inf must propagate)", verdict="wrong result")
     return None
-
-
-FAULTS = {-signal.SIGSEGV: "SIGSEGV", -signal.SIGBUS: "SIGBUS"}
 
 
 def _guarded_run(library: str, function: str, shapes: list, placement: str, protect: list[int]) -> tuple[int, str]:
@@ -324,22 +335,47 @@ def out_of_bounds(sig, c_source: tuple[str, str], target) -> Outcome | None:
     return None
 
 
-def _poisoned(sig, candidate, machine: _Machine, target, tuned) -> Outcome | None:
-    """None when the kernel, run on its own into an output buffer holding each of `POISONS`,
-    gives the same output: every element written, none read before."""
+def _alone(sig, candidate, machine: _Machine, target, tuned):
+    """A VM whose `main` runs the outside kernel on its own, in place: on the arrays of
+    `OpSignature.kernel_operands` as given (the output last, returned)."""
     shapes = [shape for _, shape in sig.kernel_operands()]
-    out_shape = shapes[-1]
     params = [relax.Var(f"arg{i}", relax.TensorType(shape, sig.dtype)) for i, shape in enumerate(shapes)]
     bb = relax.BlockBuilder()
     with bb.function("main", params):
         func = candidate.kernel(sig).with_attr("op_pattern", 8).without_attr("global_symbol")
         out = bb.emit(relax.call_tir_inplace(bb.add_func(func, "kernel"), params, [len(params) - 1],
-                                             relax.TensorType(out_shape, sig.dtype)))
+                                             relax.TensorType(shapes[-1], sig.dtype)))
         bb.emit_func_output(out)
-    vm = machine.load(_build(bb.finalize(), candidate, machine.spec, target, tuned))
+    return machine.load(_build(bb.finalize(), candidate, machine.spec, target, tuned))
+
+
+def _guard_pages(sig, machine: _Machine, alone) -> None:
+    """Run the kernel on its own (`alone`) on operands against guard pages, inputs read-only:
+    each ending where a PROT_NONE page begins, then each beginning right after one. TVM takes
+    DLPack data 64-byte aligned only, so an array whose size is no multiple of 64 bytes ends
+    up to 60 bytes before its page (exact for C kernels: `out_of_bounds`). A fault kills this
+    child: `_spawn` reads it as an out-of-bounds access by the stage announced here."""
+    print(STAGE_PREFIX + GUARD_STAGE, flush=True)
+    rng = np.random.default_rng(4)
+    for at_end in (True, False):
+        operands = [guard_pages.Guarded(shape, at_end, align=64) for _, shape in sig.kernel_operands()]
+        tensors = []
+        for index, operand in enumerate(operands):
+            operand.array[...] = rng.standard_normal(operand.array.shape) if index < len(operands) - 1 else 0
+            tensors.append(tvm.runtime.from_dlpack(operand.array))
+            if index < len(operands) - 1:
+                operand.read_only()
+        machine.run(alone, tensors)
+    print(STAGE_PREFIX + "checks", flush=True)
+
+
+def _poisoned(sig, machine: _Machine, alone) -> Outcome | None:
+    """None when the kernel, run on its own (`alone`) into an output buffer holding each of
+    `POISONS`, gives the same output: every element written, none read before."""
+    shapes = [shape for _, shape in sig.kernel_operands()]
     inputs = [x.reshape(shape) for x, shape in zip(sig.input_sets(np.random.default_rng(3))["random"], shapes)]
-    outputs = [machine.run(vm, machine.tensors([*(x.astype(sig.dtype) for x in inputs),
-                                                np.full(out_shape, poison, sig.dtype)]))
+    outputs = [machine.run(alone, machine.tensors([*(x.astype(sig.dtype) for x in inputs),
+                                                   np.full(shapes[-1], poison, sig.dtype)]))
                for poison in POISONS]
     differ = ~((outputs[0] == outputs[1]) | (np.isnan(outputs[0]) & np.isnan(outputs[1])))
     if differ.any():
