@@ -23,9 +23,9 @@ there (and not on ordinary arrays) is an "out-of-bounds access". A C kernel is c
 for this, first (`out_of_bounds`: `guard_pages` in a process of its own, exact placement, the
 operand named); a TVMScript kernel here after its poisoned runs (`_guard_pages`: DLPack wants
 64-byte aligned data, so an array may end up to 60 bytes short of its page), the fault ending
-this child, which `_spawn` reads by the stage the child announced. The child runs in a session of its own under resource limits (`_limit`: CPU time,
-address space), and its whole process group is killed when it runs past its time
-("timeout").
+this child, which `_spawn` reads by the stage the child announced. The child runs in a
+session of its own under resource limits (`_limit`: CPU time, address space), and its whole
+process group is killed when it runs past its time ("timeout").
 
 A request naming several `candidates` (verified before) is a race instead: one child builds
 each for timing, then times them in turn, round after round (`race_candidates`), so near
@@ -81,13 +81,14 @@ MIN_RUNS = 5
 TOLERANCE = 1e-4
 VERDICTS = ("ok", "unavailable", "compile error", "unsafe", "cannot run", "out-of-bounds access", "wrong result",
             "uninitialised output", "crash", "timeout", "timing failed", "remote failure")
+"""What became of a candidate: `Outcome.verdict` (a kernel generator is told it)."""
 POISONS = (np.nan, -3.0e38)
 """What an outside kernel's output buffer holds before each of its two poisoned runs."""
 KERNEL_CHECKS = ("calls: libc memory functions and libm only",
                  "outputs against the float64 reference: random, integer, large, zero inputs",
-                 "NaN/Inf propagation", "uninitialised output: two poisons", "guard pages: C kernels")
+                 "NaN/Inf propagation", "uninitialised output: two poisons",
+                 "guard pages: C exact, TVMScript 64-byte aligned")
 """The checks an outside kernel passes to be verified (the accepted-kernel cache keys on them)."""
-"""What became of a candidate: `Outcome.verdict` (a kernel generator is told it)."""
 
 
 @dataclasses.dataclass
