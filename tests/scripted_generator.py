@@ -2,10 +2,15 @@
 r of an op group by the r-th PLAN, each a '+'-joined list of kernels, or one misbehaviour:
 
     good  wrong  uninit  loop  fork   C GEMMs for the task's shapes (matmul without epilogue):
-                                      right; off by one element; the first output element never
+    oob  oobwrite  before  stray      right; off by one element; the first output element never
                                       written; an endless loop; a fork() call (never reached on
-                                      real inputs: only its presence is under test)
+                                      real inputs: only its presence is under test); reading
+                                      one element past the end of b; writing one past the end
+                                      of c; reading one element before the start of a; writing
+                                      far from every operand
     tvmscript                         a right GEMM in TVMScript
+    conv  convnopad                   C conv2ds for the task's conv (no epilogue): right; one
+                                      that forgets the padding (reads outside data at its edges)
     malformed  notlist  exit  hang    not JSON; JSON but no list of candidates; exit code 3; sleep
 
 With GIMLET_TEST_TASKS=DIR, every task it reads is saved there as round<r>.json.
@@ -36,7 +41,33 @@ C_KERNELS = {
     "uninit": {"first": "1"},
     "loop": {"prelude": "volatile int spin = 1; while (spin) {{}}"},
     "fork": {"prelude": "if (a[0] == 1234.5f && b[0] == -1234.5f) fork();"},
+    "oob": {"after": "c[0] += 0.0f * b[{k} * {n}];"},
+    "oobwrite": {"after": "c[{m} * {n}] = 0.0f;"},
+    "before": {"after": "c[0] += 0.0f * a[-1];"},
+    "stray": {"after": "c[(long)1 << 41] = 1.0f;"},
 }
+C_CONV = """
+void kernel(const float *data, const float *weight, float *out) {{
+  for (int n = 0; n < {n}; ++n)
+    for (int o = 0; o < {o}; ++o)
+      for (int y = 0; y < {oh}; ++y)
+        for (int x = 0; x < {ow}; ++x) {{
+          int group = o / ({o} / {groups}), per_group = {c} / {groups};
+          float sum = 0.0f;
+          for (int ci = 0; ci < per_group; ++ci)
+            for (int i = 0; i < {kh}; ++i)
+              for (int j = 0; j < {kw}; ++j) {{
+                int r = y * {stride[0]} - {pad[0]} + i * {dilation[0]};
+                int s = x * {stride[1]} - {pad[1]} + j * {dilation[1]};
+                if ({inside})
+                  sum += data[((n * {c} + group * per_group + ci) * {h} + r) * {w} + s]
+                         * weight[((o * per_group + ci) * {kh} + i) * {kw} + j];
+              }}
+          out[((n * {o} + o) * {oh} + y) * {ow} + x] = sum;
+        }}
+}}
+"""
+CONV_INSIDE = {"conv": "r >= 0 && r < {h} && s >= 0 && s < {w}", "convnopad": "1"}
 TVMSCRIPT = """
 # from tvm.script import tirx as T
 
@@ -51,12 +82,15 @@ def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
 """
 
 
-def kernel(plan: str, gemm: dict) -> dict:
+def kernel(plan: str, sizes: dict) -> dict:
+    """The candidate of `plan` for the task's sizes (its group's `gemm` or `conv2d`)."""
+    if plan in CONV_INSIDE:
+        return {"format": "c", "source": C_CONV.format(**sizes, inside=CONV_INSIDE[plan].format(**sizes)), "name": plan}
     if plan == "tvmscript":
-        return {"format": "tvmscript", "source": TVMSCRIPT.format(**gemm), "name": plan}
+        return {"format": "tvmscript", "source": TVMSCRIPT.format(**sizes), "name": plan}
     parts = {"prelude": "", "first": "0", "after": "", **C_KERNELS[plan]}
-    parts = {key: value.format(**gemm) for key, value in parts.items()}
-    return {"format": "c", "source": C_GEMM.format(**gemm, **parts), "name": plan}
+    parts = {key: value.format(**sizes) for key, value in parts.items()}
+    return {"format": "c", "source": C_GEMM.format(**sizes, **parts), "name": plan}
 
 
 def main() -> None:
@@ -75,8 +109,9 @@ def main() -> None:
     elif plan == "hang":
         time.sleep(600)
     else:
-        assert not task["group"]["epilogue"], "this generator writes plain GEMMs only"
-        print(json.dumps([kernel(p, task["group"]["gemm"]) for p in plan.split("+")]))
+        assert not task["group"]["epilogue"], "this generator writes plain GEMMs and conv2ds only"
+        sizes = task["group"]["gemm" if task["group"]["op"] == "matmul" else "conv2d"]
+        print(json.dumps([kernel(p, sizes) for p in plan.split("+")]))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ here is `scripted_generator.py` (real processes, real builds, real checks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from numpy.lib.stride_tricks import sliding_window_view
 import pytest
 from onnx import TensorProto, helper
 
@@ -26,10 +28,11 @@ from gimlet_tvm.schedules.kernel_selection.external import add_kernel
 from gimlet_tvm.schedules.kernel_selection.sources import find
 from gimlet_tvm.schedules.kernel_selection.choices import SELECTION_FILE, KernelSelection, OpChoice
 from gimlet_tvm.schedules.tuning.records import target_key
+from gimlet_tvm.selection import accepted
 from gimlet_tvm.selection.generator import Generator, generate, numpy_expression, task
 from gimlet_tvm.selection.json_schema import SCHEMA_FILE, protocol_errors
 from gimlet_tvm.selection.select import op_signatures
-from gimlet_tvm.selection.verify import run_candidate
+from gimlet_tvm.selection.verify import out_of_bounds, run_candidate
 
 from .scripted_generator import TVMSCRIPT, kernel
 from .test_kernel_selection import K, M, N, WEIGHT_SIG, _matmul_model
@@ -70,6 +73,78 @@ def test_task_matches_the_schema_and_says_what_to_compute():
     assert protocol_errors([{"source": ""}], "candidates") == ["$[0]: lacks 'format'",
                                                                "$[0].source: shorter than 1 characters"]
     assert json.loads(SCHEMA_FILE.read_text())["$schema"].startswith("https://json-schema.org/")
+
+
+CONV_ATTRS = {"stride_h": 2, "stride_w": 1, "pad_top": 1, "pad_left": 2, "pad_bottom": 0, "pad_right": 2,
+              "dilation_h": 1, "dilation_w": 2, "groups": 2}
+CONV_SIG = OpSignature.from_json({"op": "conv2d", "shapes": [[2, 4, 9, 8], [6, 2, 3, 2]], "dtype": "float32",
+                                  "weight": True, "attrs": CONV_ATTRS})
+
+
+def test_conv2d_groups_are_offered_with_their_sizes_and_reference():
+    """A grouped, strided, dilated, unevenly padded conv2d with a bias + ReLU epilogue: offered
+    in C and TVMScript, the task valid against the schema, stating its sizes and attributes,
+    the C interface with the bias at the output's rank, and a numpy expression that computes
+    what the reference does."""
+    _, target = resolve_target("llvm")
+    sig = dataclasses.replace(CONV_SIG, epilogue=(("add", (6, 1, 1)), ("relu", ())))
+    made = task(sig, target, 1, 3, None, [])
+    assert protocol_errors(made, "task") == []
+    assert made["formats"] == ["c", "tvmscript"] and "gemm" not in made["group"]
+    assert made["group"]["conv2d"] == {"n": 2, "c": 4, "h": 9, "w": 8, "o": 6, "kh": 3, "kw": 2, "oh": 4, "ow": 10,
+                                       "stride": [2, 1], "pad": [1, 2, 0, 2], "dilation": [1, 2], "groups": 2}
+    assert made["group"]["addends"] == [[1, 6, 1, 1]] and made["group"]["layout"].startswith("NCHW data")
+    assert ("void kernel(const float *data, const float *weight, const float *addend0, float *out); arrays "
+            "data[2][4][9][8], weight[6][2][3][2], addend0[1][6][1][1], out[2][6][4][10]") in made["interface"]["c"]
+    rng = np.random.default_rng(11)
+    a, b, addend0 = (rng.standard_normal(shape) for shape in (*sig.shapes, *sig.addend_shapes))
+    got = eval(made["reference"]["numpy"], {"np": np, "sliding_window_view": sliding_window_view},  # noqa: S307
+               {"a": a, "b": b, "addend0": addend0})
+    np.testing.assert_allclose(got, sig.reference(a, b, addend0), rtol=1e-12, atol=1e-12)
+
+
+def _conv_model() -> onnx.ModelProto:
+    """One ONNX Conv of `CONV_SIG` (its weight an initializer), no bias."""
+    weight = np.random.default_rng(12).standard_normal(CONV_SIG.shapes[1]).astype(np.float32)
+    p = CONV_ATTRS
+    node = helper.make_node("Conv", ["x", "w"], ["y"], strides=[p["stride_h"], p["stride_w"]],
+                            pads=[p["pad_top"], p["pad_left"], p["pad_bottom"], p["pad_right"]],
+                            dilations=[p["dilation_h"], p["dilation_w"]], group=p["groups"])
+    graph = helper.make_graph([node], "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                             CONV_SIG.shapes[0])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, CONV_SIG.out_shape)],
+                              [onnx.numpy_helper.from_array(weight, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_generated_conv2d_kernels_are_verified_and_the_right_one_builds(tmp_path):
+    """A model's conv2d group offered to a generator: its C kernels checked in the child as
+    selection does it, the right one verified (built into the group, against the reference,
+    poisoned, against guard pages), one that forgets the padding rejected for reading before
+    the start of data; the model built with the right one computes the conv."""
+    proto = _conv_model()
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(proto, {})
+    (sig,) = op_signatures(mod, target)
+    assert sig == CONV_SIG, sig.key
+    tried = []
+    request = dict(_request(target), signature=sig.to_json(), generated_dir=str(tmp_path))
+    rounds = generate(sig, target, Generator(scripted("conv+convnopad"), rounds=1), str(tmp_path),
+                      lambda cid: run_candidate(dict(request, candidate=cid), 120), tried, lambda line: None)
+    assert not rounds[0].failure, rounds
+    outcomes = {t.id.split(":")[1].split("_")[0]: t for t in tried}
+    assert outcomes["conv"].verified, outcomes["conv"].reason
+    assert outcomes["convnopad"].verdict == "out-of-bounds access", outcomes["convnopad"].reason
+    assert "before the start of data" in outcomes["convnopad"].reason
+
+    selection = KernelSelection(target_key(target), {sig.key: OpChoice(sig, tried, outcomes["conv"].id)},
+                                generated_dir=str(tmp_path))
+    model = gimlet_tvm.build(proto, "llvm", selection=selection)
+    text = model._module.as_text()  # pylint: disable=protected-access
+    assert f"generator_{outcomes['conv'].id.split(':')[1]}" in text
+    x = np.random.default_rng(13).standard_normal(sig.shapes[0]).astype(np.float32)
+    want = sig.reference(x, onnx.numpy_helper.to_array(proto.graph.initializer[0]))
+    np.testing.assert_allclose(model(x)[0], want, rtol=1e-4, atol=1e-4)
 
 
 def test_generator_rounds_get_feedback_and_failed_rounds_go_on(tmp_path, monkeypatch):
@@ -212,6 +287,41 @@ def _verify_in(directory: Path, target, timeout: float):
     return lambda cid: run_candidate(dict(request, candidate=cid), timeout)
 
 
+def test_accepted_kernels_are_cached_by_content_with_their_provenance(tmp_path, monkeypatch):
+    """Selecting again with the same generator answer: the kernel accepted the first time is not
+    verified again (reported cached, its time from then), the wrong one is; the cache keeps the
+    generator, the round and the checks passed, and a verifier with other checks misses it."""
+    _, target = resolve_target("llvm")
+    directory = tmp_path / "kernels"
+    verified, lines = [], []
+
+    def verify(cid):
+        verified.append(cid)
+        return _verify_in(directory, target, 120)(cid)
+
+    runs = []
+    for _ in range(2):
+        tried = []
+        generate(WEIGHT_SIG, target, Generator(scripted("good+wrong"), rounds=1), str(directory), verify, tried,
+                 lines.append)
+        runs.append({t.id.split(":")[1].split("_")[0]: t for t in tried})
+    first, second = runs
+    assert [cid.split(":")[1].split("_")[0] for cid in verified] == ["good", "wrong", "wrong"]
+    assert first["good"].verified and not first["good"].cached
+    assert second["good"].verified and second["good"].cached and second["good"].seconds == first["good"].seconds
+    assert second["wrong"].verdict == "wrong result" and not second["wrong"].cached
+    assert any(f"{second['good'].id} (round 1) cached, verified before: " in line for line in lines), lines
+    (entry,) = json.loads((directory / accepted.CACHE_FILE).read_text())["kernels"].values()
+    assert entry["name"] == first["good"].id.split(":")[1] and entry["round"] == 1
+    assert entry["generator"] == scripted("good+wrong") and entry["checks"] == list(accepted.KERNEL_CHECKS)
+    assert entry["shapes_checked"] == [WEIGHT_SIG.key]
+    source = (directory / f"{entry['name']}.c").read_text()
+    digest = accepted.content_hash(WEIGHT_SIG, target, "c", source)
+    assert accepted.AcceptedKernels(str(directory)).get(digest) == entry
+    monkeypatch.setattr(accepted, "KERNEL_CHECKS", ("fewer checks",))
+    assert accepted.content_hash(WEIGHT_SIG, target, "c", source) != digest
+
+
 def test_unsafe_and_wrong_generated_kernels_are_rejected_with_their_reason(tmp_path):
     """One round of a right kernel, one that never writes its first output element and one that
     calls fork(): each bad one rejected with its own reason (the fork before it is ever run),
@@ -226,6 +336,28 @@ def test_unsafe_and_wrong_generated_kernels_are_rejected_with_their_reason(tmp_p
     assert "1 of 200 elements keep what the output buffer held (first at (0, 0))" in outcomes["uninit"].reason
     assert outcomes["fork"].verdict == "unsafe" and "calls fork: a kernel may call" in outcomes["fork"].reason
     assert [t.id for t in tried if t.verified] == [outcomes["good"].id]
+
+
+def test_guard_pages_catch_accesses_out_of_bounds_and_name_the_operand(tmp_path):
+    """C kernels called on their own, each operand against a guard page: one element read past
+    the end of b, written past the end of c, read before the start of a; one writing far from
+    every operand crashes without them too (a crash); the right one passes."""
+    from .scripted_generator import kernel
+
+    _, target = resolve_target("llvm")
+    found = {}
+    for plan in ("good", "oob", "oobwrite", "before", "stray"):
+        source = kernel(plan, {"m": M, "n": N, "k": K})["source"]
+        name = add_kernel(str(tmp_path), WEIGHT_SIG, "llvm", "c", source, plan)
+        candidate = find(f"generator:{name}", WEIGHT_SIG, target, generated_dir=str(tmp_path))
+        found[plan] = out_of_bounds(WEIGHT_SIG, candidate.c_source, target)
+    assert found["good"] is None
+    assert {found[plan].verdict for plan in ("oob", "oobwrite", "before")} == {"out-of-bounds access"}
+    assert found["oob"].reason.endswith("faults with each operand against a guard page, past the end of b "
+                                        "(or writes this input)"), found["oob"].reason
+    assert found["oobwrite"].reason.endswith("past the end of c"), found["oobwrite"].reason
+    assert "before the start of a" in found["before"].reason, found["before"].reason
+    assert found["stray"].verdict == "crash" and found["stray"].reason.startswith("crashed (SIGSEGV) at matmul")
 
 
 def test_generated_kernel_that_never_returns_is_rejected_as_a_timeout(tmp_path):
@@ -248,6 +380,19 @@ def test_kernel_that_does_not_propagate_nan_is_rejected(tmp_path):
     assert outcome.verdict == "wrong result" and "on NaN/Inf inputs" in outcome.reason, outcome.reason
 
 
+def test_tvmscript_kernel_reading_past_the_end_is_rejected(tmp_path):
+    """A TVMScript GEMM that reads one element past the end of b (whose size is a multiple of
+    64 bytes, so it ends exactly at the guard page, DLPack's alignment notwithstanding) faults
+    there, in the child: an out-of-bounds access, not a crash."""
+    _, target = resolve_target("llvm")
+    assert K * N * 4 % 64 == 0
+    name = add_kernel(str(tmp_path), WEIGHT_SIG, "llvm", "tvmscript", TVMSCRIPT_PAST_END.format(m=M, k=K, n=N),
+                      "past_end")
+    outcome = _verify_in(tmp_path, target, 120)(f"generator:{name}")
+    assert outcome.verdict == "out-of-bounds access", outcome.reason
+    assert outcome.reason.startswith(f"out-of-bounds access at {WEIGHT_SIG.key}: SIGSEGV with each operand")
+
+
 def test_tvmscript_kernel_calling_outside_functions_is_unsafe(tmp_path):
     """TVMScript may call libm (expf) but not, say, system()."""
     _, target = resolve_target("llvm")
@@ -259,6 +404,8 @@ def test_tvmscript_kernel_calling_outside_functions_is_unsafe(tmp_path):
 
 # The scripted generator's GEMM, its result clamped (a different kernel doing the same work).
 TVMSCRIPT_CLAMPED = TVMSCRIPT.rstrip("\n") + "\n        c[i, j] = T.min(T.max(c[i, j], T.float32(-1e30)), T.float32(1e30))\n"
+# The same GEMM then reading one row past the end of b (a value that cannot change the result).
+TVMSCRIPT_PAST_END = TVMSCRIPT.rstrip("\n") + "\n    c[0, 0] = T.max(c[0, 0], T.min(c[0, 0], b[{k}, 0]))\n"
 TVMSCRIPT_CALLING = """
 # from tvm.script import tirx as T
 
@@ -295,12 +442,13 @@ class _FakeEndpoint(http.server.BaseHTTPRequestHandler):
 
 def test_openai_adapter_gets_the_task_and_its_bad_kernels_are_rejected(tmp_path, monkeypatch):
     """The bundled adapter against a fake endpoint on 127.0.0.1: it sends the task with the key;
-    the endpoint's wrong, uninitialised-output and forking kernels (in a ```json block) are
-    rejected with their reasons, a reply with no JSON is a failed round, and its right kernel
+    the endpoint's wrong, uninitialised-output, forking and out-of-bounds-reading kernels (in a
+    ```json block) are rejected with their reasons, a reply with no JSON is a failed round, and its right kernel
     (bare JSON) is verified."""
     gemm = {"m": M, "n": N, "k": K}
     handler = type("Endpoint", (_FakeEndpoint,), {"requests": [], "replies": [
-        "Here are three:\n```json\n" + json.dumps([kernel(p, gemm) for p in ("wrong", "uninit", "fork")]) + "\n```",
+        "Here are four:\n```json\n" + json.dumps([kernel(p, gemm) for p in ("wrong", "uninit", "fork", "oob")])
+        + "\n```",
         "I am sorry, I cannot write kernels.",
         json.dumps([kernel("good", gemm)])]})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -322,7 +470,9 @@ def test_openai_adapter_gets_the_task_and_its_bad_kernels_are_rejected(tmp_path,
     assert sent["group"]["key"] == WEIGHT_SIG.key and sent["round"] == 1 and protocol_errors(sent, "task") == []
     later = json.loads(handler.requests[2][2]["messages"][1]["content"])
     assert [a["verdict"] for a in later["history"][0]["attempts"]] == ["wrong result", "uninitialised output",
-                                                                      "unsafe"]
+                                                                      "unsafe", "out-of-bounds access"]
     assert rounds[1].failure.startswith("malformed output (not JSON")
     verdicts = {t.id.split(":")[1].split("_")[0]: t.verdict for t in tried}
-    assert verdicts == {"wrong": "wrong result", "uninit": "uninitialised output", "fork": "unsafe", "good": "ok"}
+    assert verdicts == {"wrong": "wrong result", "uninit": "uninitialised output", "fork": "unsafe",
+                        "oob": "out-of-bounds access", "good": "ok"}
+    assert "past the end of b" in next(t.reason for t in tried if t.verdict == "out-of-bounds access")

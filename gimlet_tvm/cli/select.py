@@ -50,7 +50,7 @@ def format_selection(selection: KernelSelection) -> str:
     blocks = []
     for key, choice in selection.choices.items():
         fastest = min((t.seconds for t in choice.tried if t.verified), default=None)
-        rows = [[t.id, "yes" if t.verified else f"no: {t.reason}",
+        rows = [[t.id, ("yes (cached)" if t.cached else "yes") if t.verified else f"no: {t.reason}",
                  f"{t.seconds * 1e3:.3f}" if t.seconds is not None else "-",
                  f"{min(t.rounds) * 1e3:.3f}-{max(t.rounds) * 1e3:.3f} ({len(t.rounds)})" if t.rounds else "",
                  ("<- winner" + (" (ties the fastest)" if t.seconds > fastest else "")) if t.id == choice.winner

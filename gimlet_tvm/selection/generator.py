@@ -7,9 +7,9 @@ the history of earlier rounds) and prints a JSON list of candidates (`format`, `
 optional `name`) on standard output; both directions are checked against the protocol's
 schema (`json_schema`). Each candidate is kept in the records directory's generated-kernel
 directory (`external.add_kernel`, built like an external kernel) and verified and timed like
-every other candidate; its verdict goes into the next round's history. Malformed output, a
-non-zero exit or running past the group's time is a failed round: reported, recorded, and
-selection goes on.
+every other candidate, unless the same kernel was accepted before (`accepted`); its verdict
+goes into the next round's history. Malformed output, a non-zero exit or running past the
+group's time is a failed round: reported, recorded, and selection goes on.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ import tvm
 from ..errors import GimletError
 from ..schedules.kernel_selection.candidates import OpSignature
 from ..schedules.kernel_selection.choices import GeneratorRound, Tried
-from ..schedules.kernel_selection.external import C_FUNCTION, add_kernel
+from ..schedules.kernel_selection.external import C_FUNCTION, OPS, add_kernel
 from ..schedules.kernel_selection.sources import find
 from ..targets import spec_for
 from ..targets.cpu import cpu_features
 from . import openai_generator, search_generator
+from .accepted import AcceptedKernels, content_hash
 from .json_schema import protocol_errors
 from .verify import Outcome
 
@@ -73,17 +74,42 @@ class Generator:
 
 def formats_for(sig: OpSignature, target: tvm.target.Target) -> tuple[str, ...]:
     """The source formats a generator may answer in for `sig` on `target`; empty: the group
-    is not offered (for now GEMMs on CPU targets, built as external kernels are)."""
+    is not offered (for now GEMMs and conv2ds on CPU targets, built as external kernels are)."""
     spec = spec_for(target)
-    if sig.op != "matmul" or not spec.is_cpu or sig.addends_2d() is None:
+    if sig.op not in OPS or not spec.is_cpu or (sig.op == "matmul" and sig.addends_2d() is None):
         return ()
     return ("c", "tvmscript") if spec.runs_here() and sig.dtype == "float32" else ("tvmscript",)
 
 
+def _conv2d(sig: OpSignature) -> dict[str, Any]:
+    """A conv2d's sizes and attributes, as the task states them."""
+    p = {name: int(value) for name, value in sig.attrs}
+    (n, c, h, w), (o, _, kh, kw) = sig.shapes
+    _, _, oh, ow = sig.out_shape
+    return {"n": n, "c": c, "h": h, "w": w, "o": o, "kh": kh, "kw": kw, "oh": oh, "ow": ow,
+            "stride": [p["stride_h"], p["stride_w"]],
+            "pad": [p["pad_top"], p["pad_left"], p["pad_bottom"], p["pad_right"]],
+            "dilation": [p["dilation_h"], p["dilation_w"]], "groups": p["groups"]}
+
+
+def _conv2d_numpy(sig: OpSignature) -> str:
+    """A conv2d of `a` (NCHW) by `b` (OIHW) as a numpy expression (`sliding_window_view` from
+    numpy.lib.stride_tricks)."""
+    p = _conv2d(sig)
+    (top, left, bottom, right), (sh, sw), (dh, dw), g = p["pad"], p["stride"], p["dilation"], p["groups"]
+    extent = (dh * (p["kh"] - 1) + 1, dw * (p["kw"] - 1) + 1)
+    windows = (f"sliding_window_view(np.pad(a, ((0, 0), (0, 0), ({top}, {bottom}), ({left}, {right}))), {extent}, "
+               f"axis=(2, 3))[:, :, ::{sh}, ::{sw}, ::{dh}, ::{dw}]")
+    cpg, opg = p["c"] // g, p["o"] // g
+    return (f"np.einsum('ngchwij,gocij->ngohw', {windows}.reshape({p['n']}, {g}, {cpg}, {p['oh']}, {p['ow']}, "
+            f"{p['kh']}, {p['kw']}), b.reshape({g}, {opg}, {cpg}, {p['kh']}, {p['kw']}))"
+            f".reshape({p['n']}, {p['o']}, {p['oh']}, {p['ow']})")
+
+
 def numpy_expression(sig: OpSignature) -> str:
     """What the group computes as a numpy expression of `a`, `b` and `addend0`, ...
-    (`erf`: `math.erf` elementwise)."""
-    expr, addends = "a @ b", 0
+    (`erf`: `math.erf` elementwise; a conv2d's: `_conv2d_numpy`)."""
+    expr, addends = "a @ b" if sig.op == "matmul" else _conv2d_numpy(sig), 0
     for kind, _ in sig.epilogue:
         if kind == "add":
             expr, addends = f"({expr}) + addend{addends}", addends + 1
@@ -94,18 +120,30 @@ def numpy_expression(sig: OpSignature) -> str:
     return expr
 
 
+LAYOUTS = {
+    "matmul": "row-major; a[..., M, K] @ b[K, N] -> c[..., M, N]; addends broadcast numpy-style",
+    "conv2d": "NCHW data a[N, C, H, W], OIHW weight b[O, C/groups, KH, KW] -> NCHW out[N, O, OH, OW]; "
+              "addends broadcast numpy-style",
+}
+SEMANTICS = {
+    "matmul": "(batch axes folded into M)",
+    "conv2d": ("out[n][o][y][x] = sum over ci < C/groups, i < KH, j < KW of "
+               "data[n][(o / (O/groups)) * (C/groups) + ci][y*stride_h - pad_top + i*dilation_h]"
+               "[x*stride_w - pad_left + j*dilation_w] * weight[o][ci][i][j], data outside the image being 0"),
+}
+
+
 def _interface(sig: OpSignature, formats: tuple[str, ...]) -> dict[str, str]:
-    """How a kernel of each format takes its operands."""
-    m, n, k = sig.gemm
-    addends = [f"addend{i}[{rows}][{cols}]" for i, (rows, cols) in enumerate(sig.addends_2d())]
-    c_args = ", ".join(["const float *a", "const float *b", *(f"const float *addend{i}" for i in range(len(addends))),
-                        "float *c"])
-    arrays = ", ".join([f"a[{m}][{k}]", f"b[{k}][{n}]", *addends, f"c[{m}][{n}]"])
+    """How a kernel of each format takes its operands (`OpSignature.kernel_operands`)."""
+    operands = sig.kernel_operands()
+    out = operands[-1][0]
+    c_args = ", ".join([*(f"const float *{name}" for name, _ in operands[:-1]), f"float *{out}"])
+    arrays = ", ".join(name + "".join(f"[{d}]" for d in shape) for name, shape in operands)
     described = {
-        "c": (f"C11 source defining void {C_FUNCTION}({c_args}); arrays {arrays}, compact row-major (batch axes "
-              "folded into M); each addend broadcasts over c (a dimension of 1 repeats); write every element of "
-              "c; compiled with gcc -O3 -march=<the target's CPU>; libc and libm only, no threads, processes, "
-              "files or network"),
+        "c": (f"C11 source defining void {C_FUNCTION}({c_args}); arrays {arrays}, compact row-major "
+              f"{SEMANTICS[sig.op]}; each addend broadcasts over {out} (a dimension of 1 repeats); write every "
+              f"element of {out}; compiled with gcc -O3 -march=<the target's CPU>; libc and libm only, no threads, "
+              "processes, files or network"),
         "tvmscript": (f"TVMScript of one T.prim_func (T is tvm.script.tirx) with buffers {arrays} in that order, "
                       f"dtype {sig.dtype}, as PrimFunc.script() prints it, no Python imports; give it "
                       'T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True}) when it is scheduled'),
@@ -122,16 +160,18 @@ def _target_facts(target: tvm.target.Target) -> dict[str, Any]:
 def task(sig: OpSignature, target: tvm.target.Target, round_: int, rounds: int,
          best: dict[str, Any] | None, history: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON task of one round (`generator_schema.json`'s "task")."""
-    m, n, k = sig.gemm
     formats = formats_for(sig, target)
+    group = {"key": sig.key, "op": sig.op, "ops": [sig.op, *(kind for kind, _ in sig.epilogue)],
+             "dtype": sig.dtype, "shapes": [list(s) for s in (*sig.shapes, *sig.addend_shapes)],
+             "epilogue": [[kind, list(shape)] for kind, shape in sig.epilogue], "layout": LAYOUTS[sig.op],
+             "addends": [list(shape) for _, shape in sig.kernel_operands()[2:-1]], "weight": sig.weight}
+    if sig.op == "matmul":
+        m, n, k = sig.gemm
+        group["gemm"] = {"m": m, "n": n, "k": k}
+    else:
+        group["conv2d"] = _conv2d(sig)
     return {
-        "protocol": PROTOCOL, "round": round_, "rounds": rounds,
-        "group": {"key": sig.key, "op": sig.op, "ops": [sig.op, *(kind for kind, _ in sig.epilogue)],
-                  "dtype": sig.dtype, "shapes": [list(s) for s in (*sig.shapes, *sig.addend_shapes)],
-                  "epilogue": [[kind, list(shape)] for kind, shape in sig.epilogue],
-                  "layout": "row-major; a[..., M, K] @ b[K, N] -> c[..., M, N]; addends broadcast numpy-style",
-                  "gemm": {"m": m, "n": n, "k": k}, "addends": [list(s) for s in sig.addends_2d()],
-                  "weight": sig.weight},
+        "protocol": PROTOCOL, "round": round_, "rounds": rounds, "group": group,
         "reference": {"tvmscript": sig.module().script(), "numpy": numpy_expression(sig)},
         "target": _target_facts(target), "formats": list(formats), "interface": _interface(sig, formats),
         "best": best, "history": history,
@@ -172,6 +212,23 @@ def _attempt(tried: Tried, fmt: str, source: str) -> dict[str, Any]:
             "error": tried.reason, "seconds": tried.seconds}
 
 
+def _verified(sig: OpSignature, target: tvm.target.Target, cid: str, candidate: dict[str, Any], directory: str,
+              verify: Callable[[str], Outcome], cache: AcceptedKernels, command: str, round_: int) -> Tried:
+    """The generated candidate `cid` verified and timed by `verify`, or, where the same kernel
+    was accepted before (`cache`), its verdict and time from then."""
+    made = find(cid, sig, target, generated_dir=directory)
+    digest = content_hash(sig, target, candidate["format"], candidate["source"])
+    known = cache.get(digest)
+    if known is not None:
+        outcome = Outcome(True, seconds=known["seconds"], checks=known["shapes_checked"])
+    else:
+        outcome = verify(cid)
+        if outcome.verified:
+            cache.add(digest, made.name, outcome, command, round_)
+    return Tried(cid, f"{made.provenance} (generator round {round_})", outcome.verified, outcome.reason,
+                 outcome.seconds, made.digest, verdict=outcome.verdict, cached=known is not None)
+
+
 def generate(sig: OpSignature, target: tvm.target.Target, generator: Generator, directory: str,
              verify: Callable[[str], Outcome], tried: list[Tried],
              report: Callable[[str], None]) -> list[GeneratorRound]:
@@ -182,6 +239,7 @@ def generate(sig: OpSignature, target: tvm.target.Target, generator: Generator, 
     sources: dict[str, tuple[str, str]] = {}  # generated candidate id -> (format, source)
     history: list[dict[str, Any]] = []
     rounds = []
+    cache = AcceptedKernels(directory)
     left = generator.seconds  # the generator's own time: verification is not counted
     for round_ in range(1, generator.rounds + 1):
         verified = [t for t in tried if t.verified]
@@ -208,13 +266,10 @@ def generate(sig: OpSignature, target: tvm.target.Target, generator: Generator, 
             ids.append(cid)
             done = next((t for t in tried if t.id == cid), None)
             if done is None:  # a kernel given again keeps its first verdict
-                made = find(cid, sig, target, generated_dir=directory)
-                outcome = verify(cid)
-                done = Tried(cid, f"{made.provenance} (generator round {round_})", outcome.verified,
-                             outcome.reason, outcome.seconds, made.digest, verdict=outcome.verdict)
+                done = _verified(sig, target, cid, candidate, directory, verify, cache, generator.command, round_)
                 tried.append(done)
                 sources[cid] = (candidate["format"], candidate["source"])
-                report(f"{sig.key}: {cid} (round {round_}) "
+                report(f"{sig.key}: {cid} (round {round_}) " + ("cached, verified before: " if done.cached else "")
                        + (f"{done.seconds * 1e3:.3f} ms" if done.verified else f"no: {done.reason}"))
             attempts.append(_attempt(done, candidate["format"], candidate["source"]))
         if failure:

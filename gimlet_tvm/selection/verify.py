@@ -17,9 +17,16 @@ harder: their object may call libc's memory functions and libm only (`external.A
 no processes, files or network: "unsafe"); on inputs with a NaN and an Inf their output must
 have NaN and Inf exactly where the float64 reference has them; and run on their own into an
 output buffer filled first with one poison, then another, they must give the same result
-("uninitialised output" otherwise; on this machine's device only, not over RPC). The child runs in a session of its own under resource
-limits (`_limit`: CPU time, address space), and its whole process group is killed when it
-runs past its time ("timeout").
+("uninitialised output" otherwise; like the guard pages below, checked on this machine's
+device only, not over RPC). Each also runs on operands that each end where an
+inaccessible page begins, then that each begin right after one, its inputs read-only: a fault
+there (and not on ordinary arrays) is an "out-of-bounds access". A C kernel is called directly
+for this, first (`out_of_bounds`: `guard_pages` in a process of its own, exact placement, the
+operand named); a TVMScript kernel here after its poisoned runs (`_guard_pages`: DLPack wants
+64-byte aligned data, so an array may end up to 60 bytes short of its page), the fault ending
+this child, which `_spawn` reads by the stage the child announced. The child runs in a
+session of its own under resource limits (`_limit`: CPU time, address space), and its whole
+process group is killed when it runs past its time ("timeout").
 
 A request naming several `candidates` (verified before) is a race instead: one child builds
 each for timing, then times them in turn, round after round (`race_candidates`), so near
@@ -55,11 +62,16 @@ from ..runtime.remote import RemoteDevice
 from ..errors import UnsafeKernelError
 from ..schedules.kernel_selection.apply import rewrite_ops
 from ..schedules.kernel_selection.candidates import OpSignature
+from ..schedules.kernel_selection.external import shared_library
 from ..schedules.kernel_selection.sources import find
 from ..schedules.tuning.records import ApplyRecords, RecordsDB
 from ..targets import spec_for
+from . import guard_pages
 
 RESULT_PREFIX = "GIMLET_RESULT "
+STAGE_PREFIX = "GIMLET_STAGE "  # the child announces a stage whose crash means something of its own
+GUARD_STAGE = "guard pages"
+FAULTS = {-signal.SIGSEGV: "SIGSEGV", -signal.SIGBUS: "SIGBUS"}
 # Timing rotates through operand copies of at least this many bytes in all (three times a
 # large server L3; where the L3 is larger, "cold" is at best cooler), at most MAX_COPIES, for
 # MIN_RUNS runs or more.
@@ -68,11 +80,16 @@ MAX_COPIES = 64
 MIN_RUNS = 5
 # |ours - reference| must stay within this fraction of `OpSignature.error_scale` (float32 sums).
 TOLERANCE = 1e-4
-VERDICTS = ("ok", "unavailable", "compile error", "unsafe", "cannot run", "wrong result", "uninitialised output",
-             "crash", "timeout", "timing failed", "remote failure")
+VERDICTS = ("ok", "unavailable", "compile error", "unsafe", "cannot run", "out-of-bounds access", "wrong result",
+            "uninitialised output", "crash", "timeout", "timing failed", "remote failure")
+"""What became of a candidate: `Outcome.verdict` (a kernel generator is told it)."""
 POISONS = (np.nan, -3.0e38)
 """What an outside kernel's output buffer holds before each of its two poisoned runs."""
-"""What became of a candidate: `Outcome.verdict` (a kernel generator is told it)."""
+KERNEL_CHECKS = ("calls: libc memory functions and libm only",
+                 "outputs against the float64 reference: random, integer, large, zero inputs",
+                 "NaN/Inf propagation", "uninitialised output: two poisons",
+                 "guard pages: C exact, TVMScript 64-byte aligned")
+"""The checks an outside kernel passes to be verified (the accepted-kernel cache keys on them)."""
 
 
 @dataclasses.dataclass
@@ -139,6 +156,11 @@ def _spawn(request: dict[str, Any], timeout: float) -> dict[str, Any] | tuple[st
     for line in out.splitlines()[::-1]:
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
+    stages = [line[len(STAGE_PREFIX):] for line in out.splitlines() if line.startswith(STAGE_PREFIX)]
+    if proc.returncode in FAULTS and stages[-1:] == [GUARD_STAGE]:
+        key = OpSignature.from_json(request["signature"]).key
+        return "out-of-bounds access", (f"out-of-bounds access at {key}: {FAULTS[proc.returncode]} with each operand "
+                                        "against a guard page (after its end, within 60 bytes, or before its start)")
     if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
         return "timeout", f"ran past its CPU time limit ({signal.Signals(-proc.returncode).name})"
     if proc.returncode < 0:
@@ -229,13 +251,19 @@ def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, Outco
     if cannot_run is not None:
         return executable, Outcome(False, f"compiled; cannot run on this machine: {cannot_run}",
                                    verdict="cannot run")
-    vm = machine.load(executable)
     # Remotely, the kernel's own module beside the candidate's in one session made the server
-    # call the wrong function ("args.size() == 3 (2 vs. 3)"): the poison check runs here only.
+    # call the wrong function ("args.size() == 3 (2 vs. 3)"): these checks run here only.
     if candidate.kernel is not None and machine.remote is None:
-        poisoned = _poisoned(sig, candidate, machine, target, tuned)
-        if poisoned is not None:
-            return executable, poisoned
+        alone = _alone(sig, candidate, machine, target, tuned)
+        if candidate.c_source is not None:  # called on its own in a process of its own
+            failure = out_of_bounds(sig, candidate.c_source, target) or _poisoned(sig, machine, alone)
+        else:  # here, after runs on ordinary arrays (a crash there is no out-of-bounds access)
+            failure = _poisoned(sig, machine, alone)
+            if failure is None:
+                _guard_pages(sig, machine, alone)  # a fault ends this child
+        if failure is not None:
+            return executable, failure
+    vm = machine.load(executable)
     for label, operands in sig.input_sets(np.random.default_rng(0)).items():
         got = machine.run(vm, machine.tensors([x.astype(sig.dtype) for x in operands])).astype(np.float64)
         want = sig.reference(*[x.astype(sig.dtype) for x in operands])
@@ -274,22 +302,84 @@ def _propagates(sig, machine: _Machine, vm) -> Outcome | None:
     return None
 
 
-def _poisoned(sig, candidate, machine: _Machine, target, tuned) -> Outcome | None:
-    """None when the kernel, run on its own into an output buffer holding each of `POISONS`,
-    gives the same output: every element written, none read before."""
-    m, n, k = sig.gemm
-    shapes = [(m, k), (k, n), *sig.addends_2d(), (m, n)]
+def _guarded_run(library: str, function: str, shapes: list, placement: str, protect: list[int]) -> tuple[int, str]:
+    """(exit status, standard error's last line) of `guard_pages` calling the kernel once."""
+    job = {"library": library, "function": function, "shapes": shapes, "placement": placement, "protect": protect}
+    done = subprocess.run([sys.executable, "-I", guard_pages.__file__], input=json.dumps(job), text=True,
+                          capture_output=True, check=False)
+    return done.returncode, (done.stderr.strip().splitlines() or [""])[-1][:200]
+
+
+def out_of_bounds(sig, c_source: tuple[str, str], target) -> Outcome | None:
+    """None when the C kernel (`c_source`: its file and function) runs without a fault on
+    operands placed against guard pages, after their ends and then before their starts, its
+    inputs read-only; otherwise an "out-of-bounds access", naming the operand found by
+    protecting each alone, or a "crash" where it also fails on ordinary arrays (a stray access
+    far from every operand) or fails otherwise."""
+    library, function = str(shared_library(c_source[0], target)), c_source[1]
+    operands = sig.kernel_operands()
+    shapes = [list(shape) for _, shape in operands]
+    every = list(range(len(operands)))
+    for placement, where in (("end", "past the end of"), ("start", "before the start of")):
+        status, error = _guarded_run(library, function, shapes, placement, every)
+        if status == 0:
+            continue
+        if status in FAULTS:
+            status, error = _guarded_run(library, function, shapes, placement, [])
+        if status != 0:
+            how = FAULTS.get(status, f"exit status {status}")
+            return Outcome(False, f"crashed ({how}) at {sig.key} when called on its own: {error or 'no error output'}",
+                           verdict="crash")
+        culprit = next((i for i in every if _guarded_run(library, function, shapes, placement, [i])[0] in FAULTS),
+                       None)
+        what = "its operands together" if culprit is None else operands[culprit][0]
+        written = " (or writes this input)" if culprit is not None and culprit < len(operands) - 1 else ""
+        return Outcome(False, f"out-of-bounds access at {sig.key}: faults with each operand against a guard page, "
+                       f"{where} {what}{written}", verdict="out-of-bounds access")
+    return None
+
+
+def _alone(sig, candidate, machine: _Machine, target, tuned):
+    """A VM whose `main` runs the outside kernel on its own, in place: on the arrays of
+    `OpSignature.kernel_operands` as given (the output last, returned)."""
+    shapes = [shape for _, shape in sig.kernel_operands()]
     params = [relax.Var(f"arg{i}", relax.TensorType(shape, sig.dtype)) for i, shape in enumerate(shapes)]
     bb = relax.BlockBuilder()
     with bb.function("main", params):
         func = candidate.kernel(sig).with_attr("op_pattern", 8).without_attr("global_symbol")
         out = bb.emit(relax.call_tir_inplace(bb.add_func(func, "kernel"), params, [len(params) - 1],
-                                             relax.TensorType((m, n), sig.dtype)))
+                                             relax.TensorType(shapes[-1], sig.dtype)))
         bb.emit_func_output(out)
-    vm = machine.load(_build(bb.finalize(), candidate, machine.spec, target, tuned))
+    return machine.load(_build(bb.finalize(), candidate, machine.spec, target, tuned))
+
+
+def _guard_pages(sig, machine: _Machine, alone) -> None:
+    """Run the kernel on its own (`alone`) on operands against guard pages, inputs read-only:
+    each ending where a PROT_NONE page begins, then each beginning right after one. TVM takes
+    DLPack data 64-byte aligned only, so an array whose size is no multiple of 64 bytes ends
+    up to 60 bytes before its page (exact for C kernels: `out_of_bounds`). A fault kills this
+    child: `_spawn` reads it as an out-of-bounds access by the stage announced here."""
+    print(STAGE_PREFIX + GUARD_STAGE, flush=True)
+    rng = np.random.default_rng(4)
+    for at_end in (True, False):
+        operands = [guard_pages.Guarded(shape, at_end, align=64) for _, shape in sig.kernel_operands()]
+        tensors = []
+        for index, operand in enumerate(operands):
+            operand.array[...] = rng.standard_normal(operand.array.shape) if index < len(operands) - 1 else 0
+            tensors.append(tvm.runtime.from_dlpack(operand.array))
+            if index < len(operands) - 1:
+                operand.read_only()
+        machine.run(alone, tensors)
+    print(STAGE_PREFIX + "checks", flush=True)
+
+
+def _poisoned(sig, machine: _Machine, alone) -> Outcome | None:
+    """None when the kernel, run on its own (`alone`) into an output buffer holding each of
+    `POISONS`, gives the same output: every element written, none read before."""
+    shapes = [shape for _, shape in sig.kernel_operands()]
     inputs = [x.reshape(shape) for x, shape in zip(sig.input_sets(np.random.default_rng(3))["random"], shapes)]
-    outputs = [machine.run(vm, machine.tensors([*(x.astype(sig.dtype) for x in inputs),
-                                                np.full((m, n), poison, sig.dtype)]))
+    outputs = [machine.run(alone, machine.tensors([*(x.astype(sig.dtype) for x in inputs),
+                                                   np.full(shapes[-1], poison, sig.dtype)]))
                for poison in POISONS]
     differ = ~((outputs[0] == outputs[1]) | (np.isnan(outputs[0]) & np.isnan(outputs[1])))
     if differ.any():

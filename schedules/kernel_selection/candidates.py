@@ -113,6 +113,22 @@ class OpSignature:
                 return None
         return found
 
+    def kernel_operands(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The name and shape of each array a kernel from outside the compiler (external,
+        generated) takes, the output last, all compact row-major: a matmul's 2-D, `a[M, K]`,
+        `b[K, N]`, each addend as `addends_2d`, `c[M, N]`; a conv2d's NCHW `data`, OIHW
+        `weight`, each addend at the output's rank (leading 1s), NCHW `out`."""
+        aligned = [(1,) * (len(self.out_shape) - len(shape)) + shape for shape in self.addend_shapes]
+        if self.op == "matmul":
+            m, n, k = self.gemm
+            names, operands, aligned, out = ("a", "b", "c"), [(m, k), (k, n)], self.addends_2d(), (m, n)
+        elif self.op == "conv2d":
+            names, operands, out = ("data", "weight", "out"), list(self.shapes), self.out_shape
+        else:
+            raise ValueError(f"no kernel from outside the compiler is taken for {self.op}")
+        addends = [(f"addend{i}", shape) for i, shape in enumerate(aligned)]
+        return [*zip(names[:2], operands), *addends, (names[2], out)]
+
     def edge_case(self) -> OpSignature:
         """The same op group at small shapes that are no multiple of any tile (tails everywhere)."""
         shapes = self.kind.edge_shapes(self.shapes, self.attrs)
@@ -215,9 +231,11 @@ class Candidate:
     shape_generic: it is made for any shape of the op, so verification also runs it at the
     edge-case shape; digest: a hash of its code where it lives outside the compiler (external);
     unavailable: why it cannot be built on this machine at all (then it is listed, never tried);
-    kernel: for a kernel from outside the compiler (external, generator), its GEMM PrimFunc
-    `(a, b, addends..., c)` at a signature's shapes, which verification also runs on its own
-    (c poisoned beforehand, to catch outputs it leaves unwritten).
+    kernel: for a kernel from outside the compiler (external, generator), its PrimFunc over
+    `OpSignature.kernel_operands` at a signature's shapes, which verification also runs on its own
+    (c poisoned beforehand, to catch outputs it leaves unwritten); c_source: for one given as
+    C, its source file and function, which verification also calls directly on operands placed
+    against guard pages (to catch out-of-bounds accesses).
     """
 
     source: str
@@ -228,6 +246,7 @@ class Candidate:
     digest: str = ""
     unavailable: str | None = None
     kernel: Callable[[OpSignature], tvm.tirx.PrimFunc] | None = None
+    c_source: tuple[str, str] | None = None
 
     @property
     def id(self) -> str:
@@ -246,20 +265,24 @@ def pack_panels(bb: relax.BlockBuilder, b: relax.Expr, packed: tuple[int, int, i
 
 def call_prim_func(bb: relax.BlockBuilder, call: relax.Call, func: tvm.tirx.PrimFunc,
                    name: str, packed_b: tuple[int, int, int] | None = None) -> relax.Expr:
-    """`call` (a matmul group) as `call_tir` of a 2-D GEMM PrimFunc `(a[M, K], b, addends...,
-    c[M, N])`, b being B[K, N] or, with `packed_b`, `pack_panels(B)`; batch axes of the first
-    operand folded into M and unfolded after; each addend reshaped to the (rows, columns) of
-    `OpSignature.addends_2d`."""
+    """`call` (an op group) as `call_tir` of a PrimFunc over the arrays of
+    `OpSignature.kernel_operands`: for a matmul a 2-D GEMM `(a[M, K], b, addends..., c[M, N])`,
+    b being B[K, N] or, with `packed_b`, `pack_panels(B)`, batch axes of the first operand
+    folded into M and unfolded after; for a conv2d `(data, weight, addends..., out)`. Each
+    addend is reshaped to its shape there."""
     group = group_operands(call)
     (a, b), addends = group.operands, group.addends
     sig = OpSignature.of_call(call)
-    m, n, k = sig.gemm
+    arrays = sig.kernel_operands()
     # Opaque: FuseOps must not fuse into a scheduled kernel; no symbol of its own, so that
     # several shapes of one kernel in a model each get theirs from their GlobalVar.
     func = func.with_attr("op_pattern", 8).without_attr("global_symbol")
     gvar = bb.add_func(func, name)
+    flat = [bb.emit(relax.op.reshape(x, shape)) for x, (_, shape) in zip(addends, arrays[2:-1])]
+    if sig.op != "matmul":
+        return relax.call_tir(gvar, [a, b, *flat], relax.TensorType(sig.out_shape, sig.dtype))
+    m, n, k = sig.gemm
     b = b if packed_b is None else pack_panels(bb, b, packed_b)
     a2 = a if len(sig.shapes[0]) == 2 else bb.emit(relax.op.reshape(a, (m, k)))
-    flat = [bb.emit(relax.op.reshape(x, shape)) for x, shape in zip(addends, sig.addends_2d())]
     out = bb.emit(relax.call_tir(gvar, [a2, b, *flat], relax.TensorType((m, n), sig.dtype)))
     return out if len(sig.shapes[0]) == 2 else relax.op.reshape(out, call.ty.shape)

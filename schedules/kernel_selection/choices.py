@@ -41,6 +41,7 @@ class Tried:
     digest: str = ""
     rounds: list[float] = dataclasses.field(default_factory=list)  # seconds in each round of the race
     verdict: str = ""  # the reason's kind (`gimlet_tvm.selection.verify.VERDICTS`); "" in older records
+    cached: bool = False  # a generated kernel verified in an earlier selection (`gimlet_tvm.selection.accepted`)
 
 
 @dataclasses.dataclass

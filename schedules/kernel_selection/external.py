@@ -6,23 +6,27 @@
 
 `source` (relative to the directory) holds, by `format`:
 - "tvmscript": TVMScript as `PrimFunc.script()` prints it (no Python imports: `T` is
-  TVMScript's `tirx`), one PrimFunc `(a[M, K], b[K, N], c[M, N])` for exactly those shapes
-  (batch axes of the first operand fold into M);
-- "c" (CPU targets): C11 source defining `void FUNCTION(const float *a, const float *b,
-  float *c)` over the same compact row-major arrays, FUNCTION being the entry's `"function"`
-  (default: its name). It is compiled with `$CC` (gcc) `-O3` for the target's CPU (`-march`
-  = its `mcpu`; native when that is this machine's CPU or none) to an object file that the build links into the model (so
-  exported models carry it); the function is renamed to a symbol unique to the source and
+  TVMScript's `tirx`), one PrimFunc over the arrays of `OpSignature.kernel_operands` for
+  exactly those shapes: for a matmul `(a[M, K], b[K, N], c[M, N])` (batch axes of the first
+  operand fold into M), for a conv2d `(data[N, C, H, W], weight[O, C/groups, KH, KW],
+  out[N, O, OH, OW])`, whose `"attrs"` (strides, pads, dilation, groups: `Conv2d.ATTRS`) the
+  entry gives;
+- "c" (CPU targets): C11 source defining `void FUNCTION(...)` taking a pointer to each of the
+  same arrays, compact row-major, the output last (a matmul's `(const float *a, const float
+  *b, float *c)`), FUNCTION being the entry's `"function"` (default: its name). It is
+  compiled with `$CC` (gcc) `-O3` for the target's CPU (`-march` = its `mcpu`; native when
+  that is this machine's CPU or none) to an object file that the build links into the model
+  (so exported models carry it); the function is renamed to a symbol unique to the source and
   every other global symbol of the source made local, so that kernels linked into one model
   never clash. The object may call libc's memory functions and libm only
   (`ALLOWED_CALLS`): one that calls anything else (fork, system, socket, ...) is refused
   with an `UnsafeKernelError`, as is TVMScript calling an external function outside that list.
 An optional `"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kernel of that op
-group (`OpSignature.epilogue`): it takes each addend after b, as the (rows, columns)
-`OpSignature.addends_2d` gives, and applies the steps in order. An entry is a candidate only
-for its op, shapes, epilogue, dtype and target kind; only GEMMs (op "matmul") are taken for
-now, an entry of another op is listed as unavailable. The source is parsed only
-when the candidate is built (in the verification subprocess, or by a build after it was
+group (`OpSignature.epilogue`): it takes each addend after the operands, as
+`OpSignature.kernel_operands` shapes it, and applies the steps in order. An entry is a
+candidate only for its op, shapes, epilogue, attributes, dtype and target kind; only matmul
+and conv2d are taken for now (`OPS`), an entry of another op is listed as unavailable. The
+source is parsed only when the candidate is built (in the verification subprocess, or by a build after it was
 verified, when its digest must still match).
 
 Kernel generators' candidates (`gimlet_tvm.selection.generator`) are kept in a directory of
@@ -49,8 +53,10 @@ from .candidates import Candidate, OpSignature, call_prim_func
 
 MANIFEST = "kernels.json"
 FORMATS = ("tvmscript", "c")
+OPS = ("matmul", "conv2d")
+"""The ops kernels from outside the compiler are taken for (`OpSignature.kernel_operands`)."""
 C_COMPILER = os.environ.get("CC", "gcc")
-C_FLAGS = ("-std=c11", "-O3", "-fPIC", "-c")
+C_FLAGS = ("-std=c11", "-O3", "-fPIC")
 C_FUNCTION = "kernel"
 """The function a generated C kernel defines (`add_kernel`'s entries)."""
 ALLOWED_CALLS = re.compile(
@@ -102,26 +108,35 @@ def _refuse_calls(path: str, called: list[str]) -> None:
 
 
 def _c_prim_func(path: str, function: str, sig: OpSignature, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
-    """A PrimFunc over the group's 2-D buffers `(a, b, addends..., c)` that calls `function`
+    """A PrimFunc over the group's buffers (`OpSignature.kernel_operands`) that calls `function`
     from the C source at `path`, compiled (cached) with the function renamed to a symbol of
     its own; the object file is named in the `LINK_OBJECT` attribute."""
     symbol = f"gimlet_external_{digest(path)}_{function}"
+    flags = [*C_FLAGS, "-c", _march(target), f"-D{function}={symbol}"]
+    obj = _only_global(build_library(symbol, [Path(path)], flags, compiler=C_COMPILER, suffix=".o"), symbol)
+    undefined = subprocess.run(["nm", "-u", "--format=just-symbols", str(obj)], capture_output=True, text=True,
+                               check=True).stdout.split()
+    _refuse_calls(path, undefined)
+    buffers = [tvm.tirx.decl_buffer(shape, sig.dtype, name) for name, shape in sig.kernel_operands()]
+    body = tvm.tirx.Evaluate(tvm.tirx.call_extern("void", symbol, *(b.data for b in buffers)))
+    func = tvm.tirx.PrimFunc(buffers, body)
+    return func.with_attrs({"tir.noalias": True, "tirx.is_scheduled": True, LINK_OBJECT: str(obj)})
+
+
+def _march(target: tvm.target.Target) -> str:
+    """gcc's `-march` for the target's CPU."""
     mcpu = str(target.attrs.get("mcpu", ""))
     # This machine's own CPU model is `native` to gcc too, also where gcc's release predates
     # LLVM's name for it (gcc 12 has no znver4).
     native = not mcpu or mcpu == str(tvm.target.codegen.llvm_get_system_cpu())
-    march = f"-march={'native' if native else mcpu}"
-    obj = _only_global(build_library(symbol, [Path(path)], [*C_FLAGS, march, f"-D{function}={symbol}"],
-                                     compiler=C_COMPILER, suffix=".o"), symbol)
-    undefined = subprocess.run(["nm", "-u", "--format=just-symbols", str(obj)], capture_output=True, text=True,
-                               check=True).stdout.split()
-    _refuse_calls(path, undefined)
-    m, n, k = sig.gemm
-    shapes = [(m, k), (k, n), *sig.addends_2d(), (m, n)]
-    buffers = [tvm.tirx.decl_buffer(shape, sig.dtype, f"arg{i}") for i, shape in enumerate(shapes)]
-    body = tvm.tirx.Evaluate(tvm.tirx.call_extern("void", symbol, *(b.data for b in buffers)))
-    func = tvm.tirx.PrimFunc(buffers, body)
-    return func.with_attrs({"tir.noalias": True, "tirx.is_scheduled": True, LINK_OBJECT: str(obj)})
+    return f"-march={'native' if native else mcpu}"
+
+
+def shared_library(path: str, target: tvm.target.Target) -> Path:
+    """The C source at `path` compiled (cached) as the build compiles it, into a shared library
+    whose functions keep their names: what verification calls directly (`verify.out_of_bounds`)."""
+    return build_library(f"gimlet_external_{digest(path)}", [Path(path)], [*C_FLAGS, "-shared", _march(target)],
+                         compiler=C_COMPILER)
 
 
 def _only_global(obj: Path, symbol: str) -> Path:
@@ -175,7 +190,8 @@ def add_kernel(directory: str, sig: OpSignature, target_kind: str, fmt: str, tex
     with atomic_path(os.path.join(directory, source)) as tmp, open(tmp, "w") as f:
         f.write(text)
     entries.append({"name": entry_name, "op": sig.op, "dtype": sig.dtype, "shapes": [list(s) for s in sig.shapes],
-                    "epilogue": [[kind, list(shape)] for kind, shape in sig.epilogue], "target": target_kind,
+                    "epilogue": [[kind, list(shape)] for kind, shape in sig.epilogue], "attrs": dict(sig.attrs),
+                    "target": target_kind,
                     "format": fmt, "source": source, "function": C_FUNCTION, **provenance})
     with atomic_path(manifest) as tmp, open(tmp, "w") as f:
         json.dump({"kernels": entries}, f, indent=1)
@@ -189,14 +205,15 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
     for entry in read_manifest(directory):
         shapes = tuple(tuple(int(d) for d in s) for s in entry["shapes"])
         epilogue = tuple((kind, tuple(int(d) for d in shape)) for kind, shape in entry.get("epilogue", []))
-        if ((entry["op"], entry["dtype"], shapes, epilogue, entry["target"])
-                != (sig.op, sig.dtype, sig.shapes, sig.epilogue, target.kind.name)):
+        attrs = {name: float(value) for name, value in entry.get("attrs", {}).items()}
+        if ((entry["op"], entry["dtype"], shapes, epilogue, attrs, entry["target"])
+                != (sig.op, sig.dtype, sig.shapes, sig.epilogue, dict(sig.attrs), target.kind.name)):
             continue
         path = os.path.join(directory, entry["source"])
         function = entry.get("function", entry["name"])
         unavailable = None
-        if entry["op"] != "matmul":
-            unavailable = "only GEMM kernels (op matmul) are taken from outside for now"
+        if entry["op"] not in OPS:
+            unavailable = f"only kernels of {' and '.join(OPS)} are taken from outside for now"
         elif entry["format"] not in FORMATS:
             unavailable = f"format '{entry['format']}' is not supported (only {', '.join(FORMATS)})"
         elif not os.path.isfile(path):
@@ -214,5 +231,6 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
 
         found.append(Candidate(source, entry["name"], path, rewrite, shape_generic=False,
                                digest=digest(path) if unavailable is None else "", kernel=kernel,
-                               unavailable=unavailable))
+                               unavailable=unavailable,
+                               c_source=(path, function) if entry["format"] == "c" else None))
     return found
