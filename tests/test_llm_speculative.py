@@ -184,15 +184,14 @@ def test_pace_proposes_what_pays():
     pace = Pace(k_max=6)
     assert pace.next_k() == 0  # a plain step first: its time is the unit
     pace.record(1, 0.010, 0, 0, 0.0)
-    assert pace.next_k() == 6  # then the longest check, to time one
-    pace.record(7, 0.028, 6, 6, 0.0)
-    assert 1 < pace.next_k() < 6  # one round says little
-    for _ in range(4):
-        pace.record(7, 0.028, 6, 6, 0.0)
-    assert pace.next_k() == 6
-    for _ in range(4):
+    assert pace.next_k() == 6  # checks not timed yet are taken to cost what one token does
+    for n in range(2, 8):
+        pace.record(n, 0.010 + 0.003 * (n - 1), n - 1, n - 1, 0.0)
+    assert pace.acceptance() > 0.9 and pace.next_k() == 6
+    assert pace.next_k(available=2) == 2
+    for _ in range(8):
         pace.record(7, 0.028, 6, 0, 0.0)
-    assert pace.acceptance < 0.1 and pace.next_k() == 0
+    assert pace.acceptance() < 0.3 and pace.next_k() == 0
     for _ in range(3):
         pace.record(1, 0.010, 0, 0, 0.0)
         assert pace.next_k() == 0
@@ -204,11 +203,29 @@ def test_pace_proposes_what_pays():
     assert slow_draft.next_k() == 0
 
 
+def test_pace_takes_cheap_short_checks_and_tells_kinds_apart():
+    """Checking two tokens costs about what one does (a skinny GEMM is bound by reading the
+    weights), so one proposal pays even at a low acceptance, where a line through the costs of
+    one and seven tokens would say it does not; and a kind of proposal that is rejected (a
+    one-token lookup match) does not pull down another that is accepted (a three-token one)."""
+    pace = Pace(k_max=6)
+    pace.record(1, 0.010, 0, 0, 0.0)
+    pace.record(2, 0.0105, 1, 1, 0.0, kind=3)
+    for n in range(3, 8):
+        pace.record(n, 0.010 + 0.003 * (n - 1), n - 1, n - 1, 0.0, kind=3)
+    for _ in range(6):
+        pace.record(7, 0.028, 6, 1, 0.0, kind=1)
+        pace.record(2, 0.0105, 1, 0, 0.0, kind=1)
+    assert 0.2 < pace.acceptance(1) < 0.4
+    assert pace.next_k(kind=1) == 1
+    assert pace.acceptance(3) > 0.8 and pace.next_k(kind=3) > 3
+
+
 def test_prompt_lookup_proposes_what_followed_the_last_ngram():
     context = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 8, 2, 3, 4]
-    assert lookup_proposals(context, 3, ngram=3) == [6, 7, 8]  # the latest earlier match wins
-    assert lookup_proposals(context + [9], 2, ngram=3) == [2, 3]  # only "9" matches
-    assert lookup_proposals([1, 2, 3], 4, ngram=3) == []
+    assert lookup_proposals(context, 3, ngram=3) == ([6, 7, 8], 3)  # the latest earlier match wins
+    assert lookup_proposals(context + [9], 2, ngram=3) == ([2, 3], 1)  # only "9" matches
+    assert lookup_proposals([1, 2, 3], 4, ngram=3) == ([], 0)
 
 
 def test_bad_drafts_are_typed_errors(smollm2, tmp_path):

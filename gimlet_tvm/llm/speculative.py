@@ -78,9 +78,9 @@ class Draft:
         return self.source if isinstance(self.source, str) else "draft model"
 
 
-def lookup_proposals(context: Sequence[int], k: int, ngram: int) -> list[int]:
+def lookup_proposals(context: Sequence[int], k: int, ngram: int) -> tuple[list[int], int]:
     """Up to `k` tokens that followed the latest earlier occurrence of the context's last
-    n-gram, trying n = `ngram` down to 1 (none: no occurrence)."""
+    n-gram, trying n = `ngram` down to 1, and the n that matched (([], 0): no occurrence)."""
     tokens = np.asarray(context)
     for n in range(min(ngram, len(tokens) - 1), 0, -1):
         tail = tokens[-n:]
@@ -89,8 +89,8 @@ def lookup_proposals(context: Sequence[int], k: int, ngram: int) -> list[int]:
         starts = np.flatnonzero((windows == tail).all(axis=1))
         if starts.size:
             start = int(starts[-1]) + n
-            return tokens[start:start + k].tolist()
-    return []
+            return tokens[start:start + k].tolist(), n
+    return [], 0
 
 
 def accept_proposals(sampler: Sampler, model_probs: Sequence[np.ndarray], proposals: Sequence[int],
@@ -118,47 +118,64 @@ def accept_proposals(sampler: Sampler, model_probs: Sequence[np.ndarray], propos
 class Pace:
     """How many tokens to propose next, from what rounds have cost and yielded so far.
 
-    With a per-proposal acceptance a, k proposals make (1 - a^(k+1)) / (1 - a) tokens in
-    expectation (at least the model's own one); they cost one check of k + 1 tokens plus k
-    proposals. Check times are measured per length and taken as linear in it (a fit through the
-    lengths seen), a proposal's time too. The k in 0..k_max (0: a plain decode step) with the
-    most tokens per second wins. The acceptance is an average that follows recent rounds
-    (copied spans come and go within one output), so k rises along a span and falls after."""
+    Each proposal is taken to be accepted with probability a until the first rejection, so k
+    proposals make (1 - a^(k+1)) / (1 - a) tokens in expectation (at least the model's own
+    one); they cost one check of k + 1 tokens plus k proposals. The k in 0..k_max (0: a plain
+    decode step) with the most tokens per second wins.
 
-    FOLLOW = 0.5   # weight of the latest round in the acceptance average
+    a is estimated per kind of proposal (`kind`: for prompt lookup the length of the n-gram
+    that matched, a longer match being a better guess; 0 for a draft model) from the accepted
+    proposals and the rejections (at most one a round) of its rounds, counted with decay
+    (copied spans come and go within one output) over a uniform prior. A check of n tokens is
+    taken to cost what it last cost (an average with the time before); an n not timed yet, what
+    the longest check timed below it cost: an optimistic guess, so it gets tried and timed
+    (checking a few tokens costs little more than one, which a line through one token and
+    k_max would hide)."""
+
+    DECAY = 0.5    # weight of earlier rounds' counts against the latest round's
     PROBE = 4      # after this many rounds without proposals, one proposal (acceptance changes)
 
     def __init__(self, k_max: int):
         self.k_max = k_max
-        self.acceptance = 0.5
-        self.check_s: dict[int, float] = {}   # tokens checked -> seconds (latest)
+        self.check_s: dict[int, float] = {}   # tokens checked -> seconds
         self.propose_s = 0.0                  # seconds a proposal
         self.plain_rounds = 0                 # rounds in a row without proposals
+        self.counts: dict[int, tuple[float, float]] = {}  # kind -> (accepted, rejected), decayed
 
-    def record(self, checked: int, check_s: float, proposed: int, accepted: int, propose_s: float) -> None:
-        self.check_s[checked] = check_s
+    def record(self, checked: int, check_s: float, proposed: int, accepted: int, propose_s: float,
+               kind: int = 0) -> None:
+        before = self.check_s.get(checked)
+        self.check_s[checked] = check_s if before is None else (before + check_s) / 2
         self.plain_rounds = 0 if proposed else self.plain_rounds + 1
         if proposed:
-            self.acceptance += self.FOLLOW * (accepted / proposed - self.acceptance)
+            kept, rejected = self.counts.get(kind, (0.0, 0.0))
+            self.counts[kind] = (self.DECAY * kept + accepted,
+                                 self.DECAY * rejected + (accepted < proposed))
             self.propose_s = propose_s / proposed
 
-    def next_k(self) -> int:
-        """The best k; the largest until a check of more than one token has been timed."""
-        longer = [n for n in self.check_s if n > 1]
+    def acceptance(self, kind: int = 0) -> float:
+        """The estimated chance that a proposal of this kind is accepted."""
+        kept, rejected = self.counts.get(kind, (0.0, 0.0))
+        return (kept + 1) / (kept + rejected + 2)
+
+    def check_cost(self, tokens: int) -> float:
+        """Seconds a check of `tokens` tokens is taken to cost (`check_s` timed at 1)."""
+        return self.check_s.get(tokens) or self.check_s[max(n for n in self.check_s if n < tokens)]
+
+    def next_k(self, kind: int = 0, available: int | None = None) -> int:
+        """The best k for proposals of this `kind` (at most `available` of them at hand);
+        0 until a plain step has been timed."""
         if 1 not in self.check_s:
             return 0
-        if not longer:
-            return self.k_max
-        one, n = self.check_s[1], max(longer)
-        per_token = max(0.0, (self.check_s[n] - one) / (n - 1))
-        a = min(self.acceptance, 0.999)
+        a = min(self.acceptance(kind), 0.999)
 
         def rate(k: int) -> float:
             made = (1 - a ** (k + 1)) / (1 - a)
-            return made / (one + per_token * k + self.propose_s * k)
+            return made / (self.check_cost(k + 1) + self.propose_s * k)
 
-        best = max(range(self.k_max + 1), key=rate)
-        return 1 if best == 0 and self.plain_rounds >= self.PROBE else best
+        most = self.k_max if available is None else min(self.k_max, available)
+        best = max(range(most + 1), key=rate)
+        return min(1, most) if best == 0 and self.plain_rounds >= self.PROBE else best
 
 
 def _one_hot(token: int, size: int) -> np.ndarray:
@@ -219,14 +236,17 @@ def speculative_rounds(model: KVModel, request: Request, draft: Draft,
         while not request.done:
             context = request.prompt + request.new
             # A round makes one token more than it accepts, and the cache takes every proposal.
-            wanted = pace.next_k() if draft.adaptive else draft.k
-            budget = min(wanted, request.max_new_tokens - len(request.new) - 1,
+            budget = min(draft.k, request.max_new_tokens - len(request.new) - 1,
                          request.context_window - len(context))
             started = time.perf_counter()
-            if drafter is not None and budget:
-                proposals, draft_probs = drafter.propose(budget)
+            if drafter is not None:
+                kind = 0
+                wanted = pace.next_k(kind, budget) if draft.adaptive else budget
+                proposals, draft_probs = drafter.propose(wanted) if wanted else ([], None)
             else:
-                proposals, draft_probs = lookup_proposals(context, budget, draft.ngram), None
+                found, kind = lookup_proposals(context, budget, draft.ngram)
+                wanted = pace.next_k(kind, len(found)) if draft.adaptive else len(found)
+                proposals, draft_probs = found[:wanted], None
             proposed_at = time.perf_counter()
             logits = model.score(request.seq_id, [request.new[-1], *proposals])
             checked_at = time.perf_counter()
@@ -249,7 +269,7 @@ def speculative_rounds(model: KVModel, request: Request, draft: Draft,
             if drafter is not None:
                 drafter.keep(len(context) + accepted)
             pace.record(len(proposals) + 1, checked_at - proposed_at, len(proposals), accepted,
-                        proposed_at - started)
+                        proposed_at - started, kind)
             yield
     finally:
         if drafter is not None:
