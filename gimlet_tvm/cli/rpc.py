@@ -8,10 +8,8 @@ address other machines reach needs a key or `--insecure`, and always gets a warn
 
 from __future__ import annotations
 
-from tvm.rpc.tracker import Tracker
-
-from ..runtime.remote import serve_until_stopped, start_server
-from ..runtime.rpc_auth import Gate, add_auth_args, listening_key, loopback_port
+from ..runtime.remote import serve_until_stopped, start_server, start_tracker
+from ..runtime.rpc_auth import add_auth_args
 
 
 def add_parser(sub) -> None:
@@ -45,13 +43,5 @@ def run_server(args) -> int:
 
 
 def run_tracker(args) -> int:
-    secret = listening_key(args.host, args.auth_key_file, args.insecure)
-    if secret is None:
-        tracker = Tracker(host=args.host, port=args.port, port_end=_port_end(args), silent=True)
-        return serve_until_stopped("RPC tracker", args.host, tracker.port, tracker.terminate)
-    gate = Gate(args.host, args.port, _port_end(args), secret)
-    internal = loopback_port()
-    tracker = Tracker(host="127.0.0.1", port=internal, port_end=internal + 100, silent=True)
-    gate.open_to(tracker.port)
-    return serve_until_stopped("RPC tracker", args.host, gate.port,
-                               lambda: (gate.close(), tracker.terminate()))
+    tracker = start_tracker(args.host, args.port, _port_end(args), args.auth_key_file, args.insecure)
+    return serve_until_stopped("RPC tracker", args.host, tracker.port, tracker.stop)
