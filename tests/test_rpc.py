@@ -225,7 +225,7 @@ def test_tuning_survives_losing_one_of_two_servers(tmp_path) -> None:
 
 def test_select_on_a_remote_server(server, cli, tmp_path) -> None:
     """Kernel selection over RPC: candidates built here, checked and timed on the server; the
-    wrong external kernel is rejected by its result, the crashing one by the session it broke
+    good external kernel passes, the wrong one is rejected by its result, the crashing one by the session it broke
     (the server lives on), and the model builds with the remote choice."""
     import json
     import re
@@ -243,6 +243,8 @@ def test_select_on_a_remote_server(server, cli, tmp_path) -> None:
                          str(kernels), "--input-shape", f"x={M},{K}", "--rpc", server.address,
                          "--rpc-timeout", "30")
     assert code == 0, err
+    # The good one passes every check there, the poisoned runs of the kernel on its own too.
+    assert re.search(r"external:good +yes +\d", out), out
     assert re.search(r"external:wrong +no: wrong result at matmul", out), out
     assert re.search(rf"external:crash +no: broke its remote session: RPC server {server.address}", out), out
     assert re.search(r"handwritten:cpu_gemm_6x2v +yes +\d", out), out

@@ -17,14 +17,14 @@ harder: their object may call libc's memory functions and libm only (`external.A
 no processes, files or network: "unsafe"); on inputs with a NaN and an Inf their output must
 have NaN and Inf exactly where the float64 reference has them; and run on their own into an
 output buffer filled first with one poison, then another, they must give the same result
-("uninitialised output" otherwise; like the guard pages below, checked on this machine's
-device only, not over RPC). Each also runs on operands that each end where an
+("uninitialised output" otherwise). Each also runs on operands that each end where an
 inaccessible page begins, then that each begin right after one, its inputs read-only: a fault
 there (and not on ordinary arrays) is an "out-of-bounds access". A C kernel is called directly
 for this, first (`out_of_bounds`: `guard_pages` in a process of its own, exact placement, the
 operand named); a TVMScript kernel here after its poisoned runs (`_guard_pages`: DLPack wants
 64-byte aligned data, so an array may end up to 60 bytes short of its page), the fault ending
-this child, which `_spawn` reads by the stage the child announced. The child runs in a
+this child, which `_spawn` reads by the stage the child announced (the guard pages are this
+machine's memory: for a remote device they are skipped, the rest runs there). The child runs in a
 session of its own under resource limits (`_limit`: CPU time, address space), and its whole
 process group is killed when it runs past its time ("timeout").
 
@@ -216,6 +216,12 @@ class _Machine:
     def run(self, vm, args: list) -> np.ndarray:
         return self.step("run", lambda: vm["main"](*args).numpy())
 
+    def run_in_place(self, vm, args: list) -> np.ndarray:
+        """Run `main`, which writes its last argument, and read that back. (TVM RPC cannot
+        return a function's own argument: `main` returns it in a tuple, left on the device.)"""
+        self.step("run", lambda: vm["main"](*args))
+        return self.step("run", lambda: args[-1].numpy())
+
     def seconds(self, vm, copies: list[list], runs: int, min_repeat_ms: int) -> list[float]:
         """Times of runs of `main`: here at least `runs`, and `runs` x `min_repeat_ms` ms in all,
         each run taking the next set of `copies`; remotely `runs` times measured by the device
@@ -251,15 +257,15 @@ def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, Outco
     if cannot_run is not None:
         return executable, Outcome(False, f"compiled; cannot run on this machine: {cannot_run}",
                                    verdict="cannot run")
-    # Remotely, the kernel's own module beside the candidate's in one session made the server
-    # call the wrong function ("args.size() == 3 (2 vs. 3)"): these checks run here only.
-    if candidate.kernel is not None and machine.remote is None:
+    if candidate.kernel is not None:
+        # Operands against guard pages are this machine's memory: a remote device skips them.
         alone = _alone(sig, candidate, machine, target, tuned)
-        if candidate.c_source is not None:  # called on its own in a process of its own
+        local = machine.remote is None
+        if candidate.c_source is not None and local:  # called on its own in a process of its own
             failure = out_of_bounds(sig, candidate.c_source, target) or _poisoned(sig, machine, alone)
         else:  # here, after runs on ordinary arrays (a crash there is no out-of-bounds access)
             failure = _poisoned(sig, machine, alone)
-            if failure is None:
+            if failure is None and local:
                 _guard_pages(sig, machine, alone)  # a fault ends this child
         if failure is not None:
             return executable, failure
@@ -341,7 +347,8 @@ def out_of_bounds(sig, c_source: tuple[str, str], target) -> Outcome | None:
 
 def _alone(sig, candidate, machine: _Machine, target, tuned):
     """A VM whose `main` runs the outside kernel on its own, in place: on the arrays of
-    `OpSignature.kernel_operands` as given (the output last, returned)."""
+    `OpSignature.kernel_operands` as given (the output last; read it with
+    `_Machine.run_in_place`)."""
     shapes = [shape for _, shape in sig.kernel_operands()]
     params = [relax.Var(f"arg{i}", relax.TensorType(shape, sig.dtype)) for i, shape in enumerate(shapes)]
     bb = relax.BlockBuilder()
@@ -349,7 +356,7 @@ def _alone(sig, candidate, machine: _Machine, target, tuned):
         func = candidate.kernel(sig).with_attr("op_pattern", 8).without_attr("global_symbol")
         out = bb.emit(relax.call_tir_inplace(bb.add_func(func, "kernel"), params, [len(params) - 1],
                                              relax.TensorType(shapes[-1], sig.dtype)))
-        bb.emit_func_output(out)
+        bb.emit_func_output(relax.Tuple([out]))
     return machine.load(_build(bb.finalize(), candidate, machine.spec, target, tuned))
 
 
@@ -369,7 +376,7 @@ def _guard_pages(sig, machine: _Machine, alone) -> None:
             tensors.append(tvm.runtime.from_dlpack(operand.array))
             if index < len(operands) - 1:
                 operand.read_only()
-        machine.run(alone, tensors)
+        machine.run_in_place(alone, tensors)
     print(STAGE_PREFIX + "checks", flush=True)
 
 
@@ -378,7 +385,7 @@ def _poisoned(sig, machine: _Machine, alone) -> Outcome | None:
     `POISONS`, gives the same output: every element written, none read before."""
     shapes = [shape for _, shape in sig.kernel_operands()]
     inputs = [x.reshape(shape) for x, shape in zip(sig.input_sets(np.random.default_rng(3))["random"], shapes)]
-    outputs = [machine.run(alone, machine.tensors([*(x.astype(sig.dtype) for x in inputs),
+    outputs = [machine.run_in_place(alone, machine.tensors([*(x.astype(sig.dtype) for x in inputs),
                                                    np.full(shapes[-1], poison, sig.dtype)]))
                for poison in POISONS]
     differ = ~((outputs[0] == outputs[1]) | (np.isnan(outputs[0]) & np.isnan(outputs[1])))
