@@ -5,6 +5,7 @@ here is `scripted_generator.py` (real processes, real builds, real checks)."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import http.server
 import json
@@ -24,13 +25,14 @@ from gimlet_tvm.compiler import resolve_target
 from gimlet_tvm.errors import GimletError, UnsafeKernelError
 from gimlet_tvm.frontend import import_model
 from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
-from gimlet_tvm.schedules.kernel_selection.external import add_kernel
+from gimlet_tvm.schedules.kernel_selection.external import add_kernel, shared_library
 from gimlet_tvm.schedules.kernel_selection.sources import find
 from gimlet_tvm.schedules.kernel_selection.choices import SELECTION_FILE, KernelSelection, OpChoice
 from gimlet_tvm.schedules.tuning.records import target_key
 from gimlet_tvm.selection import accepted
 from gimlet_tvm.selection.generator import Generator, generate, numpy_expression, task
 from gimlet_tvm.selection.json_schema import SCHEMA_FILE, protocol_errors
+from gimlet_tvm.selection.search_generator import Config, c_conv2d
 from gimlet_tvm.selection.select import op_signatures
 from gimlet_tvm.selection.verify import out_of_bounds, run_candidate
 
@@ -143,6 +145,72 @@ def test_generated_conv2d_kernels_are_verified_and_the_right_one_builds(tmp_path
     text = model._module.as_text()  # pylint: disable=protected-access
     assert f"generator_{outcomes['conv'].id.split(':')[1]}" in text
     x = np.random.default_rng(13).standard_normal(sig.shapes[0]).astype(np.float32)
+    want = sig.reference(x, onnx.numpy_helper.to_array(proto.graph.initializer[0]))
+    np.testing.assert_allclose(model(x)[0], want, rtol=1e-4, atol=1e-4)
+
+
+def _conv_sig(shapes, epilogue=(), stride=(1, 1), pad=(0, 0, 0, 0), dilation=(1, 1), groups=1) -> OpSignature:
+    attrs = {"stride_h": stride[0], "stride_w": stride[1], "pad_top": pad[0], "pad_left": pad[1],
+             "pad_bottom": pad[2], "pad_right": pad[3], "dilation_h": dilation[0], "dilation_w": dilation[1],
+             "groups": groups}
+    sig = OpSignature.from_json({"op": "conv2d", "shapes": shapes, "dtype": "float32", "weight": True,
+                                 "attrs": attrs})
+    return dataclasses.replace(sig, epilogue=tuple(epilogue))
+
+
+CONV_TEMPLATE_CASES = {
+    "3x3 pad 1, bias + ReLU": _conv_sig([[1, 5, 11, 13], [7, 5, 3, 3]], (("add", (7, 1, 1)), ("relu", ())),
+                                        pad=(1, 1, 1, 1)),
+    "stride 2, uneven pads": _conv_sig([[2, 3, 10, 9], [4, 3, 3, 3]], stride=(2, 2), pad=(1, 0, 0, 1)),
+    "dilation 2, groups 2": _conv_sig([[1, 4, 12, 20], [6, 2, 3, 3]], dilation=(2, 2), pad=(2, 2, 2, 2), groups=2),
+    "depthwise, residual": _conv_sig([[1, 6, 9, 17], [6, 1, 3, 3]], (("add", (1, 6, 9, 17)),), pad=(1, 1, 1, 1),
+                                     groups=6),
+    "1x1, GELU": _conv_sig([[1, 9, 5, 40], [3, 9, 1, 1]], (("gelu", ()),)),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_TEMPLATE_CASES))
+def test_search_generator_conv2d_template_computes_the_reference(case, tmp_path):
+    """The search generator's direct convolution, compiled as verification compiles it and
+    called on its own, at tiles that divide the output and tiles that do not (vector tiles
+    inside the image, element by element at its borders, at other strides and in the last
+    channels and columns), against the group's reference."""
+    sig = CONV_TEMPLATE_CASES[case]
+    _, target = resolve_target("llvm")
+    group = task(sig, target, 1, 1, None, [])["group"]
+    rng = np.random.default_rng(14)
+    operands = [rng.standard_normal(shape).astype(np.float32) for _, shape in sig.kernel_operands()[:-1]]
+    want = sig.reference(*operands[:2], *operands[2:])
+    for config in (Config(1, 1, 4, 1), Config(3, 2, 8, 2), Config(8, 1, 16, 1)):
+        source = tmp_path / f"{config.name}.c"
+        source.write_text(c_conv2d(config, group))
+        kernel_function = ctypes.CDLL(str(shared_library(str(source), target))).kernel
+        out = np.full(sig.out_shape, np.nan, np.float32)
+        kernel_function(*(x.ctypes.data_as(ctypes.c_void_p) for x in (*operands, out)))
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=config.name)
+
+
+@pytest.mark.slow  # ~60 s; the template's results are checked in CI by the test above
+def test_search_generator_answers_conv2d_groups_with_verified_kernels(tmp_path):
+    """The bundled search on a model's grouped, strided, dilated conv2d: every kernel it
+    proposes in two rounds passes verification (guard pages and poisons included), and the
+    model built with the fastest computes the conv."""
+    proto = _conv_model()
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(proto, {})
+    (sig,) = op_signatures(mod, target)
+    directory = str(tmp_path / "kernels")
+    request = dict(_request(target), signature=sig.to_json(), generated_dir=directory)
+    tried = []
+    rounds = generate(sig, target, Generator.named("search", rounds=2, seconds=60), directory,
+                      lambda cid: run_candidate(dict(request, candidate=cid), 120), tried, lambda line: None)
+    assert not any(r.failure for r in rounds) and len(tried) > 1, rounds
+    assert all(t.verified for t in tried), [(t.id, t.reason) for t in tried if not t.verified]
+    winner = min(tried, key=lambda t: t.seconds)
+    selection = KernelSelection(target_key(target), {sig.key: OpChoice(sig, tried, winner.id)},
+                                generated_dir=directory)
+    model = gimlet_tvm.build(proto, "llvm", selection=selection)
+    x = np.random.default_rng(15).standard_normal(sig.shapes[0]).astype(np.float32)
     want = sig.reference(x, onnx.numpy_helper.to_array(proto.graph.initializer[0]))
     np.testing.assert_allclose(model(x)[0], want, rtol=1e-4, atol=1e-4)
 

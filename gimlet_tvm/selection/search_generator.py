@@ -1,13 +1,15 @@
-"""A kernel generator that needs no model: a hill climb over a C GEMM template.
+"""A kernel generator that needs no model: a hill climb over C templates, a GEMM and a direct
+convolution.
 
     gimlet-tvm select model.onnx --records DIR --generator search
     (any command running this file as a script does the same: `python search_generator.py`)
 
 It speaks the kernel generator protocol (docs/kernel-generators.md): a task on standard
-input, a JSON list of candidates on standard output. The template (`c_gemm`) computes c in
-tiles of MR rows by NV vectors of VW floats (GCC vector extensions; the tiles at the edges
-scalar), its K loop unrolled U times, the group's epilogue applied to each tile as it is
-stored. Round 1 proposes the smallest tile; each later round the neighbours (one parameter one
+input, a JSON list of candidates on standard output. The GEMM template (`c_gemm`) computes c
+in tiles of MR rows by NV vectors of VW floats (GCC vector extensions; the tiles at the edges
+scalar), its K loop unrolled U times; the convolution's (`c_conv2d`) in tiles of MR output
+channels by NV vectors of VW output columns; each applies the group's epilogue to a tile as it
+is stored. Round 1 proposes the smallest tile; each later round the neighbours (one parameter one
 step up or down) of the fastest kernel the history calls `ok`, never a configuration already
 tried (the configuration is in the kernel's name). When none is `ok` yet, it tries
 configurations it has not, smallest first.
@@ -62,15 +64,20 @@ class Config:
         return found
 
 
-def _epilogue(group: dict[str, Any]) -> str:
-    """C statements applying the group's epilogue to `x`, the output element at (i, j)."""
+def _epilogue(group: dict[str, Any], coords: list[str]) -> str:
+    """C statements applying the group's epilogue to `x`, the output element at `coords` (C
+    expressions, one per output axis); each addend broadcasts numpy-style (an axis of 1
+    repeats), its shape padded on the left to the output's rank."""
     lines, addend = [], 0
     for kind, _ in group["epilogue"]:
         if kind == "add":
-            rows, cols = group["addends"][addend]
-            row = "0" if rows == 1 else f"i * {cols}"
-            col = "0" if cols == 1 else "j"
-            lines.append(f"x += addend{addend}[{row} + {col}];")
+            shape = [1] * (len(coords) - len(group["addends"][addend])) + group["addends"][addend]
+            terms, stride = [], 1
+            for coord, size in reversed(list(zip(coords, shape))):
+                if size != 1:
+                    terms.append(f"{coord} * {stride}")
+                stride *= size
+            lines.append(f"x += addend{addend}[{' + '.join(terms) or '0'}];")
             addend += 1
         elif kind == "relu":
             lines.append("x = x < 0.0f ? 0.0f : x;")  # NaN stays NaN, as numpy's maximum
@@ -94,7 +101,7 @@ static inline void finish(int i0, int rows, int j0, int cols, {addends}float *c)
   for (int i = i0; i < i0 + rows; ++i)
     for (int j = j0; j < j0 + cols; ++j) {{
       float x = c[i * N + j];
-      {_epilogue(group)}
+      {_epilogue(group, ["i", "j"])}
       c[i * N + j] = x;
     }}
 }}
@@ -133,6 +140,95 @@ void kernel(const float *a, const float *b, {addends}float *c) {{
 """
 
 
+def c_conv2d(config: Config, group: dict[str, Any]) -> str:
+    """The direct convolution template's C source for the task's conv2d group at `config`:
+    tiles of MR output channels by NV vectors of VW output columns of one output row, over
+    NCHW data and OIHW weights. A tile whose input columns all lie inside the image, at column
+    stride 1, is computed in vectors (each weight broadcast, the input row loaded as is); the
+    others (the image's borders, other strides, the last channels and columns) element by
+    element. The epilogue is applied to each tile as it is stored."""
+    p = group["conv2d"]
+    (top, left, _, _), (sh, sw), (dh, dw), groups = p["pad"], p["stride"], p["dilation"], p["groups"]
+    addends = "".join(f"const float *addend{i}, " for i in range(len(group["addends"])))
+    addend_args = "".join(f"addend{i}, " for i in range(len(group["addends"])))
+    return f"""#include <math.h>
+#include <string.h>
+enum {{ N = {p["n"]}, C = {p["c"]}, H = {p["h"]}, W = {p["w"]}, O = {p["o"]}, KH = {p["kh"]}, KW = {p["kw"]},
+       OH = {p["oh"]}, OW = {p["ow"]}, SH = {sh}, SW = {sw}, PH = {top}, PW = {left}, DH = {dh}, DW = {dw},
+       G = {groups}, CG = C / G, OG = O / G,
+       MR = {config.mr}, NV = {config.nv}, VW = {config.vw}, XR = NV * VW }};
+typedef float vf __attribute__((vector_size(VW * 4)));
+
+static inline void finish(int n, int oc0, int rows, int oy, int ox0, int cols, {addends}float *c) {{
+  for (int oc = oc0; oc < oc0 + rows; ++oc)
+    for (int ox = ox0; ox < ox0 + cols; ++ox) {{
+      float x = c[((n * O + oc) * OH + oy) * OW + ox];
+      {_epilogue(group, ["n", "oc", "oy", "ox"])}
+      c[((n * O + oc) * OH + oy) * OW + ox] = x;
+    }}
+}}
+
+static float element(const float *a, const float *b, int n, int oc, int oy, int ox) {{
+  const int g = oc / OG;
+  float sum = 0.0f;
+  for (int ci = 0; ci < CG; ++ci)
+    for (int ky = 0; ky < KH; ++ky) {{
+      const int y = oy * SH - PH + ky * DH;
+      if (y < 0 || y >= H) continue;
+      for (int kx = 0; kx < KW; ++kx) {{
+        const int xx = ox * SW - PW + kx * DW;
+        if (xx < 0 || xx >= W) continue;
+        sum += a[((n * C + g * CG + ci) * H + y) * W + xx] * b[((oc * CG + ci) * KH + ky) * KW + kx];
+      }}
+    }}
+  return sum;
+}}
+
+void kernel(const float *a, const float *b, {addends}float *c) {{
+  for (int n = 0; n < N; ++n)
+    for (int oc0 = 0, rows = 0; oc0 < O; oc0 += rows) {{
+      const int g = oc0 / OG;
+      rows = OG - oc0 % OG < MR ? OG - oc0 % OG : MR;  /* a tile stays in one group */
+      for (int oy = 0; oy < OH; ++oy)
+        for (int ox0 = 0; ox0 < OW; ox0 += XR) {{
+          const int cols = OW - ox0 < XR ? OW - ox0 : XR;
+          const int first = ox0 * SW - PW, last = (ox0 + XR - 1) * SW - PW + (KW - 1) * DW;
+          if (SW == 1 && rows == MR && cols == XR && first >= 0 && last < W) {{
+            vf acc[MR][NV];
+            memset(acc, 0, sizeof acc);
+            for (int ci = 0; ci < CG; ++ci)
+              for (int ky = 0; ky < KH; ++ky) {{
+                const int y = oy * SH - PH + ky * DH;
+                if (y < 0 || y >= H) continue;
+                const float *row = a + ((n * C + g * CG + ci) * H + y) * W + first;
+                #pragma GCC unroll {config.unroll}
+                for (int kx = 0; kx < KW; ++kx) {{
+                  vf xv[NV];
+                  for (int v = 0; v < NV; ++v) memcpy(&xv[v], row + kx * DW + v * VW, sizeof(vf));
+                  for (int r = 0; r < MR; ++r) {{
+                    const float w = b[(((oc0 + r) * CG + ci) * KH + ky) * KW + kx];
+                    for (int v = 0; v < NV; ++v) acc[r][v] += w * xv[v];
+                  }}
+                }}
+              }}
+            for (int r = 0; r < MR; ++r)
+              for (int v = 0; v < NV; ++v)
+                memcpy(c + ((n * O + oc0 + r) * OH + oy) * OW + ox0 + v * VW, &acc[r][v], sizeof(vf));
+          }} else {{
+            for (int r = 0; r < rows; ++r)
+              for (int ox = ox0; ox < ox0 + cols; ++ox)
+                c[((n * O + oc0 + r) * OH + oy) * OW + ox] = element(a, b, n, oc0 + r, oy, ox);
+          }}
+          finish(n, oc0, rows, oy, ox0, cols, {addend_args}c);
+        }}
+    }}
+}}
+"""
+
+
+TEMPLATES = {"matmul": c_gemm, "conv2d": c_conv2d}
+
+
 def propose(task: dict[str, Any]) -> list[Config]:
     """The configurations to try this round (at most PER_ROUND, none tried before)."""
     bits = int(task["target"]["facts"].get("vector_bits", 128))
@@ -154,10 +250,12 @@ def propose(task: dict[str, Any]) -> list[Config]:
 
 
 def answer(task: dict[str, Any]) -> list[dict[str, str]]:
-    """The candidates for one task (C only; none when the target does not take C)."""
-    if "c" not in task["formats"] or task["group"]["op"] != "matmul":
+    """The candidates for one task (C only; none when the target does not take C, or for an
+    op without a template)."""
+    template = TEMPLATES.get(task["group"]["op"])
+    if "c" not in task["formats"] or template is None:
         return []
-    return [{"format": "c", "name": c.name, "source": c_gemm(c, task["group"])} for c in propose(task)]
+    return [{"format": "c", "name": c.name, "source": template(c, task["group"])} for c in propose(task)]
 
 
 def main() -> None:
