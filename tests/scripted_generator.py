@@ -11,6 +11,8 @@ r of an op group by the r-th PLAN, each a '+'-joined list of kernels, or one mis
     tvmscript                         a right GEMM in TVMScript
     conv  convnopad                   C conv2ds for the task's conv (no epilogue): right; one
                                       that forgets the padding (reads outside data at its edges)
+    attention  attentionnoscale       C attentions for the task's (with its bias, if any): right;
+                                      one that forgets the scale
     malformed  notlist  exit  hang    not JSON; JSON but no list of candidates; exit code 3; sleep
 
 With GIMLET_TEST_TASKS=DIR, every task it reads is saved there as round<r>.json.
@@ -68,6 +70,42 @@ void kernel(const float *data, const float *weight, float *out) {{
 }}
 """
 CONV_INSIDE = {"conv": "r >= 0 && r < {h} && s >= 0 && s < {w}", "convnopad": "1"}
+C_ATTENTION = """
+#include <math.h>
+void kernel(const float *q, const float *k, const float *v, {bias_arg}float *out) {{
+  for (int b = 0; b < {b}; ++b)
+    for (int s = 0; s < {s}; ++s)
+      for (int n = 0; n < {n}; ++n) {{
+        float p[{t}], top = -INFINITY, total = 0.0f;
+        for (int t = 0; t < {t}; ++t) {{
+          float dot = 0.0f;
+          for (int h = 0; h < {h}; ++h) dot += q[((b * {s} + s) * {n} + n) * {h} + h] * k[((b * {t} + t) * {n} + n) * {h} + h];
+          p[t] = dot * {scaled} {bias_term};
+          top = p[t] > top ? p[t] : top;
+        }}
+        for (int t = 0; t < {t}; ++t) {{ p[t] = expf(p[t] - top); total += p[t]; }}
+        for (int j = 0; j < {hv}; ++j) {{
+          float sum = 0.0f;
+          for (int t = 0; t < {t}; ++t) sum += p[t] * v[((b * {t} + t) * {n} + n) * {hv} + j];
+          out[((b * {s} + s) * {n} + n) * {hv} + j] = sum / total;
+        }}
+      }}
+}}
+"""
+
+
+def attention_kernel(plan: str, sizes: dict) -> str:
+    """The C attention of `plan` for the task's `attention` sizes."""
+    bias_arg, bias_term = "", ""
+    if sizes["bias"] is not None:
+        terms, stride = [], 1
+        for coord, size in reversed(list(zip(("b", "n", "s", "t"), sizes["bias"]))):
+            if size != 1:
+                terms.append(f"{coord} * {stride}")
+            stride *= size
+        bias_arg, bias_term = "const float *bias, ", f"+ bias[{' + '.join(terms) or '0'}]"
+    scaled = repr(sizes["scale"]) + "f" if plan == "attention" else "1.0f"
+    return C_ATTENTION.format(**sizes, bias_arg=bias_arg, bias_term=bias_term, scaled=scaled)
 TVMSCRIPT = """
 # from tvm.script import tirx as T
 
@@ -83,7 +121,9 @@ def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
 
 
 def kernel(plan: str, sizes: dict) -> dict:
-    """The candidate of `plan` for the task's sizes (its group's `gemm` or `conv2d`)."""
+    """The candidate of `plan` for the task's sizes (its group's `gemm`, `conv2d` or `attention`)."""
+    if plan.startswith("attention"):
+        return {"format": "c", "source": attention_kernel(plan, sizes), "name": plan}
     if plan in CONV_INSIDE:
         return {"format": "c", "source": C_CONV.format(**sizes, inside=CONV_INSIDE[plan].format(**sizes)), "name": plan}
     if plan == "tvmscript":
@@ -109,8 +149,8 @@ def main() -> None:
     elif plan == "hang":
         time.sleep(600)
     else:
-        assert not task["group"]["epilogue"], "this generator writes plain GEMMs and conv2ds only"
-        sizes = task["group"]["gemm" if task["group"]["op"] == "matmul" else "conv2d"]
+        assert not task["group"]["epilogue"], "this generator writes plain GEMMs, conv2ds and attention only"
+        sizes = task["group"][{"matmul": "gemm"}.get(task["group"]["op"], task["group"]["op"])]
         print(json.dumps([kernel(p, sizes) for p in plan.split("+")]))
 
 

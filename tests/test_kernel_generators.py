@@ -24,6 +24,8 @@ import gimlet_tvm
 from gimlet_tvm.compiler import resolve_target
 from gimlet_tvm.errors import GimletError, UnsafeKernelError
 from gimlet_tvm.frontend import import_model
+from gimlet_tvm.models import SUITE
+from gimlet_tvm.peers import check_against_onnxruntime
 from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
 from gimlet_tvm.schedules.kernel_selection.external import add_kernel, shared_library
 from gimlet_tvm.schedules.kernel_selection.sources import find
@@ -213,6 +215,46 @@ def test_search_generator_answers_conv2d_groups_with_verified_kernels(tmp_path):
     x = np.random.default_rng(15).standard_normal(sig.shapes[0]).astype(np.float32)
     want = sig.reference(x, onnx.numpy_helper.to_array(proto.graph.initializer[0]))
     np.testing.assert_allclose(model(x)[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_groups_are_offered_and_a_generated_attention_builds(tmp_path):
+    """The encoder's attention (with its padding-mask bias) offered to a generator: the task
+    states its sizes, scale and bias, the C interface names q, k, v, bias and out, and its
+    numpy expression computes the reference; of two C kernels the right one is verified and
+    the one that forgets the scale is a wrong result; the model built with the right one
+    computes what onnxruntime does."""
+    info = SUITE["transformer_encoder"]
+    proto, inputs = info.build(), info.example_inputs(batch=1)
+    shapes = {name: list(x.shape) for name, x in inputs.items()}
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(proto, shapes)
+    (sig,) = [s for s in op_signatures(mod, target) if s.op == "attention"]
+    made = task(sig, target, 1, 1, None, [])
+    assert protocol_errors(made, "task") == [] and made["formats"] == ["c", "tvmscript"]
+    assert made["group"]["attention"] == {"b": 1, "s": 64, "t": 64, "n": 4, "h": 64, "hv": 64, "scale": 0.125,
+                                          "bias": [1, 1, 1, 64]}
+    assert ("void kernel(const float *q, const float *k, const float *v, const float *bias, float *out); "
+            "arrays q[1][64][4][64], k[1][64][4][64], v[1][64][4][64], bias[1][1][1][64], out[1][64][4][64]"
+            ) in made["interface"]["c"]
+    operands = [np.random.default_rng(16).standard_normal(shape) for shape in sig.shapes]
+    got = eval(made["reference"]["numpy"], {"np": np}, dict(zip(("q", "k", "v", "bias"), operands)))  # noqa: S307
+    np.testing.assert_allclose(got, sig.reference(*operands), rtol=1e-12, atol=1e-12)
+
+    directory = str(tmp_path)
+    request = dict(_request(target), signature=sig.to_json(), generated_dir=directory)
+    tried = []
+    rounds = generate(sig, target, Generator(scripted("attention+attentionnoscale"), rounds=1), directory,
+                      lambda cid: run_candidate(dict(request, candidate=cid), 120), tried, lambda line: None)
+    assert not rounds[0].failure, rounds
+    outcomes = {t.id.split(":")[1].split("_")[0]: t for t in tried}
+    assert outcomes["attention"].verified, outcomes["attention"].reason
+    assert outcomes["attentionnoscale"].verdict == "wrong result", outcomes["attentionnoscale"].reason
+    selection = KernelSelection(target_key(target), {sig.key: OpChoice(sig, tried, outcomes["attention"].id)},
+                                generated_dir=directory)
+    model = gimlet_tvm.build(proto, "llvm", input_shapes=shapes, selection=selection)
+    assert f"generator_{outcomes['attention'].id.split(':')[1]}" in model._module.as_text()  # pylint: disable=protected-access
+    ok, diff = check_against_onnxruntime(proto, model, inputs, tolerance=1e-4)
+    assert ok, diff
 
 
 def test_generator_rounds_get_feedback_and_failed_rounds_go_on(tmp_path, monkeypatch):

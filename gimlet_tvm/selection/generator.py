@@ -74,7 +74,8 @@ class Generator:
 
 def formats_for(sig: OpSignature, target: tvm.target.Target) -> tuple[str, ...]:
     """The source formats a generator may answer in for `sig` on `target`; empty: the group
-    is not offered (for now GEMMs and conv2ds on CPU targets, built as external kernels are)."""
+    is not offered (for now GEMMs, conv2ds and attention on CPU targets, built as external
+    kernels are)."""
     spec = spec_for(target)
     if sig.op not in OPS or not spec.is_cpu or (sig.op == "matmul" and sig.addends_2d() is None):
         return ()
@@ -106,9 +107,27 @@ def _conv2d_numpy(sig: OpSignature) -> str:
             f".reshape({p['n']}, {p['o']}, {p['oh']}, {p['ow']})")
 
 
+def _attention(sig: OpSignature) -> dict[str, Any]:
+    """An attention's sizes, scale and bias shape (None: no bias), as the task states them."""
+    (b, s, n, h), (_, t, _, _), (_, _, _, hv) = sig.shapes[:3]
+    bias = list(sig.shapes[3]) if len(sig.shapes) == 4 else None
+    return {"b": b, "s": s, "t": t, "n": n, "h": h, "hv": hv, "scale": dict(sig.attrs)["scale"], "bias": bias}
+
+
+def _attention_numpy(sig: OpSignature) -> str:
+    """Softmax over the keys of the scaled scores (plus the bias), weighting the values."""
+    bias = " + bias" if len(sig.shapes) == 4 else ""
+    scores = f"np.einsum('bsnh,btnh->bnst', q, k) * {dict(sig.attrs)['scale']!r}{bias}"
+    return ("(lambda s, v: np.einsum('bnst,btnv->bsnv', np.exp(s - s.max(-1, keepdims=True)) "
+            f"/ np.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True), v))({scores}, v)")
+
+
 def numpy_expression(sig: OpSignature) -> str:
     """What the group computes as a numpy expression of `a`, `b` and `addend0`, ...
-    (`erf`: `math.erf` elementwise; a conv2d's: `_conv2d_numpy`)."""
+    (`erf`: `math.erf` elementwise; a conv2d's: `_conv2d_numpy`); an attention's of `q`,
+    `k`, `v` and `bias`."""
+    if sig.op == "attention":
+        return _attention_numpy(sig)
     expr, addends = "a @ b" if sig.op == "matmul" else _conv2d_numpy(sig), 0
     for kind, _ in sig.epilogue:
         if kind == "add":
@@ -124,12 +143,17 @@ LAYOUTS = {
     "matmul": "row-major; a[..., M, K] @ b[K, N] -> c[..., M, N]; addends broadcast numpy-style",
     "conv2d": "NCHW data a[N, C, H, W], OIHW weight b[O, C/groups, KH, KW] -> NCHW out[N, O, OH, OW]; "
               "addends broadcast numpy-style",
+    "attention": "BSNH q[B, S, N, H], k[B, T, N, H], v[B, T, N, HV] (batch, positions, heads, head size), "
+                 "an optional additive bias[B or 1, N or 1, S or 1, T] that broadcasts -> BSNH out[B, S, N, HV]",
 }
 SEMANTICS = {
     "matmul": "(batch axes folded into M)",
     "conv2d": ("out[n][o][y][x] = sum over ci < C/groups, i < KH, j < KW of "
                "data[n][(o / (O/groups)) * (C/groups) + ci][y*stride_h - pad_top + i*dilation_h]"
                "[x*stride_w - pad_left + j*dilation_w] * weight[o][ci][i][j], data outside the image being 0"),
+    "attention": ("out[b][s][n][:] = sum over t < T of p[t] * v[b][t][n][:], p = softmax over t of "
+                  "(scale * sum over h of q[b][s][n][h] * k[b][t][n][h] + bias[b][n][s][t]), no causal mask; "
+                  "scale is the group's attribute"),
 }
 
 
@@ -164,12 +188,15 @@ def task(sig: OpSignature, target: tvm.target.Target, round_: int, rounds: int,
     group = {"key": sig.key, "op": sig.op, "ops": [sig.op, *(kind for kind, _ in sig.epilogue)],
              "dtype": sig.dtype, "shapes": [list(s) for s in (*sig.shapes, *sig.addend_shapes)],
              "epilogue": [[kind, list(shape)] for kind, shape in sig.epilogue], "layout": LAYOUTS[sig.op],
-             "addends": [list(shape) for _, shape in sig.kernel_operands()[2:-1]], "weight": sig.weight}
+             "addends": [list(shape) for name, shape in sig.kernel_operands() if name.startswith("addend")],
+             "weight": sig.weight}
     if sig.op == "matmul":
         m, n, k = sig.gemm
         group["gemm"] = {"m": m, "n": n, "k": k}
-    else:
+    elif sig.op == "conv2d":
         group["conv2d"] = _conv2d(sig)
+    else:
+        group["attention"] = _attention(sig)
     return {
         "protocol": PROTOCOL, "round": round_, "rounds": rounds, "group": group,
         "reference": {"tvmscript": sig.module().script(), "numpy": numpy_expression(sig)},

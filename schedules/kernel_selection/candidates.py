@@ -117,13 +117,16 @@ class OpSignature:
         """The name and shape of each array a kernel from outside the compiler (external,
         generated) takes, the output last, all compact row-major: a matmul's 2-D, `a[M, K]`,
         `b[K, N]`, each addend as `addends_2d`, `c[M, N]`; a conv2d's NCHW `data`, OIHW
-        `weight`, each addend at the output's rank (leading 1s), NCHW `out`."""
+        `weight`, each addend at the output's rank (leading 1s), NCHW `out`; an attention's
+        BSNH `q`, `k`, `v`, its `bias` (B or 1, N or 1, S or 1, T) if it has one, BSNH `out`."""
         aligned = [(1,) * (len(self.out_shape) - len(shape)) + shape for shape in self.addend_shapes]
         if self.op == "matmul":
             m, n, k = self.gemm
             names, operands, aligned, out = ("a", "b", "c"), [(m, k), (k, n)], self.addends_2d(), (m, n)
         elif self.op == "conv2d":
             names, operands, out = ("data", "weight", "out"), list(self.shapes), self.out_shape
+        elif self.op == "attention":  # no epilogue; the bias, when there is one, an operand
+            return [*zip(("q", "k", "v", "bias"), self.shapes), ("out", self.out_shape)]
         else:
             raise ValueError(f"no kernel from outside the compiler is taken for {self.op}")
         addends = [(f"addend{i}", shape) for i, shape in enumerate(aligned)]
@@ -268,20 +271,20 @@ def call_prim_func(bb: relax.BlockBuilder, call: relax.Call, func: tvm.tirx.Prim
     """`call` (an op group) as `call_tir` of a PrimFunc over the arrays of
     `OpSignature.kernel_operands`: for a matmul a 2-D GEMM `(a[M, K], b, addends..., c[M, N])`,
     b being B[K, N] or, with `packed_b`, `pack_panels(B)`, batch axes of the first operand
-    folded into M and unfolded after; for a conv2d `(data, weight, addends..., out)`. Each
-    addend is reshaped to its shape there."""
+    folded into M and unfolded after; for a conv2d `(data, weight, addends..., out)`; for an
+    attention `(q, k, v[, bias], out)`. Each addend is reshaped to its shape there."""
     group = group_operands(call)
-    (a, b), addends = group.operands, group.addends
+    operands, addends = list(group.operands), group.addends
     sig = OpSignature.of_call(call)
     arrays = sig.kernel_operands()
     # Opaque: FuseOps must not fuse into a scheduled kernel; no symbol of its own, so that
     # several shapes of one kernel in a model each get theirs from their GlobalVar.
     func = func.with_attr("op_pattern", 8).without_attr("global_symbol")
     gvar = bb.add_func(func, name)
-    flat = [bb.emit(relax.op.reshape(x, shape)) for x, (_, shape) in zip(addends, arrays[2:-1])]
+    flat = [bb.emit(relax.op.reshape(x, shape)) for x, (_, shape) in zip(addends, arrays[len(operands):-1])]
     if sig.op != "matmul":
-        return relax.call_tir(gvar, [a, b, *flat], relax.TensorType(sig.out_shape, sig.dtype))
-    m, n, k = sig.gemm
+        return relax.call_tir(gvar, [*operands, *flat], relax.TensorType(sig.out_shape, sig.dtype))
+    (a, b), (m, n, k) = operands, sig.gemm
     b = b if packed_b is None else pack_panels(bb, b, packed_b)
     a2 = a if len(sig.shapes[0]) == 2 else bb.emit(relax.op.reshape(a, (m, k)))
     out = bb.emit(relax.call_tir(gvar, [a2, b, *flat], relax.TensorType((m, n), sig.dtype)))

@@ -25,7 +25,7 @@ An optional `"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kern
 group (`OpSignature.epilogue`): it takes each addend after the operands, as
 `OpSignature.kernel_operands` shapes it, and applies the steps in order. An entry is a
 candidate only for its op, shapes, epilogue, attributes, dtype and target kind; only matmul
-and conv2d are taken for now (`OPS`), an entry of another op is listed as unavailable. The
+conv2d and attention are taken for now (`OPS`), an entry of another op is listed as unavailable. The
 source is parsed only when the candidate is built (in the verification subprocess, or by a build after it was
 verified, when its digest must still match).
 
@@ -53,7 +53,7 @@ from .candidates import Candidate, OpSignature, call_prim_func
 
 MANIFEST = "kernels.json"
 FORMATS = ("tvmscript", "c")
-OPS = ("matmul", "conv2d")
+OPS = ("matmul", "conv2d", "attention")
 """The ops kernels from outside the compiler are taken for (`OpSignature.kernel_operands`)."""
 C_COMPILER = os.environ.get("CC", "gcc")
 C_FLAGS = ("-std=c11", "-O3", "-fPIC")
@@ -213,7 +213,7 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
         function = entry.get("function", entry["name"])
         unavailable = None
         if entry["op"] not in OPS:
-            unavailable = f"only kernels of {' and '.join(OPS)} are taken from outside for now"
+            unavailable = f"only kernels of {', '.join(OPS)} are taken from outside for now"
         elif entry["format"] not in FORMATS:
             unavailable = f"format '{entry['format']}' is not supported (only {', '.join(FORMATS)})"
         elif not os.path.isfile(path):
