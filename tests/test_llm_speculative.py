@@ -61,7 +61,8 @@ def test_draft_on_vulkan_for_a_model_on_llvm(tmp_path):
     folder, _ = random_model("llama", dict(num_attention_heads=8, num_key_value_heads=2, initializer_range=0.3),
                              tmp_path)
     llm = gllm.load(folder, target="llvm")
-    draft = gllm.Draft(gllm.load(folder, target="vulkan", layers=1), k=3)
+    # Not adaptive: a lavapipe step costs more than it saves here, so a paced draft would not propose.
+    draft = gllm.Draft(gllm.load(folder, target="vulkan", layers=1), k=3, adaptive=False)
     for ids in ([3, 17, 42, 99, 5], [7, 7, 7, 1, 2, 3, 7, 7, 7, 1, 2]):
         plain = llm.generate(ids, max_new_tokens=40)
         fast = llm.generate(ids, max_new_tokens=40, speculative=draft)
@@ -73,7 +74,7 @@ def test_draft_on_vulkan_for_a_model_on_llvm(tmp_path):
 def test_smollm2_with_its_draft_on_vulkan(smollm2):
     """SmolLM2 on llvm with the same model on lavapipe proposing: 64 greedy tokens of each
     chat prompt are plain decoding's (about a minute a prompt on lavapipe)."""
-    draft = gllm.Draft(gllm.load(SMOLLM2_GGUF, target="vulkan"), k=4)
+    draft = gllm.Draft(gllm.load(SMOLLM2_GGUF, target="vulkan"), k=4, adaptive=False)  # proposing each round
     for messages in CHATS:
         ids = smollm2.chat_prompt(messages)
         fast = smollm2.generate(ids, max_new_tokens=64, speculative=draft)
@@ -180,7 +181,8 @@ def test_rejection_sampling_keeps_the_distribution():
 
 def test_pace_proposes_what_pays():
     """A check of n tokens costing 10 + 3 (n - 1) ms: with most proposals accepted many pay,
-    with few none does (plain decode steps), and a proposal is tried again after 4 of those."""
+    with few none does (plain decode steps), and a proposal is tried again after 4 of those
+    where acceptance, not cost, held proposals back."""
     pace = Pace(k_max=6)
     assert pace.next_k() == 0  # a plain step first: its time is the unit
     pace.record(1, 0.010, 0, 0, 0.0)
@@ -201,6 +203,15 @@ def test_pace_proposes_what_pays():
     slow_draft.record(1, 0.010, 0, 0, 0.0)
     slow_draft.record(7, 0.028, 6, 6, 6 * 0.050)
     assert slow_draft.next_k() == 0
+    for _ in range(2 * Pace.PROBE):  # nor are they tried again: their cost, not acceptance, rules them out
+        slow_draft.record(1, 0.010, 0, 0, 0.0)
+        assert slow_draft.next_k() == 0
+    draft_step = Pace(k_max=6)  # a draft model's step on the model's own token counts too
+    draft_step.record(1, 0.010, 0, 0, 0.0)
+    draft_step.record(3, 0.0105, 2, 2, 2 * 0.002, round_s=0.0)
+    assert draft_step.next_k(available=2) == 2
+    draft_step.record(3, 0.0105, 2, 2, 2 * 0.002, round_s=0.012)
+    assert draft_step.next_k(available=2) == 0
 
 
 def test_pace_takes_cheap_short_checks_and_tells_kinds_apart():

@@ -120,8 +120,9 @@ class Pace:
 
     Each proposal is taken to be accepted with probability a until the first rejection, so k
     proposals make (1 - a^(k+1)) / (1 - a) tokens in expectation (at least the model's own
-    one); they cost one check of k + 1 tokens plus k proposals. The k in 0..k_max (0: a plain
-    decode step) with the most tokens per second wins.
+    one); they cost one check of k + 1 tokens, k proposals and, for k > 0, what proposing costs
+    a round besides (`round_s`: a draft model's step on the model's own token). The k in
+    0..k_max (0: a plain decode step) with the most tokens per second wins.
 
     a is estimated per kind of proposal (`kind`: for prompt lookup the length of the n-gram
     that matched, a longer match being a better guess; 0 for a draft model) from the accepted
@@ -130,20 +131,22 @@ class Pace:
     taken to cost what it last cost (an average with the time before); an n not timed yet, what
     the longest check timed below it cost: an optimistic guess, so it gets tried and timed
     (checking a few tokens costs little more than one, which a line through one token and
-    k_max would hide)."""
+    k_max would hide). After `PROBE` plain steps in a row one proposal is made again, where a
+    higher acceptance would make proposals pay (acceptance changes; their cost does not)."""
 
     DECAY = 0.5    # weight of earlier rounds' counts against the latest round's
-    PROBE = 4      # after this many rounds without proposals, one proposal (acceptance changes)
+    PROBE = 4      # plain steps in a row before one proposal is tried again
 
     def __init__(self, k_max: int):
         self.k_max = k_max
         self.check_s: dict[int, float] = {}   # tokens checked -> seconds
         self.propose_s = 0.0                  # seconds a proposal
+        self.round_s = 0.0                    # seconds of proposing a round besides its proposals
         self.plain_rounds = 0                 # rounds in a row without proposals
         self.counts: dict[int, tuple[float, float]] = {}  # kind -> (accepted, rejected), decayed
 
     def record(self, checked: int, check_s: float, proposed: int, accepted: int, propose_s: float,
-               kind: int = 0) -> None:
+               kind: int = 0, round_s: float = 0.0) -> None:
         before = self.check_s.get(checked)
         self.check_s[checked] = check_s if before is None else (before + check_s) / 2
         self.plain_rounds = 0 if proposed else self.plain_rounds + 1
@@ -151,7 +154,7 @@ class Pace:
             kept, rejected = self.counts.get(kind, (0.0, 0.0))
             self.counts[kind] = (self.DECAY * kept + accepted,
                                  self.DECAY * rejected + (accepted < proposed))
-            self.propose_s = propose_s / proposed
+            self.propose_s, self.round_s = propose_s / proposed, round_s
 
     def acceptance(self, kind: int = 0) -> float:
         """The estimated chance that a proposal of this kind is accepted."""
@@ -169,13 +172,15 @@ class Pace:
             return 0
         a = min(self.acceptance(kind), 0.999)
 
-        def rate(k: int) -> float:
+        def rate(k: int, a: float = a) -> float:
             made = (1 - a ** (k + 1)) / (1 - a)
-            return made / (self.check_cost(k + 1) + self.propose_s * k)
+            return made / (self.check_cost(k + 1) + self.propose_s * k + (self.round_s if k else 0.0))
 
         most = self.k_max if available is None else min(self.k_max, available)
         best = max(range(most + 1), key=rate)
-        return min(1, most) if best == 0 and self.plain_rounds >= self.PROBE else best
+        if best == 0 and self.plain_rounds >= self.PROBE and most:
+            return 1 if max(rate(k, 0.999) for k in range(1, most + 1)) > rate(0) else 0
+        return best
 
 
 def _one_hot(token: int, size: int) -> np.ndarray:
@@ -190,6 +195,7 @@ class _DraftModel:
     def __init__(self, model: KVModel, request: Request):
         self.model, self.request = model, request
         self.seq_id = model.add_sequence()
+        self.step_s = 0.0  # seconds of the draft's latest decode step
 
     def propose(self, k: int) -> tuple[list[int], list[np.ndarray]]:
         """`k` tokens drawn from the draft, and the distribution each was drawn from."""
@@ -212,7 +218,9 @@ class _DraftModel:
         if len(tokens) > 2:
             return self.model.prefill([self.seq_id], [tokens])[0]
         for token in tokens:
+            started = time.perf_counter()
             logits = self.model.decode([self.seq_id], [token])[0]
+            self.step_s = time.perf_counter() - started
         return logits
 
     def keep(self, length: int) -> None:
@@ -268,8 +276,13 @@ def speculative_rounds(model: KVModel, request: Request, draft: Draft,
                     break
             if drafter is not None:
                 drafter.keep(len(context) + accepted)
-            pace.record(len(proposals) + 1, checked_at - proposed_at, len(proposals), accepted,
-                        proposed_at - started, kind)
+            if drafter is None:
+                pace.record(len(proposals) + 1, checked_at - proposed_at, len(proposals), accepted,
+                            proposed_at - started, kind)
+            else:  # a step per proposal and one on the model's token (catching up on the prompt, or
+                # after plain steps, is no part of a round's price)
+                pace.record(len(proposals) + 1, checked_at - proposed_at, len(proposals), accepted,
+                            drafter.step_s * len(proposals), kind, round_s=drafter.step_s)
             yield
     finally:
         if drafter is not None:
