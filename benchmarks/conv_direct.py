@@ -57,6 +57,9 @@ def main() -> None:
 
     from gimlet_tvm.relax_passes.dispatch_cpu_library import (  # pylint: disable=import-outside-toplevel
         CONV2D_FUNC, DIRECT_CONV2D_FUNC, direct_conv_block, pack_conv_weight)
+    from gimlet_tvm.runtime.extensions import load_extensions  # pylint: disable=import-outside-toplevel
+
+    load_extensions()
 
     block = args.block or direct_conv_block()
     old, new = tvm.get_global_func(CONV2D_FUNC), tvm.get_global_func(DIRECT_CONV2D_FUNC)

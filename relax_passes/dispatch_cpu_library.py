@@ -10,13 +10,13 @@ OpenBLAS-backed CPU library.
    - `R.nn.conv2d` with NCHW data, OIHW weights and NCHW output into
      `R.call_dps_packed("gimlet.cpu.conv2d_nchw", (data, weight, strides, pads, dilations,
      groups))`, for float32 and any `groups` except depthwise; with `groups` 1, where
-     `direct_conv_faster` says so and the CPU has AVX2 or AVX-512, into the direct kernel
+     `direct_conv_block_for` says so and the CPU has AVX2 or AVX-512, into the direct kernel
      `R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed, strides, pads,
      dilations))`, `packed` being the weight as `R.layout_transform` into blocks of
      output channels (`pack_conv_weight`), which FoldConstant computes at build time for a
      constant weight. The block is this CPU's vector width (`direct_conv_block`, which
      `$GIMLET_CPU_CONV_BLOCK` overrides: 8 forces the AVX2 kernel, 0 turns the direct
-     kernel off);
+     kernel off), or 8 where that makes two blocks of a 16-channel conv;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
@@ -113,15 +113,22 @@ def pack_conv_weight(weight: np.ndarray, block: int) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(blocks, block, *weight.shape[1:]).transpose(0, 2, 3, 4, 1))
 
 
-def direct_conv_faster(out_c: int, kernel: tuple[int, int], block: int) -> bool:
-    """Whether the direct kernel beats im2col + OpenBLAS on a groups-1 conv2d of that shape.
+def direct_conv_block_for(out_c: int, in_c: int, kernel: tuple[int, int], cpu_block: int) -> int:
+    """The channel block the direct kernel runs a groups-1 conv2d of that shape with, where it
+    beats im2col + OpenBLAS; 0 where it does not (or `cpu_block`, this CPU's, is 0).
 
-    benchmarks/conv_direct.py on Zen 4 (1 and 2 threads): 3x3 and 7x7 convs with at least two
-    channel blocks (ResNet-18's, resnet_cnn's from 32 channels) ran in 0.5-0.85x the time;
-    1x1 convs are plain GEMMs, where OpenBLAS's packed kernels did as well or better
-    (1.0-2.2x), and so did 16-channel convs with 16-channel blocks (one block: half-size
-    register tiles, 1.1-1.7x)."""
-    return tuple(kernel) != (1, 1) and out_c >= 2 * block
+    benchmarks/conv_direct.py on Zen 4 (AVX-512, 1 and 2 threads): convs of at least 32
+    multiply-adds per output with at least two channel blocks (ResNet-18's, resnet_cnn's but
+    its stem) ran in 0.3-0.9x the time, 16-channel ones with 8-channel blocks (two of them,
+    not one 16-channel block: 1.1-1.7x) in 0.64x. 1x1 convs are plain GEMMs, where OpenBLAS's
+    packed kernels did as well or better (0.8-2.2x), and so did the 3-channel stems (27
+    multiply-adds per output: 0.8-1.2x)."""
+    if tuple(kernel) == (1, 1) or in_c * kernel[0] * kernel[1] < 32:
+        return 0
+    for block in (cpu_block, 8):
+        if 0 < block <= cpu_block and out_c >= 2 * block:
+            return block
+    return 0
 
 
 def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list] | None:
@@ -214,7 +221,7 @@ def _static_ints(values) -> list[int] | None:
 class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     use_counts: collections.Counter = collections.Counter()
     fuse_epilogues = True
-    direct_block = 0  # output channels per block of the direct conv2d kernel; 0: not used
+    direct_block = 0  # this CPU's channel block for the direct conv2d kernel; 0: not used
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
@@ -349,10 +356,10 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             return None
         params_args = [relax.prim_value(p) for p in params]
         shape = _static_ints(weight.ty.shape)
-        if groups == 1 and shape is not None and self.direct_block:
-            out_c, _, *kernel = shape
-            if direct_conv_faster(out_c, tuple(kernel), self.direct_block):
-                block = self.direct_block
+        if groups == 1 and shape is not None:
+            out_c, in_c, *kernel = shape
+            block = direct_conv_block_for(out_c, in_c, tuple(kernel), self.direct_block)
+            if block:
                 packed = self.builder_.emit(relax.op.layout_transform(
                     weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
                 return relax.call_dps_packed(DIRECT_CONV2D_FUNC, [data, packed, *params_args], call.ty)

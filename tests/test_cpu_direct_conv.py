@@ -141,19 +141,27 @@ def test_direct_conv2d_in_a_model_against_onnxruntime(block, monkeypatch) -> Non
 
 
 @pytest.mark.parametrize(
-    "block, in_c, out_c, kernel, expected",
+    "cpu_block, in_c, out_c, kernel, block",
     [
-        ("16", 6, 35, 3, DIRECT_CONV2D_FUNC),
-        ("16", 6, 16, 3, CONV2D_FUNC),  # one 16-channel block
-        ("8", 6, 16, 3, DIRECT_CONV2D_FUNC),  # two 8-channel blocks
-        ("16", 64, 128, 1, CONV2D_FUNC),  # 1x1: a GEMM, OpenBLAS's
-        ("0", 6, 35, 3, CONV2D_FUNC),  # direct kernel turned off
+        ("16", 6, 35, 3, 16),
+        ("16", 6, 16, 3, 8),  # two 8-channel blocks rather than one 16-channel block
+        ("8", 6, 16, 3, 8),
+        ("8", 6, 8, 3, 0),  # one block
+        ("16", 3, 35, 3, 0),  # a 3-channel stem: 27 multiply-adds per output
+        ("16", 64, 128, 1, 0),  # 1x1: a GEMM, OpenBLAS's
+        ("0", 6, 35, 3, 0),  # direct kernel turned off
     ],
 )
-def test_direct_conv2d_dispatch_rule(block, in_c, out_c, kernel, expected, monkeypatch) -> None:
-    monkeypatch.setenv(DIRECT_CONV_BLOCK_ENV, block)
+def test_direct_conv2d_dispatch_rule(cpu_block, in_c, out_c, kernel, block, monkeypatch) -> None:
+    """Where the rule sends a conv to the direct kernel, and with which channel block."""
+    monkeypatch.setenv(DIRECT_CONV_BLOCK_ENV, cpu_block)
     mod = from_onnx(_conv_residual_model(in_c, out_c, kernel, 2), keep_params_in_input=False)
-    assert packed_calls(mod) == [expected]
+    assert packed_calls(mod) == [DIRECT_CONV2D_FUNC if block else CONV2D_FUNC]
+    if block:
+        packed = [b.value for b in DispatchCPULibrary()(mod)["main"].body.blocks[0].bindings
+                  if isinstance(b.value, relax.Call) and b.value.op.name == "relax.layout_transform"]
+        assert [tuple(int(d) for d in p.ty.shape) for p in packed] == [
+            (-(-out_c // block), in_c, kernel, kernel, block)]
 
 
 def test_direct_conv_block_override(monkeypatch) -> None:
