@@ -20,20 +20,22 @@ OpenBLAS-backed CPU library.
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
-   - epilogues of those matmul and conv2d calls, into the same call: an `R.add` of a tensor of
-     the output's shape (residual) or of a tensor broadcast along one axis (bias, any scalar),
-     `R.nn.relu` and `R.nn.gelu`, in any order and number, when the call's result has no other
-     use. The library applies them to each output block right after computing it.
+   - epilogues of those matmul and conv2d calls (both conv2d kernels), into the same call: an
+     `R.add` of a tensor of the output's shape (residual) or of a tensor broadcast along one
+     axis (bias, any scalar), `R.nn.relu` and `R.nn.gelu`, in any order and number, when the
+     call's result has no other use. The library applies them to each output block right
+     after computing it.
    Epilogues are not fused within `graph_fusion.graph_fusion_disabled()`.
    Only calls on the host are rewritten: tensors without a virtual device, or with one whose
    target's spec lists the CPU library.
 3. It does not handle: other dtypes or mixed-precision `out_dtype`, rank-1 matmul operands,
    transposes of other axes than the last two, other layouts, depthwise conv2d (each output
-   channel reads one input channel: that stays in TIR, where FuseOps can fuse its epilogue),
-   and operands or results whose shape is unknown; epilogue adds that broadcast the output or
-   whose vector axis is followed by symbolic axes; other activations (clip, which the ONNX
-   importer already writes as TIR, sigmoid, ...). Those ops stay as they were, and FuseOps
-   fuses the elementwise ones with each other.
+   channel reads one input channel: that stays in TIR, where FuseOps can fuse its epilogue;
+   a first library kernel, vectors of output pixels per zero-padded plane, made mobilenet_cnn
+   1.8x slower), and operands or results whose shape is unknown; epilogue adds that broadcast
+   the output or whose vector axis is followed by symbolic axes; other activations (clip,
+   which the ONNX importer already writes as TIR, sigmoid, ...). Those ops stay as they
+   were, and FuseOps fuses the elementwise ones with each other.
 
 The packed functions come from `runtime/ext/cpu_library.cc`. The pass loads that extension
 (building it on first use), so the functions exist when the module is built and run in this

@@ -1,15 +1,16 @@
 /*!
  * \file cpu_library.cc
  * \brief fp32 matmul, NCHW conv2d (both with fused elementwise epilogues) and BSNH attention on
- * OpenBLAS (scipy-openblas32), as TVM packed functions.
+ * OpenBLAS (scipy-openblas32), and a direct NCHW conv2d on blocks of output channels (AVX2 or
+ * AVX-512, chosen at run time), as TVM packed functions.
  *
  * All functions use destination-passing style: inputs first, the output tensor last.
  * Tensors must be compact row-major float32 on the CPU.
  *
  * Threading: OpenBLAS always runs single-threaded, and the work is split across TVM's own
- * thread pool here (GEMM columns or rows, batches, conv2d output rows), so library calls and
- * generated kernels share one pool and never compete for cores. Measured on 2 Zen 4 cores,
- * default build vs onnxruntime (2 threads), MLP / small ResNet / transformer layer:
+ * thread pool here (GEMM columns or rows, batches, conv2d output rows or pixels), so library
+ * calls and generated kernels share one pool and never compete for cores. Measured on 2 Zen 4
+ * cores, default build vs onnxruntime (2 threads), MLP / small ResNet / transformer layer:
  *   - OpenBLAS's own pthreads next to TVM's pool: 1.4x / 226x / 58x (the pools' spinning
  *     workers preempt each other, and changing OpenBLAS's thread count per call is slow);
  *   - OpenBLAS jobs on TVM's pool via scipy_openblas_set_threads_callback_function:
@@ -660,6 +661,14 @@ struct DirectConvWork {
 
 constexpr int64_t kBlocks = 2;  // channel blocks per register tile
 
+// An x86 instruction set a function is compiled for (whatever -march says); elsewhere nothing
+// (DirectConvBlock is 0 there: the kernels never run).
+#if defined(__x86_64__) || defined(__i386__)
+#define GIMLET_TARGET(isa) __attribute__((target(isa)))
+#else
+#define GIMLET_TARGET(isa)
+#endif
+
 /*! \brief L floats in one vector (GCC drops a vector_size that depends on a template argument,
  * so each width is spelled out). */
 template <int L>
@@ -772,16 +781,16 @@ constexpr int kPixelsAvx2 = 6, kPixelsAvx512 = 12, kPixelsAvx2Wide = 3;
 // while the threads get several units each.
 constexpr int64_t kTilesPerChunk = 8;
 
-__attribute__((target("avx2,fma"))) void DirectUnitsAvx2x8(const DirectConvWork& t, int64_t begin,
-                                                           int64_t end) {
+GIMLET_TARGET("avx2,fma")
+void DirectUnitsAvx2x8(const DirectConvWork& t, int64_t begin, int64_t end) {
   DirectUnits<8, kPixelsAvx2>(t, begin, end);
 }
-__attribute__((target("avx2,fma"))) void DirectUnitsAvx2x16(const DirectConvWork& t,
-                                                            int64_t begin, int64_t end) {
+GIMLET_TARGET("avx2,fma")
+void DirectUnitsAvx2x16(const DirectConvWork& t, int64_t begin, int64_t end) {
   DirectUnits<16, kPixelsAvx2Wide>(t, begin, end);
 }
-__attribute__((target("avx512f,avx2,fma"))) void DirectUnitsAvx512(const DirectConvWork& t,
-                                                                   int64_t begin, int64_t end) {
+GIMLET_TARGET("avx512f,avx2,fma")
+void DirectUnitsAvx512(const DirectConvWork& t, int64_t begin, int64_t end) {
   DirectUnits<16, kPixelsAvx512>(t, begin, end);
 }
 
@@ -828,20 +837,31 @@ struct PadPlanes {
   const float* x;
   float* padded;
   int64_t planes, height, width, padded_h, padded_w, top, left;
+
+  /*! \brief Plane `plane` of x into `dst` (padded_h * padded_w floats). */
+  void Copy(int64_t plane, float* dst) const {
+    std::fill(dst, dst + padded_h * padded_w, 0.0f);
+    for (int64_t i = 0; i < height; ++i) {
+      std::memcpy(dst + (top + i) * padded_w + left, x + (plane * height + i) * width,
+                  width * sizeof(float));
+    }
+  }
 };
 
 int RunPadPlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const auto& t = *static_cast<const PadPlanes*>(cdata);
   const auto [begin, end] = TaskRange(task_id, penv, t.planes);
   for (int64_t plane = begin; plane < end; ++plane) {
-    float* dst = t.padded + plane * t.padded_h * t.padded_w;
-    std::fill(dst, dst + t.padded_h * t.padded_w, 0.0f);
-    for (int64_t i = 0; i < t.height; ++i) {
-      std::memcpy(dst + (t.top + i) * t.padded_w + t.left,
-                  t.x + (plane * t.height + i) * t.width, t.width * sizeof(float));
-    }
+    t.Copy(plane, t.padded + plane * t.padded_h * t.padded_w);
   }
   return 0;
+}
+
+/*! \brief The rows (or columns) of input a conv reads, padding included: at least the data
+ * after the leading padding, and as far as the last output's last tap reaches. */
+int64_t PaddedExtent(int64_t size, int64_t pad, int64_t out, int64_t stride, int64_t kernel,
+                     int64_t dilation) {
+  return std::max(pad + size, (out - 1) * stride + (kernel - 1) * dilation + 1);
 }
 
 /*!
@@ -873,11 +893,10 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
                  p.pad_top >= 0 && p.pad_left >= 0);
   const int64_t spatial = t.out_h * t.out_w;
   if (batch == 0 || t.out_c == 0 || spatial == 0) return;
-  // The rows and columns the taps reach; bottom and right padding follow from the output.
-  const int64_t padded_h = std::max(p.pad_top + t.height,
-                                    (t.out_h - 1) * p.stride_h + (t.kernel_h - 1) * p.dilation_h + 1);
-  const int64_t padded_w = std::max(p.pad_left + t.width,
-                                    (t.out_w - 1) * p.stride_w + (t.kernel_w - 1) * p.dilation_w + 1);
+  const int64_t padded_h = PaddedExtent(t.height, p.pad_top, t.out_h, p.stride_h, t.kernel_h,
+                                        p.dilation_h);
+  const int64_t padded_w = PaddedExtent(t.width, p.pad_left, t.out_w, p.stride_w, t.kernel_w,
+                                        p.dilation_w);
   thread_local std::vector<float> padded;
   if (padded_h != t.height || padded_w != t.width) {
     padded.resize(batch * in_c * padded_h * padded_w);
