@@ -7,7 +7,9 @@ mobilenet_cnn (batch 8, 64x64).
 
 Calls alternate between the kernels (interleaved rounds), so a load change on the machine
 hits both; each row is the median and p10-p90 in ms, and new/old is the ratio of medians.
-Each shape is run with a bias + ReLU epilogue, as in the networks.
+Each shape is run with a bias + ReLU epilogue, as in the networks. Without --block, the direct
+kernel runs with the block the default build would pick (`direct_conv_block_for`, else this
+CPU's), and the last column says which kernel the default build uses for the shape.
 """
 
 from __future__ import annotations
@@ -56,17 +58,20 @@ def main() -> None:
     import tvm  # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
 
     from gimlet_tvm.relax_passes.dispatch_cpu_library import (  # pylint: disable=import-outside-toplevel
-        CONV2D_FUNC, DIRECT_CONV2D_FUNC, direct_conv_block, pack_conv_weight)
+        CONV2D_FUNC, DIRECT_CONV2D_FUNC, direct_conv_block, direct_conv_block_for, pack_conv_weight)
     from gimlet_tvm.runtime.extensions import load_extensions  # pylint: disable=import-outside-toplevel
 
     load_extensions()
 
-    block = args.block or direct_conv_block()
+    cpu_block = direct_conv_block()
     old, new = tvm.get_global_func(CONV2D_FUNC), tvm.get_global_func(DIRECT_CONV2D_FUNC)
     rng = np.random.default_rng(0)
-    print(f"threads {args.threads}, block {block}, {args.repeat} interleaved rounds; ms median (p10-p90)")
-    print(f"| shape | old ms | new ms | new/old |\n|---|---|---|---|")
+    print(f"threads {args.threads}, this CPU's block {cpu_block}, {args.repeat} interleaved rounds; "
+          "ms median (p10-p90)")
+    print("| shape | block | old ms | new ms | new/old | default build |\n|---|---|---|---|---|---|")
     for name, batch, in_c, size, out_c, kernel, stride in SHAPES:
+        chosen = direct_conv_block_for(out_c, in_c, (kernel, kernel), cpu_block)
+        block = args.block or chosen or cpu_block
         pad = kernel // 2
         out_size = (size + 2 * pad - kernel) // stride + 1
         x = tvm.runtime.tensor(rng.standard_normal((batch, in_c, size, size), dtype=np.float32))
@@ -91,7 +96,8 @@ def main() -> None:
         cells = [f"{np.median(t):.3f} ({np.percentile(t, 10):.3f}-{np.percentile(t, 90):.3f})"
                  for t in times.values()]
         ratio = np.median(times["new"]) / np.median(times["old"])
-        print(f"| {name} | {cells[0]} | {cells[1]} | {ratio:.2f} |", flush=True)
+        used = f"direct, block {chosen}" if chosen else "im2col"
+        print(f"| {name} | {block} | {cells[0]} | {cells[1]} | {ratio:.2f} | {used} |", flush=True)
 
 
 if __name__ == "__main__":
