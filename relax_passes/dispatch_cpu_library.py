@@ -9,24 +9,33 @@ OpenBLAS-backed CPU library.
      operands of rank >= 2 with any (also symbolic) batch axes that broadcast;
    - `R.nn.conv2d` with NCHW data, OIHW weights and NCHW output into
      `R.call_dps_packed("gimlet.cpu.conv2d_nchw", (data, weight, strides, pads, dilations,
-     groups))`, for float32 and any `groups` except depthwise;
+     groups))`, for float32 and any `groups` except depthwise; with `groups` 1, where
+     `direct_conv_block_for` says so and the CPU has AVX2 or AVX-512, into the direct kernel
+     `R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed, strides, pads,
+     dilations))`, `packed` being the weight as `R.layout_transform` into blocks of
+     output channels (`pack_conv_weight`), which FoldConstant computes at build time for a
+     constant weight. The block is this CPU's vector width (`direct_conv_block`, which
+     `$GIMLET_CPU_CONV_BLOCK` overrides: 8 forces the AVX2 kernel, 0 turns the direct
+     kernel off), or 8 where that makes two blocks of a 16-channel conv;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
-   - epilogues of those matmul and conv2d calls, into the same call: an `R.add` of a tensor of
-     the output's shape (residual) or of a tensor broadcast along one axis (bias, any scalar),
-     `R.nn.relu` and `R.nn.gelu`, in any order and number, when the call's result has no other
-     use. The library applies them to each output block right after computing it.
+   - epilogues of those matmul and conv2d calls (both conv2d kernels), into the same call: an
+     `R.add` of a tensor of the output's shape (residual) or of a tensor broadcast along one
+     axis (bias, any scalar), `R.nn.relu` and `R.nn.gelu`, in any order and number, when the
+     call's result has no other use. The library applies them to each output block right
+     after computing it.
    Epilogues are not fused within `graph_fusion.graph_fusion_disabled()`.
    Only calls on the host are rewritten: tensors without a virtual device, or with one whose
    target's spec lists the CPU library.
 3. It does not handle: other dtypes or mixed-precision `out_dtype`, rank-1 matmul operands,
    transposes of other axes than the last two, other layouts, depthwise conv2d (each output
-   channel reads one input channel: that stays in TIR, where FuseOps can fuse its epilogue),
-   and operands or results whose shape is unknown; epilogue adds that broadcast the output or
-   whose vector axis is followed by symbolic axes; other activations (clip, which the ONNX
-   importer already writes as TIR, sigmoid, ...). Those ops stay as they were, and FuseOps
-   fuses the elementwise ones with each other.
+   channel reads one input channel: that stays in TIR, where FuseOps can fuse its epilogue;
+   a first library kernel, vectors of output pixels per zero-padded plane, made mobilenet_cnn
+   1.8x slower), and operands or results whose shape is unknown; epilogue adds that broadcast
+   the output or whose vector axis is followed by symbolic axes; other activations (clip,
+   which the ONNX importer already writes as TIR, sigmoid, ...). Those ops stay as they
+   were, and FuseOps fuses the elementwise ones with each other.
 
 The packed functions come from `runtime/ext/cpu_library.cc`. The pass loads that extension
 (building it on first use), so the functions exist when the module is built and run in this
@@ -38,11 +47,14 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 
+import numpy as np
 import tvm
 from tvm import IRModule, relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..errors import CompileError
 from ..runtime.extensions import load_extensions
 from ..targets import spec_for
 from ..targets.libraries import CPU_LIBRARY
@@ -50,6 +62,8 @@ from .graph_fusion import graph_fusion_enabled
 
 MATMUL_FUNC = f"{CPU_LIBRARY.name}.matmul"
 CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw"
+DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct"
+DIRECT_CONV_BLOCK_ENV = "GIMLET_CPU_CONV_BLOCK"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
@@ -67,6 +81,7 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
         load_extensions()
         rewriter = _LibraryCallRewriter(mod)
         rewriter.fuse_epilogues = graph_fusion_enabled()
+        rewriter.direct_block = direct_conv_block()
         for g_var, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 rewriter.use_counts = _use_counts(func)
@@ -74,6 +89,48 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
                 # Transposes and calls folded into calls are now unused.
                 rewriter.builder_.update_func(g_var, relax.analysis.remove_all_unused(func))
         return rewriter.builder_.get()
+
+
+def direct_conv_block() -> int:
+    """Output channels per block of the direct conv2d kernel on this CPU: 16 with AVX-512, 8
+    with AVX2 and FMA, 0 without (no direct kernel); `$GIMLET_CPU_CONV_BLOCK` (8, 16 or 0)
+    overrides it, e.g. to run the AVX2 kernel on an AVX-512 machine."""
+    override = os.environ.get(DIRECT_CONV_BLOCK_ENV, "").strip()
+    if override:
+        if override not in ("0", "8", "16"):
+            raise CompileError(f"${DIRECT_CONV_BLOCK_ENV} must be 0, 8 or 16, not {override!r}")
+        return int(override)
+    load_extensions()
+    return int(tvm.get_global_func(f"{CPU_LIBRARY.name}.conv2d_direct_block")())
+
+
+def pack_conv_weight(weight: np.ndarray, block: int) -> np.ndarray:
+    """An OIHW weight in the direct kernel's layout [ceil(O / block), I, H, W, block]: output
+    channel o at [o // block, ..., o % block], zero past O (what the pass's layout_transform
+    computes)."""
+    out_c = weight.shape[0]
+    blocks = -(-out_c // block)
+    padded = np.zeros((blocks * block, *weight.shape[1:]), weight.dtype)
+    padded[:out_c] = weight
+    return np.ascontiguousarray(padded.reshape(blocks, block, *weight.shape[1:]).transpose(0, 2, 3, 4, 1))
+
+
+def direct_conv_block_for(out_c: int, in_c: int, kernel: tuple[int, int], cpu_block: int) -> int:
+    """The channel block the direct kernel runs a groups-1 conv2d of that shape with, where it
+    beats im2col + OpenBLAS; 0 where it does not (or `cpu_block`, this CPU's, is 0).
+
+    benchmarks/conv_direct.py on Zen 4 (AVX-512, 1 and 2 threads): convs of at least 32
+    multiply-adds per output with at least two channel blocks (ResNet-18's, resnet_cnn's but
+    its stem) ran in 0.3-0.9x the time, 16-channel ones with 8-channel blocks (two of them,
+    not one 16-channel block: 1.1-1.7x) in 0.64x. 1x1 convs are plain GEMMs, where OpenBLAS's
+    packed kernels did as well or better (0.8-2.2x), and so did the 3-channel stems (27
+    multiply-adds per output: 0.8-1.2x)."""
+    if tuple(kernel) == (1, 1) or in_c * kernel[0] * kernel[1] < 32:
+        return 0
+    for block in (cpu_block, 8):
+        if 0 < block <= cpu_block and out_c >= 2 * block:
+            return block
+    return 0
 
 
 def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list] | None:
@@ -166,6 +223,7 @@ def _static_ints(values) -> list[int] | None:
 class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     use_counts: collections.Counter = collections.Counter()
     fuse_epilogues = True
+    direct_block = 0  # this CPU's channel block for the direct conv2d kernel; 0: not used
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
@@ -195,7 +253,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if not (
             isinstance(bound, relax.Call)
             and bound.op == tvm.ir.Op.get("relax.call_dps_packed")
-            and bound.args[0].global_symbol in (MATMUL_FUNC, CONV2D_FUNC)
+            and bound.args[0].global_symbol in (MATMUL_FUNC, CONV2D_FUNC, DIRECT_CONV2D_FUNC)
         ):
             return None
         func = bound.args[0].global_symbol
@@ -298,5 +356,14 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         params = _static_ints([*attrs.strides, *attrs.padding[:2], *attrs.dilation])
         if params is None:
             return None
-        args = [data, weight, *(relax.prim_value(p) for p in params), relax.prim_value(groups)]
+        params_args = [relax.prim_value(p) for p in params]
+        shape = _static_ints(weight.ty.shape)
+        if groups == 1 and shape is not None:
+            out_c, in_c, *kernel = shape
+            block = direct_conv_block_for(out_c, in_c, tuple(kernel), self.direct_block)
+            if block:
+                packed = self.builder_.emit(relax.op.layout_transform(
+                    weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
+                return relax.call_dps_packed(DIRECT_CONV2D_FUNC, [data, packed, *params_args], call.ty)
+        args = [data, weight, *params_args, relax.prim_value(groups)]
         return relax.call_dps_packed(CONV2D_FUNC, args, call.ty)

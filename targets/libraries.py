@@ -35,7 +35,8 @@ class KernelLibrary:
 
 
 # gimlet's CPU runtime extension (runtime/ext/cpu_library.cc): matmul and conv2d through
-# OpenBLAS, its own blocked attention; compiled on the machine that runs the model.
+# OpenBLAS, its own direct conv2d and blocked attention; compiled on the machine that runs the
+# model.
 CPU_LIBRARY = KernelLibrary(
     "gimlet.cpu",
     {"matmul": ("float32",), "conv2d": ("float32",), "attention": ("float32",)},

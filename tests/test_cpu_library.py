@@ -16,7 +16,8 @@ from tvm import relax
 from tvm.relax.frontend.onnx import from_onnx
 
 from gimlet_tvm.compiler import relax_pipeline
-from gimlet_tvm.relax_passes.dispatch_cpu_library import CONV2D_FUNC, MATMUL_FUNC, DispatchCPULibrary
+from gimlet_tvm.relax_passes.dispatch_cpu_library import (
+    CONV2D_FUNC, DIRECT_CONV2D_FUNC, DIRECT_CONV_BLOCK_ENV, MATMUL_FUNC, DispatchCPULibrary)
 from gimlet_tvm.runtime.extensions import load_extensions
 from gimlet_tvm.targets.llvm import LLVM_CPU
 
@@ -33,7 +34,8 @@ def build(mod: tvm.IRModule) -> relax.VirtualMachine:
 def packed_calls(mod: tvm.IRModule) -> list[str]:
     """Names of the packed functions `call_dps_packed` calls in `main` after dispatch."""
     script = DispatchCPULibrary()(mod).script()
-    return [name for name in (MATMUL_FUNC, CONV2D_FUNC) for _ in range(script.count(name))]
+    return [name for name in (MATMUL_FUNC, CONV2D_FUNC, DIRECT_CONV2D_FUNC)
+            for _ in range(script.count(f'"{name}"'))]
 
 
 def onnx_model(
@@ -199,8 +201,10 @@ def test_attention_batched_matmuls_against_onnxruntime() -> None:
 )
 def test_conv2d_against_onnxruntime(
     in_channels: int, out_channels: int, kernel: int, strides: list, pads: list,
-    dilations: list, group: int, size: int,
+    dilations: list, group: int, size: int, monkeypatch,
 ) -> None:
+    """im2col + OpenBLAS (the direct kernel is turned off: tests/test_cpu_direct_conv.py)."""
+    monkeypatch.setenv(DIRECT_CONV_BLOCK_ENV, "0")
     nodes = [
         helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=strides, pads=pads,
                          dilations=dilations, group=group, kernel_shape=[kernel, kernel]),

@@ -1,15 +1,16 @@
 /*!
  * \file cpu_library.cc
  * \brief fp32 matmul, NCHW conv2d (both with fused elementwise epilogues) and BSNH attention on
- * OpenBLAS (scipy-openblas32), as TVM packed functions.
+ * OpenBLAS (scipy-openblas32), and a direct NCHW conv2d on blocks of output channels (AVX2 or
+ * AVX-512, chosen at run time), as TVM packed functions.
  *
  * All functions use destination-passing style: inputs first, the output tensor last.
  * Tensors must be compact row-major float32 on the CPU.
  *
  * Threading: OpenBLAS always runs single-threaded, and the work is split across TVM's own
- * thread pool here (GEMM columns or rows, batches, conv2d output rows), so library calls and
- * generated kernels share one pool and never compete for cores. Measured on 2 Zen 4 cores,
- * default build vs onnxruntime (2 threads), MLP / small ResNet / transformer layer:
+ * thread pool here (GEMM columns or rows, batches, conv2d output rows or pixels), so library
+ * calls and generated kernels share one pool and never compete for cores. Measured on 2 Zen 4
+ * cores, default build vs onnxruntime (2 threads), MLP / small ResNet / transformer layer:
  *   - OpenBLAS's own pthreads next to TVM's pool: 1.4x / 226x / 58x (the pools' spinning
  *     workers preempt each other, and changing OpenBLAS's thread count per call is slow);
  *   - OpenBLAS jobs on TVM's pool via scipy_openblas_set_threads_callback_function:
@@ -631,6 +632,292 @@ void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t gro
 }
 
 // ---------------------------------------------------------------------------------------------
+// conv2d, direct: output channels in blocks of one vector's lanes (onnxruntime's MLAS NCHWc
+// convolutions work the same way). Data and output stay NCHW; the weights come packed once, at
+// build time, as [ceil(O / B), C, KH, KW, B] (B output channels per block, zero past O). A
+// register tile is P output pixels x NB channel blocks: each weight vector is loaded once per
+// tap and multiplied with P broadcast input values, so no column matrix is written or read.
+// The pixels of a tile are consecutive in the output plane (across rows, so small deep-layer
+// planes fill whole tiles), which needs every tap inside the input: a padding conv reads a
+// zero-padded copy of the data.
+
+/*! \brief One direct conv2d call (groups 1), cut into units of `chunk` output pixels of one
+ * image and kBlocks channel blocks. */
+struct DirectConvWork {
+  const float* x;  // [N, C, H, W]: the data, zero-padded when the conv pads
+  const float* w;  // [ceil(O / B), C, KH, KW, B]
+  float* y;        // [N, O, OH, OW]
+  const Epilogue* epilogue;
+  int64_t in_c, height, width;  // of x
+  int64_t out_c, kernel_h, kernel_w, out_h, out_w;
+  Conv2DParams p;        // its padding is in x already
+  int64_t block;         // B, the weights' last extent
+  int64_t blocks;        // ceil(out_c / B)
+  int64_t block_pairs;   // ceil(blocks / kBlocks)
+  int64_t chunk;         // output pixels per unit
+  int64_t chunks;        // ceil(out_h * out_w / chunk)
+  int64_t num_units;     // images * block_pairs * chunks
+};
+
+constexpr int64_t kBlocks = 2;  // channel blocks per register tile
+
+// An x86 instruction set a function is compiled for (whatever -march says); elsewhere nothing
+// (DirectConvBlock is 0 there: the kernels never run).
+#if defined(__x86_64__) || defined(__i386__)
+#define GIMLET_TARGET(isa) __attribute__((target(isa)))
+#else
+#define GIMLET_TARGET(isa)
+#endif
+
+/*! \brief L floats in one vector (GCC drops a vector_size that depends on a template argument,
+ * so each width is spelled out). */
+template <int L>
+struct VectorOf;
+template <>
+struct VectorOf<8> {
+  using Type = float __attribute__((vector_size(32)));
+};
+template <>
+struct VectorOf<16> {
+  using Type = float __attribute__((vector_size(64)));
+};
+
+/*!
+ * \brief n <= P output pixels from flat index `pixel0` for NB channel blocks starting at `w`
+ * (the blocks' weights `w_stride` floats apart) of the image `x`, into `tile` as [NB][P][L].
+ * Pixels past n repeat the last one (computed, not stored).
+ */
+template <int L, int P, int NB>
+__attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, const float* x,
+                                                      const float* w, int64_t w_stride,
+                                                      int64_t pixel0, int64_t n, float* tile) {
+  using V = typename VectorOf<L>::Type;
+  static_assert(sizeof(V) == L * sizeof(float));
+  const Conv2DParams& p = t.p;
+  int64_t offset[P];
+  int64_t oy = pixel0 / t.out_w, ox = pixel0 % t.out_w;
+  for (int q = 0; q < P; ++q) {
+    offset[q] = oy * p.stride_h * t.width + ox * p.stride_w;
+    if (q + 1 < n && ++ox == t.out_w) {
+      ox = 0;
+      ++oy;
+    }
+  }
+  V acc[NB][P];
+  for (int j = 0; j < NB; ++j)
+    for (int q = 0; q < P; ++q) acc[j][q] = V{};
+  for (int64_t c = 0; c < t.in_c; ++c) {
+    for (int64_t kh = 0; kh < t.kernel_h; ++kh) {
+      const float* row = x + (c * t.height + kh * p.dilation_h) * t.width;
+      const float* wk = w + (c * t.kernel_h + kh) * t.kernel_w * L;
+      for (int64_t kw = 0; kw < t.kernel_w; ++kw) {
+        V wv[NB];
+        for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], wk + kw * L + j * w_stride, sizeof(V));
+        const float* tap = row + kw * p.dilation_w;
+        for (int q = 0; q < P; ++q) {
+          const float v = tap[offset[q]];
+          for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int q = 0; q < P; ++q) std::memcpy(tile + (j * P + q) * L, &acc[j][q], sizeof(V));
+}
+
+/*! \brief Output pixels [pixel0, pixel1) of channel blocks [b0, b0 + NB) of one image, P at a
+ * time, then the epilogue on them. */
+template <int L, int P, int NB>
+__attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, const float* x,
+                                                       int64_t b0, int64_t pixel0, int64_t pixel1,
+                                                       float* y_img) {
+  alignas(64) float tile[NB * P * L];
+  const int64_t w_stride = t.in_c * t.kernel_h * t.kernel_w * L;
+  const float* w = t.w + b0 * w_stride;
+  const int64_t spatial = t.out_h * t.out_w;
+  const int64_t ch0 = b0 * L, channels = std::min<int64_t>(t.out_c - ch0, NB * L);
+  float* y = y_img + ch0 * spatial;
+  for (int64_t pixel = pixel0; pixel < pixel1; pixel += P) {
+    const int64_t n = std::min<int64_t>(P, pixel1 - pixel);
+    DirectTile<L, P, NB>(t, x, w, w_stride, pixel, n, tile);
+    for (int64_t ch = 0; ch < channels; ++ch) {
+      const float* lane = tile + ch / L * P * L + ch % L;
+      float* out = y + ch * spatial + pixel;
+      for (int64_t q = 0; q < n; ++q) out[q] = lane[q * L];
+    }
+  }
+  if (!t.epilogue->empty()) {
+    ApplyEpilogue(*t.epilogue, y + pixel0, y + pixel0 - t.y, channels, pixel1 - pixel0, spatial);
+  }
+}
+
+/*! \brief Units [begin, end): unit = (image * block_pairs + pair) * chunks + chunk; a tile is
+ * kPixels pixels of two blocks, or twice as many pixels of a last odd block. */
+template <int L, int kPixels>
+__attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, int64_t begin,
+                                                       int64_t end) {
+  const int64_t spatial = t.out_h * t.out_w;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t chunk = unit % t.chunks, pair = unit / t.chunks % t.block_pairs;
+    const int64_t img = unit / t.chunks / t.block_pairs;
+    const float* x = t.x + img * t.in_c * t.height * t.width;
+    float* y_img = t.y + img * t.out_c * spatial;
+    const int64_t b0 = pair * kBlocks;
+    const int64_t pixel0 = chunk * t.chunk, pixel1 = std::min(spatial, pixel0 + t.chunk);
+    if (b0 + kBlocks <= t.blocks) {
+      DirectChunk<L, kPixels, kBlocks>(t, x, b0, pixel0, pixel1, y_img);
+    } else {
+      DirectChunk<L, kPixels * kBlocks, 1>(t, x, b0, pixel0, pixel1, y_img);
+    }
+  }
+}
+
+// Output pixels per tile of each instruction set's instance: 8-lane blocks with AVX2 (16
+// vector registers: 6 pixels x 2 blocks is 12 accumulators), 16-lane blocks with AVX-512 (32
+// registers: 12 x 2 = 24) and, for 16-lane weights on a CPU without AVX-512, with AVX2 (each
+// vector two halves).
+constexpr int kPixelsAvx2 = 6, kPixelsAvx512 = 12, kPixelsAvx2Wide = 3;
+// Each chunk is this many tiles (at most), so a thread's tiles reuse the blocks' weights
+// while the threads get several units each.
+constexpr int64_t kTilesPerChunk = 8;
+
+GIMLET_TARGET("avx2,fma")
+void DirectUnitsAvx2x8(const DirectConvWork& t, int64_t begin, int64_t end) {
+  DirectUnits<8, kPixelsAvx2>(t, begin, end);
+}
+GIMLET_TARGET("avx2,fma")
+void DirectUnitsAvx2x16(const DirectConvWork& t, int64_t begin, int64_t end) {
+  DirectUnits<16, kPixelsAvx2Wide>(t, begin, end);
+}
+GIMLET_TARGET("avx512f,avx2,fma")
+void DirectUnitsAvx512(const DirectConvWork& t, int64_t begin, int64_t end) {
+  DirectUnits<16, kPixelsAvx512>(t, begin, end);
+}
+
+bool CpuHasAvx512() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+bool CpuHasAvx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+/*! \brief The widest channel block the direct conv2d runs with vector instructions on this
+ * CPU: 16 with AVX-512, 8 with AVX2 and FMA, else 0 (no direct kernel). */
+int64_t DirectConvBlock() {
+  static const int64_t block = CpuHasAvx512() ? 16 : CpuHasAvx2() ? 8 : 0;
+  return block;
+}
+
+int RunDirectConvUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const DirectConvWork*>(cdata);
+  const auto [begin, end] = TaskRange(task_id, penv, t.num_units);
+  if (t.block == 8) {
+    DirectUnitsAvx2x8(t, begin, end);
+  } else if (DirectConvBlock() == 16) {
+    DirectUnitsAvx512(t, begin, end);
+  } else {
+    DirectUnitsAvx2x16(t, begin, end);
+  }
+  return 0;
+}
+
+/*! \brief Planes [C, H, W] copied into the middle of zeroed [C, HP, WP] planes. */
+struct PadPlanes {
+  const float* x;
+  float* padded;
+  int64_t planes, height, width, padded_h, padded_w, top, left;
+
+  /*! \brief Plane `plane` of x into `dst` (padded_h * padded_w floats). */
+  void Copy(int64_t plane, float* dst) const {
+    std::fill(dst, dst + padded_h * padded_w, 0.0f);
+    for (int64_t i = 0; i < height; ++i) {
+      std::memcpy(dst + (top + i) * padded_w + left, x + (plane * height + i) * width,
+                  width * sizeof(float));
+    }
+  }
+};
+
+int RunPadPlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const PadPlanes*>(cdata);
+  const auto [begin, end] = TaskRange(task_id, penv, t.planes);
+  for (int64_t plane = begin; plane < end; ++plane) {
+    t.Copy(plane, t.padded + plane * t.padded_h * t.padded_w);
+  }
+  return 0;
+}
+
+/*! \brief The rows (or columns) of input a conv reads, padding included: at least the data
+ * after the leading padding, and as far as the last output's last tap reaches. */
+int64_t PaddedExtent(int64_t size, int64_t pad, int64_t out, int64_t stride, int64_t kernel,
+                     int64_t dilation) {
+  return std::max(pad + size, (out - 1) * stride + (kernel - 1) * dilation + 1);
+}
+
+/*!
+ * \brief NCHW conv2d (groups 1) with weights packed as [ceil(O / B), C, KH, KW, B], B 8 or 16
+ * (see DirectConvBlock); data: [N, C, H, W], out: [N, O, OH, OW]. Units of a chunk of output
+ * pixels of two channel blocks run on TVM's pool, consecutive chunks of the same blocks on one
+ * thread (their weights stay in cache).
+ */
+void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
+                  const Epilogue& epilogue, DLTensor* out) {
+  CheckCompactFloat32(data, "data");
+  CheckCompactFloat32(weight, "weight");
+  CheckCompactFloat32(out, "out");
+  TVM_FFI_ICHECK(data->ndim == 4 && weight->ndim == 5 && out->ndim == 4)
+      << "gimlet.cpu.conv2d_nchw_direct: data and out must be 4-D, the packed weight 5-D";
+  const int64_t batch = data->shape[0], in_c = data->shape[1];
+  DirectConvWork t{Data(data), Data(weight), Data(out), &epilogue, in_c, data->shape[2],
+                   data->shape[3], out->shape[1], weight->shape[2], weight->shape[3],
+                   out->shape[2], out->shape[3], p, weight->shape[4]};
+  TVM_FFI_ICHECK(t.block == 8 || t.block == 16)
+      << "gimlet.cpu.conv2d_nchw_direct: channel block " << t.block << " is neither 8 nor 16";
+  TVM_FFI_ICHECK(DirectConvBlock() != 0)
+      << "gimlet.cpu.conv2d_nchw_direct needs a CPU with AVX2 and FMA";
+  t.blocks = (t.out_c + t.block - 1) / t.block;
+  TVM_FFI_ICHECK(weight->shape[0] == t.blocks && weight->shape[1] == in_c &&
+                 out->shape[0] == batch)
+      << "gimlet.cpu.conv2d_nchw_direct: shapes differ";
+  TVM_FFI_ICHECK(p.stride_h > 0 && p.stride_w > 0 && p.dilation_h > 0 && p.dilation_w > 0 &&
+                 p.pad_top >= 0 && p.pad_left >= 0);
+  const int64_t spatial = t.out_h * t.out_w;
+  if (batch == 0 || t.out_c == 0 || spatial == 0) return;
+  const int64_t padded_h = PaddedExtent(t.height, p.pad_top, t.out_h, p.stride_h, t.kernel_h,
+                                        p.dilation_h);
+  const int64_t padded_w = PaddedExtent(t.width, p.pad_left, t.out_w, p.stride_w, t.kernel_w,
+                                        p.dilation_w);
+  thread_local std::vector<float> padded;
+  if (padded_h != t.height || padded_w != t.width) {
+    padded.resize(batch * in_c * padded_h * padded_w);
+    PadPlanes pad{t.x, padded.data(), batch * in_c, t.height, t.width, padded_h, padded_w,
+                  p.pad_top, p.pad_left};
+    Launch(RunPadPlanes, &pad, padded.size() >= kMinParallelGemm);
+    t.x = padded.data();
+    t.height = padded_h;
+    t.width = padded_w;
+  }
+  t.block_pairs = (t.blocks + kBlocks - 1) / kBlocks;
+  const int64_t tile = t.block == 8 ? kPixelsAvx2 : DirectConvBlock() == 16 ? kPixelsAvx512
+                                                                           : kPixelsAvx2Wide;
+  t.chunk = std::min(spatial, tile * kTilesPerChunk);
+  t.chunks = (spatial + t.chunk - 1) / t.chunk;
+  t.num_units = batch * t.block_pairs * t.chunks;
+  const int64_t work = batch * spatial * t.blocks * t.block * in_c * t.kernel_h * t.kernel_w;
+  Launch(RunDirectConvUnits, &t, work >= kMinParallelGemm);
+}
+
+// ---------------------------------------------------------------------------------------------
 // attention
 
 /*! \brief One attention call, cut into units of a few query rows of one (batch, head). */
@@ -764,6 +1051,18 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                            args[8].cast<int64_t>(), ParseEpilogue(args, 9, args.size() - 1, out),
                            out);
                   })
+      .def_packed("gimlet.cpu.conv2d_nchw_direct",
+                  [](PackedArgs args, tvm::ffi::Any*) {
+                    // (data, packed weight, stride_h, stride_w, pad_top, pad_left,
+                    //  dilation_h, dilation_w, epilogue steps..., out)
+                    Conv2DParams p{args[2].cast<int64_t>(), args[3].cast<int64_t>(),
+                                   args[4].cast<int64_t>(), args[5].cast<int64_t>(),
+                                   args[6].cast<int64_t>(), args[7].cast<int64_t>()};
+                    DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
+                    DirectConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(), p,
+                                 ParseEpilogue(args, 8, args.size() - 1, out), out);
+                  })
+      .def("gimlet.cpu.conv2d_direct_block", [] { return DirectConvBlock(); })
       .def_packed("gimlet.cpu.attention", [](PackedArgs args, tvm::ffi::Any*) {
         // (q, k, v, scale, out) or (q, k, v, bias, scale, out)
         const bool has_bias = args.size() == 6;

@@ -1,0 +1,104 @@
+"""Per-shape times of the CPU library's two fp32 conv2d kernels: im2col + OpenBLAS
+(`gimlet.cpu.conv2d_nchw`) and the direct blocked kernel (`gimlet.cpu.conv2d_nchw_direct`),
+on the conv layers of ResNet-18 (batch 1, 224x224), the suite's resnet_cnn and
+mobilenet_cnn (batch 8, 64x64).
+
+    .venv/bin/python benchmarks/conv_direct.py --threads 1 [--repeat 30] [--block 8]
+
+Calls alternate between the kernels (interleaved rounds), so a load change on the machine
+hits both; each row is the median and p10-p90 in ms, and new/old is the ratio of medians.
+Each shape is run with a bias + ReLU epilogue, as in the networks. Without --block, the direct
+kernel runs with the block the default build would pick (`direct_conv_block_for`, else this
+CPU's), and the last column says which kernel the default build uses for the shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+# (name, batch, in_c, size, out_c, kernel, stride)
+SHAPES = [
+    ("r18 stem 7x7/2", 1, 3, 224, 64, 7, 2),
+    ("r18 l1 3x3", 1, 64, 56, 64, 3, 1),
+    ("r18 l2 3x3/2", 1, 64, 56, 128, 3, 2),
+    ("r18 l2 3x3", 1, 128, 28, 128, 3, 1),
+    ("r18 l2 1x1/2", 1, 64, 56, 128, 1, 2),
+    ("r18 l3 3x3/2", 1, 128, 28, 256, 3, 2),
+    ("r18 l3 3x3", 1, 256, 14, 256, 3, 1),
+    ("r18 l3 1x1/2", 1, 128, 28, 256, 1, 2),
+    ("r18 l4 3x3/2", 1, 256, 14, 512, 3, 2),
+    ("r18 l4 3x3", 1, 512, 7, 512, 3, 1),
+    ("r18 l4 1x1/2", 1, 256, 14, 512, 1, 2),
+    ("rcnn stem 3x3", 8, 3, 64, 16, 3, 1),
+    ("rcnn 3x3 16", 8, 16, 32, 16, 3, 1),
+    ("rcnn 3x3/2 32", 8, 16, 32, 32, 3, 2),
+    ("rcnn 3x3 32", 8, 32, 16, 32, 3, 1),
+    ("rcnn 3x3/2 64", 8, 32, 16, 64, 3, 2),
+    ("rcnn 3x3 64", 8, 64, 8, 64, 3, 1),
+    ("mb stem 3x3/2", 8, 3, 64, 16, 3, 2),
+    ("mb 1x1 16-32", 8, 16, 32, 32, 1, 1),
+    ("mb 1x1 32-64", 8, 32, 16, 64, 1, 1),
+    ("mb 1x1 64-64", 8, 64, 16, 64, 1, 1),
+    ("mb 1x1 64-128", 8, 64, 8, 128, 1, 1),
+    ("mb 1x1 128-128", 8, 128, 8, 128, 1, 1),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--block", type=int, default=0, help="channel block (8 or 16; 0: this CPU's)")
+    args = parser.parse_args()
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    import tvm  # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
+
+    from gimlet_tvm.relax_passes.dispatch_cpu_library import (  # pylint: disable=import-outside-toplevel
+        CONV2D_FUNC, DIRECT_CONV2D_FUNC, direct_conv_block, direct_conv_block_for, pack_conv_weight)
+    from gimlet_tvm.runtime.extensions import load_extensions  # pylint: disable=import-outside-toplevel
+
+    load_extensions()
+
+    cpu_block = direct_conv_block()
+    old, new = tvm.get_global_func(CONV2D_FUNC), tvm.get_global_func(DIRECT_CONV2D_FUNC)
+    rng = np.random.default_rng(0)
+    print(f"threads {args.threads}, this CPU's block {cpu_block}, {args.repeat} interleaved rounds; "
+          "ms median (p10-p90)")
+    print("| shape | block | old ms | new ms | new/old | default build |\n|---|---|---|---|---|---|")
+    for name, batch, in_c, size, out_c, kernel, stride in SHAPES:
+        chosen = direct_conv_block_for(out_c, in_c, (kernel, kernel), cpu_block)
+        block = args.block or chosen or cpu_block
+        pad = kernel // 2
+        out_size = (size + 2 * pad - kernel) // stride + 1
+        x = tvm.runtime.tensor(rng.standard_normal((batch, in_c, size, size), dtype=np.float32))
+        w = rng.standard_normal((out_c, in_c, kernel, kernel), dtype=np.float32)
+        bias = tvm.runtime.tensor(rng.standard_normal(out_c, dtype=np.float32))
+        w_old, w_new = tvm.runtime.tensor(w), tvm.runtime.tensor(pack_conv_weight(w, block))
+        y = tvm.runtime.tensor(np.zeros((batch, out_c, out_size, out_size), np.float32))
+        epilogue = (0, bias, out_size * out_size, 2)
+        calls = {
+            "old": lambda: old(x, w_old, stride, stride, pad, pad, 1, 1, 1, *epilogue, y),
+            "new": lambda: new(x, w_new, stride, stride, pad, pad, 1, 1, *epilogue, y),
+        }
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        for _ in range(3):
+            for call in calls.values():
+                call()
+        for _ in range(args.repeat):
+            for key, call in calls.items():
+                start = time.perf_counter()
+                call()
+                times[key].append((time.perf_counter() - start) * 1e3)
+        cells = [f"{np.median(t):.3f} ({np.percentile(t, 10):.3f}-{np.percentile(t, 90):.3f})"
+                 for t in times.values()]
+        ratio = np.median(times["new"]) / np.median(times["old"])
+        used = f"direct, block {chosen}" if chosen else "im2col"
+        print(f"| {name} | {block} | {cells[0]} | {cells[1]} | {ratio:.2f} | {used} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
