@@ -349,6 +349,15 @@ def measure(engines: Engines, problem: Problem, names: list[str], budget: float,
     return row
 
 
+def numpy_blas_controller() -> ThreadpoolController:
+    """threadpoolctl's handle on numpy's own OpenBLAS (the one in numpy.libs), to limit its
+    threads at run time; other BLAS libraries in the process (TVM's, torch's) are left alone."""
+    controller = ThreadpoolController()
+    bundled = os.path.dirname(np.__file__) + ".libs"
+    return controller.select(filepath=[lib.filepath for lib in controller.lib_controllers
+                                       if lib.filepath and lib.filepath.startswith(bundled)])
+
+
 def fma_peak(threads: int, seconds: float = 1.0, runs: int = 3) -> tuple[str, float]:
     """(ISA, GFLOP/s) of `fma_peak.c`, compiled into a scratch folder: the best of `runs`
     runs of `seconds` each."""
@@ -389,7 +398,7 @@ def report(rows: list[Row], names: list[str], threads: int, peak: tuple[str, flo
         f"run, {during} on average during it.",
         "Versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in pkgs.items())
         + "; numpy's BLAS: " + (", ".join(f"{i['internal_api']} {i['version']} "
-                                           f"({i['architecture']} kernels)" for i in blas) or "unknown") + ".",
+                                           f"({i.get('architecture')} kernels)" for i in blas) or "unknown") + ".",
         f"Measured FMA peak ({isa}, {threads} thread{'s' if threads > 1 else ''}): "
         f"{gflops:.1f} GFLOP/s.",
         "Cells: GFLOP/s at the median time (at p90 – p10 time), batch 1, fp32.",
@@ -408,13 +417,13 @@ def report(rows: list[Row], names: list[str], threads: int, peak: tuple[str, flo
         for engine, cell in row.cells.items():
             if cell.error:
                 notes.append(f"- {row.problem.name}, {LABEL[engine]}: {cell.error}")
-            elif engine == "selected" and cell.note:
-                notes.append(f"- {row.problem.name}: {cell.note}")
+            elif engine in ("selected", "tuned") and cell.note:
+                notes.append(f"- {row.problem.name}, {LABEL[engine]}: {cell.note}")
     skipped = sorted({c.skipped for r in rows for c in r.cells.values() if c.skipped})
     notes += [f"- empty cells: {reason}" for reason in skipped]
     kinds = sorted({c.note for r in rows for e, c in r.cells.items() if e == "onednn" and c.note})
-    notes.append("- oneDNN implementations seen in its verbose log: " + ", ".join(kinds) if kinds else
-                 "- oneDNN: no shape ran")
+    if kinds:
+        notes.append("- oneDNN implementations seen in its verbose log: " + ", ".join(kinds))
     return "\n".join([*lines, "", *notes]) + "\n"
 
 
@@ -442,8 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     # Thread pools read these when they start, so set them before any engine is imported.
     for var in ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(args.threads)
-    # Only numpy's BLAS is loaded yet (torch and TVM come later): limit it alone at run time.
-    numpy_blas = ThreadpoolController()
+    numpy_blas = numpy_blas_controller()
     chosen = problems()
     if args.quick:
         chosen = [p for p in chosen if p.name in QUICK]
