@@ -14,43 +14,19 @@ by round, and the medians are printed as a Markdown table.
 from __future__ import annotations
 
 import argparse
-import io
 import os
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
-import torch
-import transformers
 from onnx import TensorProto, helper
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torch_models import gpt2_onnx  # noqa: E402  (benchmarks/ is not a package)
+
 # gimlet_tvm (and so TVM) is imported only after main() has pinned the thread count.
-
-
-def gpt2_onnx(n_embd: int = 48, n_layer: int = 2, n_head: int = 4, vocab_size: int = 211,
-              tokens: int = 8) -> onnx.ModelProto:
-    """A GPT-2 of transformers (random weights) exported by torch: `input_ids` [1, tokens] in,
-    `logits` out (the mask and positions are given, as the exporter cannot trace the ones
-    transformers builds)."""
-    config = transformers.GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-                                     n_positions=max(64, tokens), vocab_size=vocab_size)
-    torch.manual_seed(0)
-    lm = transformers.GPT2LMHeadModel(config).eval()
-
-    class Logits(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, ids):
-            positions = torch.arange(ids.shape[1]).unsqueeze(0)
-            return self.lm(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions,
-                           use_cache=False).logits
-
-    buffer = io.BytesIO()
-    torch.onnx.export(Logits(), (torch.zeros(1, tokens, dtype=torch.long),), buffer,
-                      input_names=["input_ids"], output_names=["logits"], dynamo=False, opset_version=17)
-    return onnx.load_from_string(buffer.getvalue())
 
 
 def embedding_onnx(vocab: int = 50257, width: int = 768, tokens: int = 128) -> onnx.ModelProto:

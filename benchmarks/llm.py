@@ -37,7 +37,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import llm_models  # noqa: E402  (benchmarks/ is not a package)
-from machine_info import cpu_name, versions  # noqa: E402
+from machine_info import cpu_name, cpu_seconds, other_load, versions, wait_idle  # noqa: E402
 
 ENGINES = ("transformers", "ort-genai-fp32", "ort-genai-int4", "llamacpp",
            "ours", "ours-q4", "ours-q8")
@@ -328,12 +328,12 @@ def measure(name: str, spec: dict) -> dict:
 
     # Cores other processes kept busy during each timed phase: a check on a shared machine.
     out["other_cpu_load"] = contention = {}
-    mark = _cpu_seconds()
+    mark = cpu_seconds()
     out["prefill"] = {}
     for length, ids in prompts["prefill"].items():
         rates = [len(ids) / engine.prefill(ids) for _ in range(repeat)]
         out["prefill"][length] = _percentiles(rates)
-    contention["prefill"], mark = _other_load(mark, _cpu_seconds()), _cpu_seconds()
+    contention["prefill"], mark = other_load(mark, cpu_seconds()), cpu_seconds()
 
     rates, first = [], None
     for _ in range(repeat):
@@ -346,7 +346,7 @@ def measure(name: str, spec: dict) -> dict:
         first = first or tokens
     out["decode_b1"] = _percentiles(rates)
     out["greedy_ids"] = first
-    contention["decode_b1"] = _other_load(mark, _cpu_seconds())
+    contention["decode_b1"] = other_load(mark, cpu_seconds())
 
     out["batch"] = len(batch_ids)
     try:
@@ -358,7 +358,7 @@ def measure(name: str, spec: dict) -> dict:
         out["decode_batch"] = None
         out["batch_note"] = str(exc) or engine.batch_note or "not supported"
     else:
-        rates, walls, mark = [], [], _cpu_seconds()
+        rates, walls, mark = [], [], cpu_seconds()
         for _ in range(repeat):
             if ours:
                 tokens, rate, wall = engine.generate_batch_result(batch_ids, n)
@@ -368,7 +368,7 @@ def measure(name: str, spec: dict) -> dict:
                 rate = _decode_rate(len(batch_ids), times)
             rates.append(rate)
         out["decode_batch"] = _percentiles(rates)
-        contention["decode_batch"] = _other_load(mark, _cpu_seconds())
+        contention["decode_batch"] = other_load(mark, cpu_seconds())
         if walls:
             out["batch_wall_tokens_per_s"] = _percentiles(walls)
             out["batch_note"] = ("sum of the results' decode_tokens_per_s; wall-clock tokens/s "
@@ -504,40 +504,6 @@ def run_worker(engine: str, spec: dict, timeout: float) -> dict:
         tail = " ".join(proc.stderr.strip().splitlines()[-3:])[:300]
         return {"engine": engine, "status": "failed",
                 "reason": f"worker exited with {proc.returncode}: {tail}"}
-
-
-def _cpu_seconds() -> tuple[float, float, float]:
-    """(wall clock, busy CPU seconds of the whole machine, CPU seconds of this process and its
-    waited-for children, i.e. the workers)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    ours = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        usage = resource.getrusage(who)
-        ours += usage.ru_utime + usage.ru_stime
-    return time.perf_counter(), busy, ours
-
-
-def _other_load(before: tuple, after: tuple) -> float | None:
-    """Cores kept busy by other processes than this one and its workers, on average between
-    ``before`` and ``after`` (from `_cpu_seconds`)."""
-    wall = after[0] - before[0]
-    if wall <= 0:
-        return None
-    return max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / wall)
-
-
-def wait_idle(limit_s: float, window_s: float = 5.0, threshold: float = 0.25) -> float | None:
-    """Wait until other processes keep under ``threshold`` cores busy for two windows in a
-    row, at most ``limit_s`` seconds; returns the load of the last window."""
-    deadline, quiet, load = time.monotonic() + limit_s, 0, None
-    while time.monotonic() < deadline and quiet < 2:
-        before = _cpu_seconds()
-        time.sleep(window_s)
-        load = _other_load(before, _cpu_seconds())
-        quiet = quiet + 1 if load is not None and load < threshold else 0
-    return load
 
 
 def _log(msg: str) -> None:
@@ -754,9 +720,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.wait_idle:
             wait_idle(args.wait_idle)
         _log("measuring read bandwidth")
-        before = _cpu_seconds()
+        before = cpu_seconds()
         bandwidth = measure_bandwidth(args.threads)
-        bandwidth["other_cpu_load"] = _other_load(before, _cpu_seconds())
+        bandwidth["other_cpu_load"] = other_load(before, cpu_seconds())
     _log(f"read bandwidth {bandwidth['median']:.1f} GB/s")
 
     results = {}
@@ -775,10 +741,10 @@ def main(argv: list[str] | None = None) -> int:
                 load = wait_idle(args.wait_idle)
                 _log(f"waited {time.monotonic() - waited:.0f} s for idle cores (other load "
                      f"{_fmt(load, 2)})")
-            before = _cpu_seconds()
+            before = cpu_seconds()
             results[engine] = run_worker(engine, spec, args.timeout)
             r = results[engine]
-            r["other_cpu_load_run"] = _other_load(before, _cpu_seconds())
+            r["other_cpu_load_run"] = other_load(before, cpu_seconds())
             _log(f"{engine}: {r.get('status')}" + (
                 f", decode b1 {r['decode_b1']['median']:.1f} tok/s" if r.get("status") == "ok"
                 else f" ({r.get('reason')})"))

@@ -3,6 +3,10 @@
     .venv/bin/python benchmarks/run.py [--models mlp ...] [--repeat N] [--threads 2]
                                        [--out benchmarks/results.md]
 
+`--models` also takes models the suite does not contain, exported from torch
+(`torch_models.py`: torch_resnet18, torch_resnet50, torch_mobilenetv2 at 224x224, torch_bert
+and torch_gpt2 at 128 tokens, all batch 1); those run only when named.
+
 Every engine gets the same model with its batch dimension fixed, the same inputs and the
 same thread count. Outputs are checked against onnxruntime before timing; an engine that
 fails to compile or disagrees is left out of that model's timing, with the reason noted.
@@ -29,6 +33,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torch_models import TORCH_MODELS  # noqa: E402  (benchmarks/ is not a package)
 
 # gimlet_tvm (and so TVM) is imported only after main() has pinned the thread counts.
 if TYPE_CHECKING:
@@ -149,13 +156,9 @@ def bench_model(
     """Compile ``name`` with each engine, check outputs, then time interleaved rounds."""
     import onnxruntime as ort
 
-    from gimlet_tvm.models import SUITE
     from gimlet_tvm.peers import time_interleaved
 
-    info = SUITE[name]
-    batch = BATCH.get(name, 1)
-    model = static_batch(info.build(), batch)
-    inputs = info.example_inputs(batch, seed=0)
+    batch, model, inputs = model_and_inputs(name)
     reference = ort.InferenceSession(model.SerializeToString()).run(None, inputs)
     results = {e: EngineResult() for e in builders}
     runners: dict[str, Runner] = {}
@@ -191,6 +194,17 @@ def bench_model(
         for engine, latency in time_interleaved(calls, repeat=rounds, warmup=0).items():
             results[engine].latency = latency
     return batch, results
+
+
+def model_and_inputs(name: str) -> tuple[int, onnx.ModelProto, dict[str, np.ndarray]]:
+    """Batch, model with its batch fixed, and seeded inputs of a suite or torch-exported model."""
+    from gimlet_tvm.models import SUITE
+
+    if name in SUITE:
+        batch = BATCH.get(name, 1)
+        return batch, static_batch(SUITE[name].build(), batch), SUITE[name].example_inputs(batch, seed=0)
+    exported = TORCH_MODELS[name]
+    return exported.input_shape[0], exported.onnx(), exported.example_inputs(seed=0)
 
 
 def _brief(exc: Exception) -> str:
@@ -283,7 +297,8 @@ def _versions() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, pin thread counts, run every model, print and write the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", help="suite names (default: all)")
+    parser.add_argument("--models", nargs="+",
+                        help=f"suite names (default: all) or torch-exported ones: {', '.join(TORCH_MODELS)}")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument("--repeat", type=int, help="timed rounds (default: fit --budget)")
     parser.add_argument("--budget", type=float, default=15.0,
@@ -298,9 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     from gimlet_tvm.models import SUITE
 
     names = args.models or list(SUITE)
-    unknown = sorted(set(names) - set(SUITE))
+    unknown = sorted(set(names) - set(SUITE) - set(TORCH_MODELS))
     if unknown:
-        parser.error(f"unknown models {unknown}; the suite has {list(SUITE)}")
+        parser.error(f"unknown models {unknown}; the suite has {list(SUITE)}, "
+                     f"torch_models {list(TORCH_MODELS)}")
     builders = make_builders(args.engines, args.threads)
     rows = []
     for name in names:

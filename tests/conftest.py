@@ -27,10 +27,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_script(relative: str) -> types.ModuleType:
-    """A script of the repository (`benchmarks/gpu_check.py`) loaded as a module, for tests."""
+    """A script of the repository (`benchmarks/gpu_check.py`) loaded as a module, for tests.
+    It is registered in `sys.modules` under its file's stem, as when the scripts import each
+    other (and as dataclasses need for their annotations)."""
     path = REPO / relative
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
 
