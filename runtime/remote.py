@@ -21,7 +21,6 @@ import numpy as np
 import tvm
 from tvm import rpc
 from tvm.rpc import server
-from tvm.rpc.tracker import Tracker
 from tvm.runtime.vm import VirtualMachine
 
 from ..carriers import from_carrier
@@ -297,30 +296,14 @@ def start_server(host: str, port: int, port_end: int, tracker: str | None = None
         advertised_host = None if host in ALL_INTERFACES else host  # None: as the tracker sees us
         relay = Relay(tracker_addr, secret, tracker=True, advertise=(advertised_host, gate.port))
         tracker_addr = relay.address
-    return _behind(gate, lambda inner_host, inner_port, inner_end:
+    return behind_gate(gate, lambda inner_host, inner_port, inner_end:
                    _tvm_server(inner_host, inner_port, inner_end, tracker_addr, key))
 
 
-def start_tracker(host: str, port: int, port_end: int, auth_key_file: str | None = None,
-                  insecure: bool = False) -> Listening:
-    """TVM's RPC tracker: what `gimlet-tvm rpc tracker` runs. With a key file (or
-    `$GIMLET_RPC_AUTH_KEY_FILE`) it listens on 127.0.0.1 behind a `Gate` on `host`, as
-    `start_server` does; without one, an address other machines reach is refused unless
-    `insecure`."""
-    secret = listening_key(host, auth_key_file, insecure)
-
-    def tracker(tracker_host: str, tracker_port: int, tracker_end: int) -> Tracker:
-        return Tracker(host=tracker_host, port=tracker_port, port_end=tracker_end, silent=True)
-
-    if secret is None:
-        started = tracker(host, port, port_end)
-        return Listening(started.port, started.terminate)
-    return _behind(Gate(host, port, port_end, secret), tracker)
-
-
-def _behind(gate: Gate, start: Callable[[str, int, int], Any]) -> Listening:
+def behind_gate(gate: Gate, start: Callable[[str, int, int], Any]) -> Listening:
     """`start(host, port, port_end)` (a TVM server or tracker) on a free loopback port, opened
-    to clients through `gate`: what listens is the gate; stopping closes both."""
+    to clients through `gate`: what listens is the gate; stopping closes both. (The tracker
+    is the CLI's alone: TVM's needs tornado, which the runtime bundle does not carry.)"""
     internal = loopback_port()
     inner = start("127.0.0.1", internal, internal + 100)
     gate.open_to(inner.port)

@@ -8,8 +8,10 @@ address other machines reach needs a key or `--insecure`, and always gets a warn
 
 from __future__ import annotations
 
-from ..runtime.remote import serve_until_stopped, start_server, start_tracker
-from ..runtime.rpc_auth import add_auth_args
+from tvm.rpc.tracker import Tracker
+
+from ..runtime.remote import Listening, behind_gate, serve_until_stopped, start_server
+from ..runtime.rpc_auth import Gate, add_auth_args, listening_key
 
 
 def add_parser(sub) -> None:
@@ -45,3 +47,19 @@ def run_server(args) -> int:
 def run_tracker(args) -> int:
     tracker = start_tracker(args.host, args.port, _port_end(args), args.auth_key_file, args.insecure)
     return serve_until_stopped("RPC tracker", args.host, tracker.port, tracker.stop)
+
+
+def start_tracker(host: str, port: int, port_end: int, auth_key_file: str | None = None,
+                  insecure: bool = False) -> Listening:
+    """TVM's RPC tracker. With a key file (or `$GIMLET_RPC_AUTH_KEY_FILE`) it listens on
+    127.0.0.1 behind a `Gate` on `host`, as `start_server` does; without one, an address other
+    machines reach is refused unless `insecure`."""
+    secret = listening_key(host, auth_key_file, insecure)
+
+    def tracker(tracker_host: str, tracker_port: int, tracker_end: int) -> Tracker:
+        return Tracker(host=tracker_host, port=tracker_port, port_end=tracker_end, silent=True)
+
+    if secret is None:
+        started = tracker(host, port, port_end)
+        return Listening(started.port, started.terminate)
+    return behind_gate(Gate(host, port, port_end, secret), tracker)
