@@ -481,6 +481,12 @@ struct Conv2DParams {
   int64_t stride_h, stride_w, pad_top, pad_left, dilation_h, dilation_w;
 };
 
+/*! \brief The parameters a conv2d packed function takes after its two tensors (args 2-7). */
+Conv2DParams Conv2DParamsOf(const PackedArgs& args) {
+  return {args[2].cast<int64_t>(), args[3].cast<int64_t>(), args[4].cast<int64_t>(),
+          args[5].cast<int64_t>(), args[6].cast<int64_t>(), args[7].cast<int64_t>()};
+}
+
 /*! \brief One NCHW / OIHW conv2d call, cut into work units of a few output rows each. */
 struct Conv2DWork {
   const float* x;
@@ -1043,23 +1049,18 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                     // (data, weight, stride_h, stride_w, pad_top, pad_left, dilation_h,
                     //  dilation_w, groups, epilogue steps..., out); bottom/right padding is
                     //  implied by the output shape.
-                    Conv2DParams p{args[2].cast<int64_t>(), args[3].cast<int64_t>(),
-                                   args[4].cast<int64_t>(), args[5].cast<int64_t>(),
-                                   args[6].cast<int64_t>(), args[7].cast<int64_t>()};
                     DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
-                    Conv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(), p,
-                           args[8].cast<int64_t>(), ParseEpilogue(args, 9, args.size() - 1, out),
-                           out);
+                    Conv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
+                           Conv2DParamsOf(args), args[8].cast<int64_t>(),
+                           ParseEpilogue(args, 9, args.size() - 1, out), out);
                   })
       .def_packed("gimlet.cpu.conv2d_nchw_direct",
                   [](PackedArgs args, tvm::ffi::Any*) {
                     // (data, packed weight, stride_h, stride_w, pad_top, pad_left,
                     //  dilation_h, dilation_w, epilogue steps..., out)
-                    Conv2DParams p{args[2].cast<int64_t>(), args[3].cast<int64_t>(),
-                                   args[4].cast<int64_t>(), args[5].cast<int64_t>(),
-                                   args[6].cast<int64_t>(), args[7].cast<int64_t>()};
                     DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
-                    DirectConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(), p,
+                    DirectConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
+                                 Conv2DParamsOf(args),
                                  ParseEpilogue(args, 8, args.size() - 1, out), out);
                   })
       .def("gimlet.cpu.conv2d_direct_block", [] { return DirectConvBlock(); })
