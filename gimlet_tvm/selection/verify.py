@@ -21,8 +21,9 @@ output buffer filled first with one poison, then another, they must give the sam
 inaccessible page begins, then that each begin right after one, its inputs read-only: a fault
 there (and not on ordinary arrays) is an "out-of-bounds access". A C kernel is called directly
 for this, first (`out_of_bounds`: `guard_pages` in a process of its own, exact placement, the
-operand named); a TVMScript kernel here after its poisoned runs (`_guard_pages`: DLPack wants
-64-byte aligned data, so an array may end up to 60 bytes short of its page), the fault ending
+operand named); a TVMScript kernel here, after one run on ordinary arrays and before its
+poisoned runs, whose results a read past an operand's end could change (`_guard_pages`: DLPack
+wants 64-byte aligned data, so an array may end up to 60 bytes short of its page), the fault ending
 this child, which `_spawn` reads by the stage the child announced (the guard pages are this
 machine's memory: for a remote device they are skipped, the rest runs there). The child runs in a
 session of its own under resource limits (`_limit`: CPU time, address space), and its whole
@@ -263,10 +264,10 @@ def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, Outco
         local = machine.remote is None
         if candidate.c_source is not None and local:  # called on its own in a process of its own
             failure = out_of_bounds(sig, candidate.c_source, target) or _poisoned(sig, machine, alone)
-        else:  # here, after runs on ordinary arrays (a crash there is no out-of-bounds access)
-            failure = _poisoned(sig, machine, alone)
-            if failure is None and local:
+        else:  # here; against guard pages before the poisons, which out-of-bounds reads could see
+            if local:
                 _guard_pages(sig, machine, alone)  # a fault ends this child
+            failure = _poisoned(sig, machine, alone)
         if failure is not None:
             return executable, failure
     vm = machine.load(executable)
@@ -365,9 +366,13 @@ def _guard_pages(sig, machine: _Machine, alone) -> None:
     each ending where a PROT_NONE page begins, then each beginning right after one. TVM takes
     DLPack data 64-byte aligned only, so an array whose size is no multiple of 64 bytes ends
     up to 60 bytes before its page (exact for C kernels: `out_of_bounds`). A fault kills this
-    child: `_spawn` reads it as an out-of-bounds access by the stage announced here."""
-    print(STAGE_PREFIX + GUARD_STAGE, flush=True)
+    child: `_spawn` reads it as an out-of-bounds access by the stage announced here, after one
+    run on ordinary arrays (a crash there is a crash, not an out-of-bounds access)."""
     rng = np.random.default_rng(4)
+    shapes = [shape for _, shape in sig.kernel_operands()]
+    machine.run_in_place(alone, machine.tensors([*(rng.standard_normal(s).astype(sig.dtype) for s in shapes[:-1]),
+                                                 np.zeros(shapes[-1], sig.dtype)]))
+    print(STAGE_PREFIX + GUARD_STAGE, flush=True)
     for at_end in (True, False):
         operands = [guard_pages.Guarded(shape, at_end, align=64) for _, shape in sig.kernel_operands()]
         tensors = []
