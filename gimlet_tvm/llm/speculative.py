@@ -276,13 +276,12 @@ def speculative_rounds(model: KVModel, request: Request, draft: Draft,
                     break
             if drafter is not None:
                 drafter.keep(len(context) + accepted)
-            if drafter is None:
-                pace.record(len(proposals) + 1, checked_at - proposed_at, len(proposals), accepted,
-                            proposed_at - started, kind)
-            else:  # a step per proposal and one on the model's token (catching up on the prompt, or
-                # after plain steps, is no part of a round's price)
-                pace.record(len(proposals) + 1, checked_at - proposed_at, len(proposals), accepted,
-                            drafter.step_s * len(proposals), kind, round_s=drafter.step_s)
+            # A draft model's price: a step per proposal and one on the model's token (catching
+            # up on the prompt, or after plain steps, is no part of a round's price).
+            propose_s, round_s = ((proposed_at - started, 0.0) if drafter is None
+                                  else (drafter.step_s * len(proposals), drafter.step_s))
+            pace.record(len(proposals) + 1, checked_at - proposed_at, len(proposals), accepted, propose_s, kind,
+                        round_s)
             yield
     finally:
         if drafter is not None:
