@@ -24,7 +24,6 @@ import gimlet_tvm
 from gimlet_tvm.compiler import resolve_target
 from gimlet_tvm.errors import GimletError, UnsafeKernelError
 from gimlet_tvm.frontend import import_model
-from gimlet_tvm.models import SUITE
 from gimlet_tvm.peers import check_against_onnxruntime
 from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
 from gimlet_tvm.schedules.kernel_selection.external import add_kernel, shared_library
@@ -39,7 +38,7 @@ from gimlet_tvm.selection.select import op_signatures
 from gimlet_tvm.selection.verify import out_of_bounds, run_candidate
 
 from .scripted_generator import TVMSCRIPT, kernel
-from .test_kernel_selection import K, M, N, WEIGHT_SIG, _matmul_model
+from .test_kernel_selection import K, M, N, WEIGHT_SIG, _matmul_model, encoder_attention
 
 SCRIPT = Path(__file__).with_name("scripted_generator.py")
 
@@ -223,12 +222,8 @@ def test_attention_groups_are_offered_and_a_generated_attention_builds(tmp_path)
     numpy expression computes the reference; of two C kernels the right one is verified and
     the one that forgets the scale is a wrong result; the model built with the right one
     computes what onnxruntime does."""
-    info = SUITE["transformer_encoder"]
-    proto, inputs = info.build(), info.example_inputs(batch=1)
-    shapes = {name: list(x.shape) for name, x in inputs.items()}
+    proto, inputs, shapes, _, sig = encoder_attention()
     _, target = resolve_target("llvm")
-    mod, _ = import_model(proto, shapes)
-    (sig,) = [s for s in op_signatures(mod, target) if s.op == "attention"]
     made = task(sig, target, 1, 1, None, [])
     assert protocol_errors(made, "task") == [] and made["formats"] == ["c", "tvmscript"]
     assert made["group"]["attention"] == {"b": 1, "s": 64, "t": 64, "n": 4, "h": 64, "hv": 64, "scale": 0.125,

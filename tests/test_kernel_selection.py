@@ -542,20 +542,28 @@ def test_race_times_every_candidate_in_every_round(kernels):
     assert race.failure.startswith("crashed (SIGSEGV)") and race.samples == {}
 
 
+def encoder_attention():
+    """The suite's transformer encoder at batch 1 (model, inputs, input shapes, imported
+    module) and its one attention op signature on llvm (with its padding-mask bias)."""
+    from gimlet_tvm.models import SUITE
+
+    info = SUITE["transformer_encoder"]
+    proto, inputs = info.build(), info.example_inputs(batch=1)
+    shapes = {name: list(x.shape) for name, x in inputs.items()}
+    mod, _ = import_model(proto, shapes)
+    (attention,) = [sig for sig in op_signatures(mod, resolve_target("llvm")[1]) if sig.op == "attention"]
+    return proto, inputs, shapes, mod, attention
+
+
 def test_attention_is_an_op_group_with_library_and_generated_candidates():
     """The encoder's attention (with its padding-mask bias) is an op signature of its own:
     the CPU library's attention and the generated TIR are both verified against the float64
     reference (at its shape and the edge-case one), and a build that takes the generated
     one computes the model as onnxruntime does."""
-    from gimlet_tvm.models import SUITE
     from gimlet_tvm.peers import check_against_onnxruntime
 
-    info = SUITE["transformer_encoder"]
-    proto, inputs = info.build(), info.example_inputs(batch=1)
-    shapes = {name: list(x.shape) for name, x in inputs.items()}
+    proto, inputs, shapes, mod, attention = encoder_attention()
     _, target = resolve_target("llvm")
-    mod, _ = import_model(proto, shapes)
-    (attention,) = [sig for sig in op_signatures(mod, target) if sig.op == "attention"]
     assert attention.key == "attention float32 1x64x4x64 1x64x4x64 1x64x4x64 1x1x1x64 scale=0.125"
     assert OpSignature.from_json(json.loads(json.dumps(attention.to_json()))) == attention
     assert [c.id for c in candidates(attention, target)] == ["generated:tir", "library:gimlet_attention"]
