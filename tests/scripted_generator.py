@@ -9,6 +9,9 @@ r of an op group by the r-th PLAN, each a '+'-joined list of kernels, or one mis
                                       of c; reading one element before the start of a; writing
                                       far from every operand
     tvmscript                         a right GEMM in TVMScript
+    tasks  splitk                     C GEMMs in 3 tasks: right (rows split between the tasks);
+                                      a race (K split, each task adding its part into c,
+                                      which task 0 zeroes first)
     conv  convnopad                   C conv2ds for the task's conv (no epilogue): right; one
                                       that forgets the padding (reads outside data at its edges)
     attention  attentionnoscale       C attentions for the task's (with its bias, if any): right;
@@ -48,6 +51,29 @@ C_KERNELS = {
     "before": {"after": "c[0] += 0.0f * a[-1];"},
     "stray": {"after": "c[(long)1 << 41] = 1.0f;"},
 }
+C_TASKS = """
+#include <stdint.h>
+void kernel(int64_t task, int64_t tasks, const float *a, const float *b, float *c) {{
+  {body}
+}}
+"""
+TASK_BODIES = {
+    "tasks": """for (int64_t i = {m} * task / tasks; i < {m} * (task + 1) / tasks; ++i)
+    for (int j = 0; j < {n}; ++j) {{
+      float sum = 0.0f;
+      for (int kk = 0; kk < {k}; ++kk) sum += a[i * {k} + kk] * b[kk * {n} + j];
+      c[i * {n} + j] = sum;
+    }}""",
+    "splitk": """if (task == 0)
+    for (int i = 0; i < {m} * {n}; ++i) c[i] = 0.0f;
+  for (int i = 0; i < {m} * {n}; ++i) {{
+    float sum = 0.0f;
+    for (int64_t kk = {k} * task / tasks; kk < {k} * (task + 1) / tasks; ++kk)
+      sum += a[(i / {n}) * {k} + kk] * b[kk * {n} + i % {n}];
+    c[i] += sum;
+  }}""",
+}
+TASKS = 3
 C_CONV = """
 void kernel(const float *data, const float *weight, float *out) {{
   for (int n = 0; n < {n}; ++n)
@@ -128,6 +154,9 @@ def kernel(plan: str, sizes: dict) -> dict:
         return {"format": "c", "source": C_CONV.format(**sizes, inside=CONV_INSIDE[plan].format(**sizes)), "name": plan}
     if plan == "tvmscript":
         return {"format": "tvmscript", "source": TVMSCRIPT.format(**sizes), "name": plan}
+    if plan in TASK_BODIES:
+        body = TASK_BODIES[plan].format(**sizes)
+        return {"format": "c", "source": C_TASKS.format(body=body), "name": plan, "tasks": TASKS}
     parts = {"prelude": "", "first": "0", "after": "", **C_KERNELS[plan]}
     parts = {key: value.format(**sizes) for key, value in parts.items()}
     return {"format": "c", "source": C_GEMM.format(**sizes, **parts), "name": plan}

@@ -25,7 +25,7 @@ from gimlet_tvm.compiler import resolve_target
 from gimlet_tvm.errors import GimletError, UnsafeKernelError
 from gimlet_tvm.frontend import import_model
 from gimlet_tvm.peers import check_against_onnxruntime
-from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
+from gimlet_tvm.schedules.kernel_selection.candidates import MAX_TASKS, OpSignature
 from gimlet_tvm.schedules.kernel_selection.external import add_kernel, shared_library
 from gimlet_tvm.schedules.kernel_selection.sources import find
 from gimlet_tvm.schedules.kernel_selection.choices import SELECTION_FILE, KernelSelection, OpChoice
@@ -182,12 +182,15 @@ def test_search_generator_conv2d_template_computes_the_reference(case, tmp_path)
     rng = np.random.default_rng(14)
     operands = [rng.standard_normal(shape).astype(np.float32) for _, shape in sig.kernel_operands()[:-1]]
     want = sig.reference(*operands[:2], *operands[2:])
-    for config in (Config(1, 1, 4, 1), Config(3, 2, 8, 2), Config(8, 1, 16, 1)):
+    for config in (Config(1, 1, 4, 1, 1), Config(3, 2, 8, 2, 2), Config(8, 1, 16, 1, 5)):
         source = tmp_path / f"{config.name}.c"
         source.write_text(c_conv2d(config, group))
         kernel_function = ctypes.CDLL(str(shared_library(str(source), target))).kernel
         out = np.full(sig.out_shape, np.nan, np.float32)
-        kernel_function(*(x.ctypes.data_as(ctypes.c_void_p) for x in (*operands, out)))
+        arrays = [x.ctypes.data_as(ctypes.c_void_p) for x in (*operands, out)]
+        for share in range(config.tasks):  # each task its share; together every output element
+            kernel_function(*([ctypes.c_int64(share), ctypes.c_int64(config.tasks)] if config.tasks > 1 else []),
+                            *arrays)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=config.name)
 
 
@@ -441,6 +444,41 @@ def test_unsafe_and_wrong_generated_kernels_are_rejected_with_their_reason(tmp_p
     assert "1 of 200 elements keep what the output buffer held (first at (0, 0))" in outcomes["uninit"].reason
     assert outcomes["fork"].verdict == "unsafe" and "calls fork: a kernel may call" in outcomes["fork"].reason
     assert [t.id for t in tried if t.verified] == [outcomes["good"].id]
+
+
+def test_c_kernels_split_into_tasks_run_in_parallel_and_races_are_rejected(tmp_path):
+    """A C GEMM in 3 tasks (rows split between them) is verified, and the model built with it
+    calls it in a parallel loop and computes the matmul; one splitting K instead, each task
+    adding its part into c after task 0 zeroed it, is rejected as a race (its output depends
+    on the order of its tasks)."""
+    _, target = resolve_target("llvm")
+    tried = []
+    rounds = generate(WEIGHT_SIG, target, Generator(scripted("tasks+splitk"), rounds=1), str(tmp_path),
+                      _verify_in(tmp_path, target, 120), tried, lambda line: None)
+    assert not rounds[0].failure, rounds
+    outcomes = {t.id.split(":")[1].split("_")[0]: t for t in tried}
+    assert outcomes["tasks"].verified, outcomes["tasks"].reason
+    assert outcomes["splitk"].verdict == "race", outcomes["splitk"].reason
+    assert "differ between its 3 tasks run concurrently, in order and in reverse order" in outcomes["splitk"].reason
+
+    candidate = find(outcomes["tasks"].id, WEIGHT_SIG, target, generated_dir=str(tmp_path))
+    assert candidate.c_source.tasks == 3 and "in T.parallel(T.int64(3))" in candidate.kernel(WEIGHT_SIG).script()
+    selection = KernelSelection(target_key(target), {WEIGHT_SIG.key: OpChoice(WEIGHT_SIG, tried,
+                                                                              outcomes["tasks"].id)},
+                                generated_dir=str(tmp_path))
+    proto = _matmul_model()
+    model = gimlet_tvm.build(proto, "llvm", input_shapes={"x": [M, K]}, selection=selection)
+    assert f"generator_{outcomes['tasks'].id.split(':')[1]}" in model._module.as_text()  # pylint: disable=protected-access
+    x = np.random.default_rng(16).standard_normal((M, K)).astype(np.float32)
+    np.testing.assert_allclose(model(x)[0], x @ onnx.numpy_helper.to_array(proto.graph.initializer[0]),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_a_generator_may_split_only_c_kernels_into_tasks_and_at_most_max_tasks():
+    """The protocol's `tasks`: an integer from 1 to MAX_TASKS, checked against the schema."""
+    assert not protocol_errors([{"format": "c", "source": "x", "tasks": MAX_TASKS}], "candidates")
+    for tasks in (0, MAX_TASKS + 1, 2.5):
+        assert protocol_errors([{"format": "c", "source": "x", "tasks": tasks}], "candidates"), tasks
 
 
 def test_guard_pages_catch_accesses_out_of_bounds_and_name_the_operand(tmp_path):

@@ -5,8 +5,8 @@ again on the same model (a search generator is deterministic; a model's answer m
 Verifying it once more costs builds and runs in a child process and tells nothing new, so each
 accepted kernel is recorded in the generated-kernel directory's `accepted.json` under the hash
 of everything its verdict depends on (`content_hash`: the op group, the target, the format,
-the source, and the checks the verifier makes, `verify.KERNEL_CHECKS`: a verifier that checks
-more verifies it again), with its provenance: the generator command, the round, when, the
+the source, its tasks, and the checks the verifier makes, `verify.KERNEL_CHECKS`: a verifier
+that checks more verifies it again), with its provenance: the generator command, the round, when, the
 checks it passed, its time. Only accepted kernels are kept: a rejected one is verified again
 (its failure is what the generator must be told, and a better verifier may judge it anew).
 A cached kernel keeps the time it was measured at then; where it is close to the fastest, the
@@ -33,9 +33,9 @@ CACHE_FILE = "accepted.json"
 FORMAT = "gimlet-tvm-accepted-kernels/1"
 
 
-def content_hash(sig: OpSignature, target: tvm.target.Target, fmt: str, source: str) -> str:
+def content_hash(sig: OpSignature, target: tvm.target.Target, fmt: str, source: str, tasks: int = 1) -> str:
     """The hash of everything a generated kernel's verdict depends on."""
-    text = json.dumps([sig.key, target_key(target), fmt, source, list(KERNEL_CHECKS)])
+    text = json.dumps([sig.key, target_key(target), fmt, source, list(KERNEL_CHECKS), *([tasks] if tasks != 1 else [])])
     return hashlib.sha256(text.encode()).hexdigest()
 
 

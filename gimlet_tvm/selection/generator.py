@@ -27,7 +27,7 @@ from typing import Any, Callable
 import tvm
 
 from ..errors import GimletError
-from ..schedules.kernel_selection.candidates import OpSignature
+from ..schedules.kernel_selection.candidates import MAX_TASKS, OpSignature
 from ..schedules.kernel_selection.choices import GeneratorRound, Tried
 from ..schedules.kernel_selection.external import C_FUNCTION, OPS, add_kernel
 from ..schedules.kernel_selection.sources import find
@@ -167,7 +167,11 @@ def _interface(sig: OpSignature, formats: tuple[str, ...]) -> dict[str, str]:
         "c": (f"C11 source defining void {C_FUNCTION}({c_args}); arrays {arrays}, compact row-major "
               f"{SEMANTICS[sig.op]}; each addend broadcasts over {out} (a dimension of 1 repeats); write every "
               f"element of {out}; compiled with gcc -O3 -march=<the target's CPU>; libc and libm only, no threads, "
-              "processes, files or network"),
+              "processes, files or network. To use the target's cores, give the candidate \"tasks\": T (2 to "
+              f"{MAX_TASKS}): then the function takes int64_t task, int64_t tasks before the arrays and computes its "
+              "share of the output, called for task = 0 .. T-1 in parallel on the compiler's thread pool; each output "
+              "element must be written by one task alone (its tasks are also run concurrently, in order and in "
+              "reverse order, and must give one output)"),
         "tvmscript": (f"TVMScript of one T.prim_func (T is tvm.script.tirx) with buffers {arrays} in that order, "
                       f"dtype {sig.dtype}, as PrimFunc.script() prints it, no Python imports; give it "
                       'T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True}) when it is scheduled'),
@@ -244,7 +248,7 @@ def _verified(sig: OpSignature, target: tvm.target.Target, cid: str, candidate: 
     """The generated candidate `cid` verified and timed by `verify`, or, where the same kernel
     was accepted before (`cache`), its verdict and time from then."""
     made = find(cid, sig, target, generated_dir=directory)
-    digest = content_hash(sig, target, candidate["format"], candidate["source"])
+    digest = content_hash(sig, target, candidate["format"], candidate["source"], candidate.get("tasks", 1))
     known = cache.get(digest)
     if known is not None:
         outcome = Outcome(True, seconds=known["seconds"], checks=known["shapes_checked"])
@@ -282,13 +286,16 @@ def generate(sig: OpSignature, target: tvm.target.Target, generator: Generator, 
         left -= spent
         if not failure:
             refused = [c["format"] for c in answer if c["format"] not in formats]
+            split = [c["format"] for c in answer if c.get("tasks", 1) != 1 and c["format"] != "c"]
             if refused:
                 answer, failure = [], f"format '{refused[0]}' is not accepted here (only {', '.join(formats)})"
+            elif split:
+                answer, failure = [], f"\"tasks\" is for C kernels only, not {split[0]}"
         attempts, ids = [], []
         for index, candidate in enumerate(answer):
             name = add_kernel(directory, sig, target.kind.name, candidate["format"], candidate["source"],
-                              candidate.get("name") or f"r{round_}_{index}", generator=generator.command,
-                              round=round_)
+                              candidate.get("name") or f"r{round_}_{index}", tasks=candidate.get("tasks", 1),
+                              generator=generator.command, round=round_)
             cid = f"generator:{name}"
             ids.append(cid)
             done = next((t for t in tried if t.id == cid), None)

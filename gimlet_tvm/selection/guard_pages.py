@@ -1,8 +1,18 @@
-"""Runs a C kernel once on operands placed against guard pages, so an out-of-bounds access faults.
+"""Runs a C kernel once on operands placed against guard pages, so an out-of-bounds access
+faults; or its tasks in three orders, to see whether its output depends on them.
 
     python -I guard_pages.py < job.json
     job: {"library": "k.so", "function": "kernel", "shapes": [[5, 24], [24, 40], [5, 40]],
-          "placement": "end" | "start", "protect": [0, 1, 2], "seed": 0}
+          "placement": "end" | "start", "protect": [0, 1, 2], "seed": 0, "tasks": 1}
+    job: {"library": "k.so", "function": "kernel", "shapes": [...], "tasks": 4, "orders": true}
+
+A kernel of `tasks` T > 1 is called as `function(task, T, operands...)` for each task
+(`CSource`), here in order. With `"orders"`, its tasks run on ordinary arrays holding the
+same inputs concurrently (a thread each: ctypes lets go of the GIL), in order and in reverse
+order; the script prints a JSON object: how many elements of the output differ between those
+runs (NaN equal to NaN), and where the first lies. Each output element written by one task
+alone makes them equal; tasks that write one element with different values, or read what
+another writes, make the output depend on the order (a race).
 
 Each operand of the C interface (`float *`, compact row-major, the output last) whose index is
 in `protect` gets a mapping of its own: with placement "end" it ends exactly where a PROT_NONE
@@ -22,6 +32,7 @@ import json
 import math
 import mmap
 import sys
+import threading
 
 import numpy as np
 
@@ -56,20 +67,65 @@ class Guarded:
         _protect(self.usable, self.pages * PAGE, mmap.PROT_READ)
 
 
+def _call(function, arrays: list[np.ndarray], tasks: int, order: str = "forward") -> None:
+    """Call the kernel on `arrays`: once, or each of its `tasks` in `order` ("forward",
+    "reverse", or "concurrent": all at once, a thread each)."""
+    pointers = [ctypes.c_void_p(array.ctypes.data) for array in arrays]
+    if tasks == 1:
+        function(*pointers)
+        return
+    calls = [lambda t=t: function(ctypes.c_int64(t), ctypes.c_int64(tasks), *pointers) for t in range(tasks)]
+    if order == "concurrent":
+        threads = [threading.Thread(target=call) for call in reversed(calls)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    else:
+        for call in calls if order == "forward" else reversed(calls):
+            call()
+
+
+def _inputs(arrays: list[np.ndarray], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for array in arrays[:-1]:
+        array[...] = rng.standard_normal(array.shape)
+    arrays[-1][...] = 0
+
+
+def _orders(function, shapes: list[list[int]], tasks: int, seed: int) -> dict:
+    """The kernel's outputs with its tasks concurrent, in order and reversed, compared."""
+    outputs = []
+    for order in ("concurrent", "forward", "reverse"):
+        arrays = [np.empty(shape, np.float32) for shape in shapes]
+        _inputs(arrays, seed)
+        _call(function, arrays, tasks, order)
+        outputs.append(arrays[-1])
+    first = outputs[0]
+    differ = np.zeros(first.shape, bool)
+    for other in outputs[1:]:
+        differ |= ~((first == other) | (np.isnan(first) & np.isnan(other)))
+    where = np.argwhere(differ)
+    return {"differ": int(differ.sum()), "size": int(differ.size),
+            "first": [int(i) for i in where[0]] if len(where) else None}
+
+
 def main() -> None:
     job = json.load(sys.stdin)
-    shapes, protect = job["shapes"], set(job["protect"])
-    guarded = {i: Guarded(shapes[i], job["placement"] == "end") for i in protect}
-    arrays = [guarded[i].array if i in guarded else np.empty(shape, np.float32) for i, shape in enumerate(shapes)]
-    rng = np.random.default_rng(job.get("seed", 0))
-    for index, array in enumerate(arrays[:-1]):
-        array[...] = rng.standard_normal(array.shape)
-        if index in guarded:
-            guarded[index].read_only()
-    arrays[-1][...] = 0
+    shapes, tasks = job["shapes"], job.get("tasks", 1)
     function = ctypes.CDLL(job["library"])[job["function"]]
     function.restype = None
-    function(*(ctypes.c_void_p(array.ctypes.data) for array in arrays))
+    if job.get("orders"):
+        print(json.dumps(_orders(function, shapes, tasks, job.get("seed", 0))))
+        return
+    protect = set(job["protect"])
+    guarded = {i: Guarded(shapes[i], job["placement"] == "end") for i in protect}
+    arrays = [guarded[i].array if i in guarded else np.empty(shape, np.float32) for i, shape in enumerate(shapes)]
+    _inputs(arrays, job.get("seed", 0))
+    for index in guarded:
+        if index < len(arrays) - 1:
+            guarded[index].read_only()
+    _call(function, arrays, tasks)
 
 
 if __name__ == "__main__":

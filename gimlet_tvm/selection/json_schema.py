@@ -1,8 +1,8 @@
 """A small JSON Schema validator for the kernel generator protocol's schema
 (`generator_schema.json`): the keywords that schema uses (type, enum, properties, required,
-additionalProperties, items, minItems, maxItems, minLength, minimum, local `$ref`), so that
-the protocol is checked in both directions without a dependency. The schema itself is
-standard draft 2020-12: generator authors can check against it with any validator."""
+additionalProperties, items, minItems, maxItems, minLength, minimum, maximum, local `$ref`),
+so that the protocol is checked in both directions without a dependency. The schema itself
+is standard draft 2020-12: generator authors can check against it with any validator."""
 
 from __future__ import annotations
 
@@ -69,6 +69,8 @@ def errors(value: Any, schema: dict[str, Any], root: dict[str, Any], where: str 
         found.append(f"{where}: shorter than {schema['minLength']} characters")
     if _is(value, "number") and "minimum" in schema and value < schema["minimum"]:
         found.append(f"{where}: {value} < {schema['minimum']}")
+    if _is(value, "number") and "maximum" in schema and value > schema["maximum"]:
+        found.append(f"{where}: {value} > {schema['maximum']}")
     return found
 
 

@@ -9,10 +9,12 @@ input, a JSON list of candidates on standard output. The GEMM template (`c_gemm`
 in tiles of MR rows by NV vectors of VW floats (GCC vector extensions; the tiles at the edges
 scalar), its K loop unrolled U times; the convolution's (`c_conv2d`) in tiles of MR output
 channels by NV vectors of VW output columns; each applies the group's epilogue to a tile as it
-is stored. Round 1 proposes the smallest tile; each later round the neighbours (one parameter one
-step up or down) of the fastest kernel the history calls `ok`, never a configuration already
-tried (the configuration is in the kernel's name). When none is `ok` yet, it tries
-configurations it has not, smallest first.
+is stored. Either splits its tiles into T tasks (the protocol's `tasks`: the compiler runs them
+on its thread pool), T one of 1, the target's cores and twice that. Round 1 proposes the
+smallest tile, one task a core; each later round the neighbours (one parameter one step up or
+down) of the fastest kernel the history calls `ok`, never a configuration already tried (the
+configuration is in the kernel's name). When none is `ok` yet, it tries configurations it has
+not, smallest first.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ NV = (1, 2, 3, 4)
 VW = (4, 8, 16)
 UNROLL = (1, 2, 4, 8)
 PER_ROUND = 4
-NAME = re.compile(r"mr(\d+)_nv(\d+)_vw(\d+)_u(\d+)")
+NAME = re.compile(r"mr(\d+)_nv(\d+)_vw(\d+)_u(\d+)_t(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,20 +42,21 @@ class Config:
     nv: int
     vw: int
     unroll: int
+    tasks: int
 
     @property
     def name(self) -> str:
-        return f"mr{self.mr}_nv{self.nv}_vw{self.vw}_u{self.unroll}"
+        return f"mr{self.mr}_nv{self.nv}_vw{self.vw}_u{self.unroll}_t{self.tasks}"
 
     @classmethod
     def parse(cls, name: str) -> Config | None:
         found = NAME.match(name)
         return None if found is None else cls(*map(int, found.groups()))
 
-    def neighbours(self, widths: tuple[int, ...]) -> list[Config]:
+    def neighbours(self, widths: tuple[int, ...], tasks: tuple[int, ...]) -> list[Config]:
         """Each parameter one step up or down its axis."""
         found = []
-        for field, axis in (("mr", MR), ("nv", NV), ("vw", widths), ("unroll", UNROLL)):
+        for field, axis in (("mr", MR), ("nv", NV), ("vw", widths), ("unroll", UNROLL), ("tasks", tasks)):
             value = getattr(self, field)
             if value not in axis:
                 continue
@@ -86,15 +89,27 @@ def _epilogue(group: dict[str, Any], coords: list[str]) -> str:
     return " ".join(lines)
 
 
+def _split(config: Config, units: str) -> tuple[str, str]:
+    """The kernel's leading parameters for `config.tasks` and the statement declaring its
+    share `[begin, end)` of `units` (a C expression), split evenly between the tasks."""
+    params = "int64_t task, int64_t tasks, " if config.tasks > 1 else ""
+    one = "" if config.tasks > 1 else "const int64_t task = 0, tasks = 1;\n  "
+    return params, (f"{one}const int64_t units = {units}, begin = units * task / tasks, "
+                    "end = units * (task + 1) / tasks;")
+
+
 def c_gemm(config: Config, group: dict[str, Any]) -> str:
     """The template's C source for the task's group at `config`."""
     m, n, k = group["gemm"]["m"], group["gemm"]["n"], group["gemm"]["k"]
     addends = "".join(f"const float *addend{i}, " for i in range(len(group["addends"])))
     addend_args = "".join(f"addend{i}, " for i in range(len(group["addends"])))
     nr = config.nv * config.vw
+    params, share = _split(config, "(int64_t)((M + MR - 1) / MR) * TILES_J")
     return f"""#include <math.h>
+#include <stdint.h>
 #include <string.h>
-enum {{ M = {m}, N = {n}, K = {k}, MR = {config.mr}, NV = {config.nv}, VW = {config.vw}, NR = {nr} }};
+enum {{ M = {m}, N = {n}, K = {k}, MR = {config.mr}, NV = {config.nv}, VW = {config.vw}, NR = {nr},
+       TILES_J = (N + NR - 1) / NR }};
 typedef float vf __attribute__((vector_size(VW * 4)));
 
 static inline void finish(int i0, int rows, int j0, int cols, {addends}float *c) {{
@@ -106,35 +121,34 @@ static inline void finish(int i0, int rows, int j0, int cols, {addends}float *c)
     }}
 }}
 
-void kernel(const float *a, const float *b, {addends}float *c) {{
-  for (int i0 = 0; i0 < M; i0 += MR) {{
-    int rows = M - i0 < MR ? M - i0 : MR;
-    for (int j0 = 0; j0 < N; j0 += NR) {{
-      int cols = N - j0 < NR ? N - j0 : NR;
-      if (rows == MR && cols == NR) {{
-        vf acc[MR][NV];
-        memset(acc, 0, sizeof acc);
-        #pragma GCC unroll {config.unroll}
-        for (int k = 0; k < K; ++k) {{
-          vf bv[NV];
-          for (int v = 0; v < NV; ++v) memcpy(&bv[v], b + k * N + j0 + v * VW, sizeof(vf));
-          for (int r = 0; r < MR; ++r) {{
-            float s = a[(i0 + r) * K + k];
-            for (int v = 0; v < NV; ++v) acc[r][v] += s * bv[v];
-          }}
+void kernel({params}const float *a, const float *b, {addends}float *c) {{
+  {share}
+  for (int64_t tile = begin; tile < end; ++tile) {{
+    const int i0 = (int)(tile / TILES_J) * MR, j0 = (int)(tile % TILES_J) * NR;
+    const int rows = M - i0 < MR ? M - i0 : MR, cols = N - j0 < NR ? N - j0 : NR;
+    if (rows == MR && cols == NR) {{
+      vf acc[MR][NV];
+      memset(acc, 0, sizeof acc);
+      #pragma GCC unroll {config.unroll}
+      for (int k = 0; k < K; ++k) {{
+        vf bv[NV];
+        for (int v = 0; v < NV; ++v) memcpy(&bv[v], b + k * N + j0 + v * VW, sizeof(vf));
+        for (int r = 0; r < MR; ++r) {{
+          float s = a[(i0 + r) * K + k];
+          for (int v = 0; v < NV; ++v) acc[r][v] += s * bv[v];
         }}
-        for (int r = 0; r < MR; ++r)
-          for (int v = 0; v < NV; ++v) memcpy(c + (i0 + r) * N + j0 + v * VW, &acc[r][v], sizeof(vf));
-      }} else {{
-        for (int i = i0; i < i0 + rows; ++i)
-          for (int j = j0; j < j0 + cols; ++j) {{
-            float sum = 0.0f;
-            for (int k = 0; k < K; ++k) sum += a[i * K + k] * b[k * N + j];
-            c[i * N + j] = sum;
-          }}
       }}
-      finish(i0, rows, j0, cols, {addend_args}c);
+      for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < NV; ++v) memcpy(c + (i0 + r) * N + j0 + v * VW, &acc[r][v], sizeof(vf));
+    }} else {{
+      for (int i = i0; i < i0 + rows; ++i)
+        for (int j = j0; j < j0 + cols; ++j) {{
+          float sum = 0.0f;
+          for (int k = 0; k < K; ++k) sum += a[i * K + k] * b[k * N + j];
+          c[i * N + j] = sum;
+        }}
     }}
+    finish(i0, rows, j0, cols, {addend_args}c);
   }}
 }}
 """
@@ -151,12 +165,14 @@ def c_conv2d(config: Config, group: dict[str, Any]) -> str:
     (top, left, _, _), (sh, sw), (dh, dw), groups = p["pad"], p["stride"], p["dilation"], p["groups"]
     addends = "".join(f"const float *addend{i}, " for i in range(len(group["addends"])))
     addend_args = "".join(f"addend{i}, " for i in range(len(group["addends"])))
+    params, share = _split(config, "(int64_t)N * G * TILES_G")
     return f"""#include <math.h>
+#include <stdint.h>
 #include <string.h>
 enum {{ N = {p["n"]}, C = {p["c"]}, H = {p["h"]}, W = {p["w"]}, O = {p["o"]}, KH = {p["kh"]}, KW = {p["kw"]},
        OH = {p["oh"]}, OW = {p["ow"]}, SH = {sh}, SW = {sw}, PH = {top}, PW = {left}, DH = {dh}, DW = {dw},
        G = {groups}, CG = C / G, OG = O / G,
-       MR = {config.mr}, NV = {config.nv}, VW = {config.vw}, XR = NV * VW }};
+       MR = {config.mr}, NV = {config.nv}, VW = {config.vw}, XR = NV * VW, TILES_G = (OG + MR - 1) / MR }};
 typedef float vf __attribute__((vector_size(VW * 4)));
 
 static inline void finish(int n, int oc0, int rows, int oy, int ox0, int cols, {addends}float *c) {{
@@ -184,11 +200,11 @@ static float element(const float *a, const float *b, int n, int oc, int oy, int 
   return sum;
 }}
 
-void kernel(const float *a, const float *b, {addends}float *c) {{
-  for (int n = 0; n < N; ++n)
-    for (int oc0 = 0, rows = 0; oc0 < O; oc0 += rows) {{
-      const int g = oc0 / OG;
-      rows = OG - oc0 % OG < MR ? OG - oc0 % OG : MR;  /* a tile stays in one group */
+void kernel({params}const float *a, const float *b, {addends}float *c) {{
+  {share}
+  for (int64_t tile = begin; tile < end; ++tile) {{  /* tiles of MR output channels of one group */
+      const int n = (int)(tile / (G * TILES_G)), g = (int)(tile / TILES_G % G), first_oc = (int)(tile % TILES_G) * MR;
+      const int oc0 = g * OG + first_oc, rows = OG - first_oc < MR ? OG - first_oc : MR;
       for (int oy = 0; oy < OH; ++oy)
         for (int ox0 = 0; ox0 < OW; ox0 += XR) {{
           const int cols = OW - ox0 < XR ? OW - ox0 : XR;
@@ -231,21 +247,24 @@ TEMPLATES = {"matmul": c_gemm, "conv2d": c_conv2d}
 
 def propose(task: dict[str, Any]) -> list[Config]:
     """The configurations to try this round (at most PER_ROUND, none tried before)."""
-    bits = int(task["target"]["facts"].get("vector_bits", 128))
+    facts = task["target"]["facts"]
+    bits = int(facts.get("vector_bits", 128))
     widths = tuple(w for w in VW if w * 32 <= bits) or VW[:1]
+    cores = max(1, int(facts.get("cores", 1)))
+    tasks = tuple(sorted({1, cores, 2 * cores}))
     attempts = [a for h in task["history"] for a in h["attempts"]]
     tried = {Config.parse(a["name"]) for a in attempts}
     ok = [(a["seconds"], Config.parse(a["name"])) for a in attempts
           if a["verdict"] == "ok" and a["seconds"] is not None and Config.parse(a["name"]) is not None]
-    smallest = Config(MR[0], NV[0], widths[0], UNROLL[0])
+    smallest = Config(MR[0], NV[0], widths[0], UNROLL[0], cores)
     if not task["history"]:
         return [smallest]
     if ok:
         best = min(ok, key=lambda pair: pair[0])[1]
-        pool = best.neighbours(widths)
+        pool = best.neighbours(widths, tasks)
     else:  # nothing verified yet: the space, smallest tiles first
-        pool = sorted((Config(*point) for point in itertools.product(MR, NV, widths, UNROLL)),
-                      key=lambda c: (c.mr * c.nv * c.vw, c.unroll))
+        pool = sorted((Config(*point) for point in itertools.product(MR, NV, widths, UNROLL, tasks)),
+                      key=lambda c: (c.mr * c.nv * c.vw, c.unroll, c.tasks != cores))
     return [c for c in dict.fromkeys(pool) if c not in tried][:PER_ROUND]
 
 
@@ -255,7 +274,8 @@ def answer(task: dict[str, Any]) -> list[dict[str, str]]:
     template = TEMPLATES.get(task["group"]["op"])
     if "c" not in task["formats"] or template is None:
         return []
-    return [{"format": "c", "name": c.name, "source": template(c, task["group"])} for c in propose(task)]
+    return [{"format": "c", "name": c.name, "source": template(c, task["group"]),
+             **({"tasks": c.tasks} if c.tasks > 1 else {})} for c in propose(task)]
 
 
 def main() -> None:

@@ -25,7 +25,10 @@ operand named); a TVMScript kernel here, after one run on ordinary arrays and be
 poisoned runs, whose results a read past an operand's end could change (`_guard_pages`: DLPack
 wants 64-byte aligned data, so an array may end up to 60 bytes short of its page), the fault ending
 this child, which `_spawn` reads by the stage the child announced (the guard pages are this
-machine's memory: for a remote device they are skipped, the rest runs there). The child runs in a
+machine's memory: for a remote device they are skipped, the rest runs there). A C kernel split
+into tasks (`CSource`) also runs its tasks concurrently, in order and in reverse order
+(`task_orders`): an output that differs between those is a "race" (tasks writing one element,
+or reading what another writes). The child runs in a
 session of its own under resource limits (`_limit`: CPU time, address space), and its whole
 process group is killed when it runs past its time ("timeout").
 
@@ -62,7 +65,7 @@ from ..peers import interleaved
 from ..runtime.remote import RemoteDevice
 from ..errors import UnsafeKernelError
 from ..schedules.kernel_selection.apply import rewrite_ops
-from ..schedules.kernel_selection.candidates import OpSignature
+from ..schedules.kernel_selection.candidates import CSource, OpSignature
 from ..schedules.kernel_selection.external import shared_library
 from ..schedules.kernel_selection.sources import find
 from ..schedules.tuning.records import ApplyRecords, RecordsDB
@@ -81,15 +84,16 @@ MAX_COPIES = 64
 MIN_RUNS = 5
 # |ours - reference| must stay within this fraction of `OpSignature.error_scale` (float32 sums).
 TOLERANCE = 1e-4
-VERDICTS = ("ok", "unavailable", "compile error", "unsafe", "cannot run", "out-of-bounds access", "wrong result",
-            "uninitialised output", "crash", "timeout", "timing failed", "remote failure")
+VERDICTS = ("ok", "unavailable", "compile error", "unsafe", "cannot run", "out-of-bounds access", "race",
+            "wrong result", "uninitialised output", "crash", "timeout", "timing failed", "remote failure")
 """What became of a candidate: `Outcome.verdict` (a kernel generator is told it)."""
 POISONS = (np.nan, -3.0e38)
 """What an outside kernel's output buffer holds before each of its two poisoned runs."""
 KERNEL_CHECKS = ("calls: libc memory functions and libm only",
                  "outputs against the float64 reference: random, integer, large, zero inputs",
                  "NaN/Inf propagation", "uninitialised output: two poisons",
-                 "guard pages: C exact, TVMScript 64-byte aligned")
+                 "guard pages: C exact, TVMScript 64-byte aligned",
+                 "C tasks: concurrent, in order and reversed give one output")
 """The checks an outside kernel passes to be verified (the accepted-kernel cache keys on them)."""
 
 
@@ -263,7 +267,8 @@ def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, Outco
         alone = _alone(sig, candidate, machine, target, tuned)
         local = machine.remote is None
         if candidate.c_source is not None and local:  # called on its own in a process of its own
-            failure = out_of_bounds(sig, candidate.c_source, target) or _poisoned(sig, machine, alone)
+            failure = (out_of_bounds(sig, candidate.c_source, target) or task_orders(sig, candidate.c_source, target)
+                       or _poisoned(sig, machine, alone))
         else:  # here; against guard pages before the poisons, which out-of-bounds reads could see
             if local:
                 _guard_pages(sig, machine, alone)  # a fault ends this child
@@ -309,40 +314,68 @@ def _propagates(sig, machine: _Machine, vm) -> Outcome | None:
     return None
 
 
-def _guarded_run(library: str, function: str, shapes: list, placement: str, protect: list[int]) -> tuple[int, str]:
-    """(exit status, standard error's last line) of `guard_pages` calling the kernel once."""
-    job = {"library": library, "function": function, "shapes": shapes, "placement": placement, "protect": protect}
-    done = subprocess.run([sys.executable, "-I", guard_pages.__file__], input=json.dumps(job), text=True,
+def _guard_pages_run(job: dict[str, Any]) -> subprocess.CompletedProcess:
+    """`guard_pages` run on `job`, in a process of its own."""
+    return subprocess.run([sys.executable, "-I", guard_pages.__file__], input=json.dumps(job), text=True,
                           capture_output=True, check=False)
-    return done.returncode, (done.stderr.strip().splitlines() or [""])[-1][:200]
 
 
-def out_of_bounds(sig, c_source: tuple[str, str], target) -> Outcome | None:
-    """None when the C kernel (`c_source`: its file and function) runs without a fault on
-    operands placed against guard pages, after their ends and then before their starts, its
-    inputs read-only; otherwise an "out-of-bounds access", naming the operand found by
-    protecting each alone, or a "crash" where it also fails on ordinary arrays (a stray access
-    far from every operand) or fails otherwise."""
-    library, function = str(shared_library(c_source[0], target)), c_source[1]
+def _last_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[-1][:200]
+
+
+def out_of_bounds(sig, c_source: CSource, target) -> Outcome | None:
+    """None when the C kernel `c_source` runs without a fault on operands placed against
+    guard pages, after their ends and then before their starts, its inputs read-only;
+    otherwise an "out-of-bounds access", naming the operand found by protecting each alone, or
+    a "crash" where it also fails on ordinary arrays (a stray access far from every operand)
+    or fails otherwise."""
+    library = str(shared_library(c_source.path, target))
     operands = sig.kernel_operands()
     shapes = [list(shape) for _, shape in operands]
     every = list(range(len(operands)))
+
+    def run(placement: str, protect: list[int]) -> tuple[int, str]:
+        done = _guard_pages_run({"library": library, "function": c_source.function, "shapes": shapes,
+                                 "tasks": c_source.tasks, "placement": placement, "protect": protect})
+        return done.returncode, _last_line(done.stderr)
+
     for placement, where in (("end", "past the end of"), ("start", "before the start of")):
-        status, error = _guarded_run(library, function, shapes, placement, every)
+        status, error = run(placement, every)
         if status == 0:
             continue
         if status in FAULTS:
-            status, error = _guarded_run(library, function, shapes, placement, [])
+            status, error = run(placement, [])
         if status != 0:
             how = FAULTS.get(status, f"exit status {status}")
             return Outcome(False, f"crashed ({how}) at {sig.key} when called on its own: {error or 'no error output'}",
                            verdict="crash")
-        culprit = next((i for i in every if _guarded_run(library, function, shapes, placement, [i])[0] in FAULTS),
-                       None)
+        culprit = next((i for i in every if run(placement, [i])[0] in FAULTS), None)
         what = "its operands together" if culprit is None else operands[culprit][0]
         written = " (or writes this input)" if culprit is not None and culprit < len(operands) - 1 else ""
         return Outcome(False, f"out-of-bounds access at {sig.key}: faults with each operand against a guard page, "
                        f"{where} {what}{written}", verdict="out-of-bounds access")
+    return None
+
+
+def task_orders(sig, c_source: CSource, target) -> Outcome | None:
+    """None when the C kernel `c_source` has one task, or gives one output with its tasks run
+    concurrently, in order and in reverse order (`guard_pages`); otherwise a "race"."""
+    if c_source.tasks == 1:
+        return None
+    done = _guard_pages_run({"library": str(shared_library(c_source.path, target)), "function": c_source.function,
+                             "shapes": [list(shape) for _, shape in sig.kernel_operands()],
+                             "tasks": c_source.tasks, "orders": True})
+    if done.returncode != 0:
+        how = FAULTS.get(done.returncode, f"exit status {done.returncode}")
+        return Outcome(False, f"crashed ({how}) at {sig.key} running its {c_source.tasks} tasks: "
+                       f"{_last_line(done.stderr) or 'no error output'}", verdict="crash")
+    found = json.loads(done.stdout)
+    if found["differ"]:
+        return Outcome(False, f"race at {sig.key}: {found['differ']} of {found['size']} output elements differ between "
+                       f"its {c_source.tasks} tasks run concurrently, in order and in reverse order (first at "
+                       f"{tuple(found['first'])}): each output element must be written by one task alone",
+                       verdict="race")
     return None
 
 

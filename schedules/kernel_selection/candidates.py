@@ -225,6 +225,22 @@ def emit_epilogue(bb: relax.BlockBuilder, out: relax.Expr, addends: list[relax.E
     return out
 
 
+MAX_TASKS = 256
+"""The most tasks a C kernel may split into (`CSource.tasks`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CSource:
+    """A kernel given as C: its source file, its function and the tasks it splits into. With
+    one task the function takes the operands; with `tasks` T > 1 it takes `int64_t task,
+    int64_t tasks` first and computes its share of the output, called once for each task,
+    in parallel on the compiler's thread pool (the kernel starts no threads of its own)."""
+
+    path: str
+    function: str
+    tasks: int = 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One implementation of an op signature on a target.
@@ -237,8 +253,8 @@ class Candidate:
     kernel: for a kernel from outside the compiler (external, generator), its PrimFunc over
     `OpSignature.kernel_operands` at a signature's shapes, which verification also runs on its own
     (c poisoned beforehand, to catch outputs it leaves unwritten); c_source: for one given as
-    C, its source file and function, which verification also calls directly on operands placed
-    against guard pages (to catch out-of-bounds accesses).
+    C (`CSource`), what verification also calls directly: on operands placed against guard
+    pages (to catch out-of-bounds accesses), and its tasks in different orders (races).
     """
 
     source: str
@@ -249,7 +265,7 @@ class Candidate:
     digest: str = ""
     unavailable: str | None = None
     kernel: Callable[[OpSignature], tvm.tirx.PrimFunc] | None = None
-    c_source: tuple[str, str] | None = None
+    c_source: CSource | None = None
 
     @property
     def id(self) -> str:

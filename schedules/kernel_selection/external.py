@@ -21,6 +21,10 @@
   never clash. The object may call libc's memory functions and libm only
   (`ALLOWED_CALLS`): one that calls anything else (fork, system, socket, ...) is refused
   with an `UnsafeKernelError`, as is TVMScript calling an external function outside that list.
+  With `"tasks": T` (2 to `MAX_TASKS`) the function takes `int64_t task, int64_t tasks` before
+  the arrays and computes its share of the output: the build calls it for each task in a
+  parallel loop (TVM's thread pool, the model's threads), so a kernel uses the cores without
+  starting threads of its own (`CSource`).
 An optional `"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kernel of that op
 group (`OpSignature.epilogue`): it takes each addend after the operands, as
 `OpSignature.kernel_operands` shapes it, and applies the steps in order. An entry is a
@@ -49,7 +53,7 @@ from ...errors import GimletError, UnsafeKernelError
 from ...files import atomic_path
 from ...runtime.extensions import build_library
 from ...targets import spec_for
-from .candidates import Candidate, OpSignature, call_prim_func
+from .candidates import MAX_TASKS, Candidate, CSource, OpSignature, call_prim_func
 
 MANIFEST = "kernels.json"
 FORMATS = ("tvmscript", "c")
@@ -107,18 +111,26 @@ def _refuse_calls(path: str, called: list[str]) -> None:
                                 "functions and libm only")
 
 
-def _c_prim_func(path: str, function: str, sig: OpSignature, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
-    """A PrimFunc over the group's buffers (`OpSignature.kernel_operands`) that calls `function`
-    from the C source at `path`, compiled (cached) with the function renamed to a symbol of
-    its own; the object file is named in the `LINK_OBJECT` attribute."""
-    symbol = f"gimlet_external_{digest(path)}_{function}"
-    flags = [*C_FLAGS, "-c", _march(target), f"-D{function}={symbol}"]
-    obj = _only_global(build_library(symbol, [Path(path)], flags, compiler=C_COMPILER, suffix=".o"), symbol)
+def _c_prim_func(c: CSource, sig: OpSignature, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
+    """A PrimFunc over the group's buffers (`OpSignature.kernel_operands`) that calls the
+    function of the C kernel `c`, compiled (cached) with the function renamed to a symbol of
+    its own, once or (`c.tasks` > 1) once per task in a parallel loop; the object file is
+    named in the `LINK_OBJECT` attribute."""
+    symbol = f"gimlet_external_{digest(c.path)}_{c.function}"
+    flags = [*C_FLAGS, "-c", _march(target), f"-D{c.function}={symbol}"]
+    obj = _only_global(build_library(symbol, [Path(c.path)], flags, compiler=C_COMPILER, suffix=".o"), symbol)
     undefined = subprocess.run(["nm", "-u", "--format=just-symbols", str(obj)], capture_output=True, text=True,
                                check=True).stdout.split()
-    _refuse_calls(path, undefined)
+    _refuse_calls(c.path, undefined)
     buffers = [tvm.tirx.decl_buffer(shape, sig.dtype, name) for name, shape in sig.kernel_operands()]
-    body = tvm.tirx.Evaluate(tvm.tirx.call_extern("void", symbol, *(b.data for b in buffers)))
+    arrays = [b.data for b in buffers]
+    if c.tasks == 1:
+        body = tvm.tirx.Evaluate(tvm.tirx.call_extern("void", symbol, *arrays))
+    else:
+        task = tvm.tirx.Var("task", "int64")
+        call = tvm.tirx.call_extern("void", symbol, task, tvm.tirx.IntImm("int64", c.tasks), *arrays)
+        body = tvm.tirx.For(task, tvm.tirx.IntImm("int64", 0), tvm.tirx.IntImm("int64", c.tasks),
+                            tvm.tirx.ForKind.PARALLEL, tvm.tirx.Evaluate(call))
     func = tvm.tirx.PrimFunc(buffers, body)
     return func.with_attrs({"tir.noalias": True, "tirx.is_scheduled": True, LINK_OBJECT: str(obj)})
 
@@ -174,13 +186,15 @@ def digest(path: str) -> str:
 
 
 def add_kernel(directory: str, sig: OpSignature, target_kind: str, fmt: str, text: str, name: str,
-               **provenance: Any) -> str:
-    """Keep the kernel source `text` (of `format` fmt, for `sig` on targets of `target_kind`)
-    in `directory` as an entry of its manifest (created if missing; written atomically), named
-    `name` and its content's hash, with `provenance` (e.g. generator, round) beside it; the
-    same kernel added again is the same entry. Returns the entry's name."""
+               tasks: int = 1, **provenance: Any) -> str:
+    """Keep the kernel source `text` (of `format` fmt, for `sig` on targets of `target_kind`,
+    split into `tasks` for C) in `directory` as an entry of its manifest (created if missing;
+    written atomically), named `name` and its content's hash, with `provenance` (e.g.
+    generator, round) beside it; the same kernel added again is the same entry. Returns the
+    entry's name."""
     os.makedirs(directory, exist_ok=True)
-    content = hashlib.sha256(f"{sig.key}\n{fmt}\n{text}".encode()).hexdigest()[:12]
+    split = f"\ntasks={tasks}" if tasks != 1 else ""
+    content = hashlib.sha256(f"{sig.key}\n{fmt}\n{text}{split}".encode()).hexdigest()[:12]
     entry_name = f"{re.sub(r'[^A-Za-z0-9_]', '_', name)[:40]}_{content}"
     manifest = os.path.join(directory, MANIFEST)
     entries = read_manifest(directory) if os.path.isfile(manifest) else []
@@ -192,7 +206,8 @@ def add_kernel(directory: str, sig: OpSignature, target_kind: str, fmt: str, tex
     entries.append({"name": entry_name, "op": sig.op, "dtype": sig.dtype, "shapes": [list(s) for s in sig.shapes],
                     "epilogue": [[kind, list(shape)] for kind, shape in sig.epilogue], "attrs": dict(sig.attrs),
                     "target": target_kind,
-                    "format": fmt, "source": source, "function": C_FUNCTION, **provenance})
+                    "format": fmt, "source": source, "function": C_FUNCTION,
+                    **({"tasks": tasks} if tasks != 1 else {}), **provenance})
     with atomic_path(manifest) as tmp, open(tmp, "w") as f:
         json.dump({"kernels": entries}, f, indent=1)
     return entry_name
@@ -211,6 +226,7 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
             continue
         path = os.path.join(directory, entry["source"])
         function = entry.get("function", entry["name"])
+        tasks = entry.get("tasks", 1)
         unavailable = None
         if entry["op"] not in OPS:
             unavailable = f"only kernels of {', '.join(OPS)} are taken from outside for now"
@@ -222,9 +238,12 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
             unavailable = "C source is taken for host CPU targets only"
         elif entry["format"] == "c" and not re.fullmatch(r"[A-Za-z_]\w*", function):
             unavailable = f"function '{function}' is not a C identifier"
+        elif not (isinstance(tasks, int) and 1 <= tasks <= MAX_TASKS) or (tasks != 1 and entry["format"] != "c"):
+            unavailable = f"tasks must be an integer from 1 to {MAX_TASKS}, above 1 for C kernels only, not {tasks!r}"
+        c_source = CSource(path, function, tasks) if entry["format"] == "c" and unavailable is None else None
 
-        def kernel(sig: OpSignature, path=path, function=function, c=entry["format"] == "c") -> tvm.tirx.PrimFunc:
-            return _c_prim_func(path, function, sig, target) if c else _load_prim_func(path)
+        def kernel(sig: OpSignature, c=c_source, path=path) -> tvm.tirx.PrimFunc:
+            return _c_prim_func(c, sig, target) if c is not None else _load_prim_func(path)
 
         def rewrite(bb, call, name=entry["name"], kernel=kernel):
             return call_prim_func(bb, call, kernel(OpSignature.of_call(call)), f"{source}_{name}")
@@ -232,5 +251,5 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
         found.append(Candidate(source, entry["name"], path, rewrite, shape_generic=False,
                                digest=digest(path) if unavailable is None else "", kernel=kernel,
                                unavailable=unavailable,
-                               c_source=(path, function) if entry["format"] == "c" else None))
+                               c_source=c_source))
     return found
