@@ -9,6 +9,8 @@ r of an op group by the r-th PLAN, each a '+'-joined list of kernels, or one mis
                                       of c; reading one element before the start of a; writing
                                       far from every operand
     tvmscript                         a right GEMM in TVMScript
+    gpu  gpunozero                    TVMScript GEMMs for GPU targets (a thread an element of c,
+                                      64 a block): right; one that never zeroes c
     tasks  splitk                     C GEMMs in 3 tasks: right (rows split between the tasks);
                                       a race (K split, each task adding its part into c,
                                       which task 0 zeroes first)
@@ -51,6 +53,24 @@ C_KERNELS = {
     "before": {"after": "c[0] += 0.0f * a[-1];"},
     "stray": {"after": "c[(long)1 << 41] = 1.0f;"},
 }
+TVMSCRIPT_GPU = """
+# from tvm.script import tirx as T
+
+@T.prim_func
+def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
+         c: T.Buffer(({m}, {n}), "float32")):
+    T.func_attr({{"tir.noalias": True, "tirx.is_scheduled": True}})
+    for block in T.thread_binding(({m} * {n} + 63) // 64, thread="blockIdx.x"):
+        for thread in T.thread_binding(64, thread="threadIdx.x"):
+            if block * 64 + thread < {m} * {n}:
+                {zero}
+                for kk in range({k}):
+                    c[(block * 64 + thread) // {n}, (block * 64 + thread) % {n}] = (
+                        c[(block * 64 + thread) // {n}, (block * 64 + thread) % {n}]
+                        + a[(block * 64 + thread) // {n}, kk] * b[kk, (block * 64 + thread) % {n}])
+"""
+GPU_ZERO = {"gpu": "c[(block * 64 + thread) // {n}, (block * 64 + thread) % {n}] = T.float32(0)",
+            "gpunozero": "T.evaluate(0)"}
 C_TASKS = """
 #include <stdint.h>
 void kernel(int64_t task, int64_t tasks, const float *a, const float *b, float *c) {{
@@ -154,6 +174,9 @@ def kernel(plan: str, sizes: dict) -> dict:
         return {"format": "c", "source": C_CONV.format(**sizes, inside=CONV_INSIDE[plan].format(**sizes)), "name": plan}
     if plan == "tvmscript":
         return {"format": "tvmscript", "source": TVMSCRIPT.format(**sizes), "name": plan}
+    if plan in GPU_ZERO:
+        return {"format": "tvmscript", "source": TVMSCRIPT_GPU.format(**sizes, zero=GPU_ZERO[plan].format(**sizes)),
+                "name": plan}
     if plan in TASK_BODIES:
         body = TASK_BODIES[plan].format(**sizes)
         return {"format": "c", "source": C_TASKS.format(body=body), "name": plan, "tasks": TASKS}

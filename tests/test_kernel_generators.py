@@ -9,6 +9,7 @@ import ctypes
 import dataclasses
 import http.server
 import json
+import os
 import re
 import sys
 import threading
@@ -472,6 +473,43 @@ def test_c_kernels_split_into_tasks_run_in_parallel_and_races_are_rejected(tmp_p
     x = np.random.default_rng(16).standard_normal((M, K)).astype(np.float32)
     np.testing.assert_allclose(model(x)[0], x @ onnx.numpy_helper.to_array(proto.graph.initializer[0]),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_gpu_targets_take_tvmscript_kernels_checked_on_the_device(tmp_path):
+    """On Vulkan (lavapipe here) a generator is offered TVMScript alone and told to bind its
+    threads; a thread-bound GEMM is verified on the device (the poisoned runs there too;
+    guard pages are host memory, skipped) and a model built for Vulkan with it computes the
+    matmul, while one that never zeroes its output keeps the poison ("uninitialised output").
+    For CUDA, with no GPU here, the same kernel compiles and is reported as unable to run."""
+    _, target = resolve_target("vulkan")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    tried = []
+    os.environ["GIMLET_TEST_TASKS"] = str(tasks)
+    try:
+        generate(WEIGHT_SIG, target, Generator(scripted("gpu+gpunozero"), rounds=1), str(tmp_path),
+                 _verify_in(tmp_path, target, 300), tried, lambda line: None)
+    finally:
+        del os.environ["GIMLET_TEST_TASKS"]
+    offered = json.loads((tasks / "round1.json").read_text())
+    assert offered["formats"] == ["tvmscript"] and "T.thread_binding" in offered["interface"]["tvmscript"]
+    outcomes = {t.id.split(":")[1].split("_")[0]: t for t in tried}
+    assert outcomes["gpu"].verified, outcomes["gpu"].reason
+    assert outcomes["gpunozero"].verdict == "uninitialised output", outcomes["gpunozero"].reason
+
+    selection = KernelSelection(target_key(target), {WEIGHT_SIG.key: OpChoice(WEIGHT_SIG, tried, outcomes["gpu"].id)},
+                                generated_dir=str(tmp_path))
+    proto = _matmul_model()
+    model = gimlet_tvm.build(proto, "vulkan", input_shapes={"x": [M, K]}, selection=selection)
+    x = np.random.default_rng(17).standard_normal((M, K)).astype(np.float32)
+    np.testing.assert_allclose(model(x)[0], x @ onnx.numpy_helper.to_array(proto.graph.initializer[0]),
+                               rtol=1e-4, atol=1e-4)
+
+    _, cuda = resolve_target("cuda")
+    name = add_kernel(str(tmp_path), WEIGHT_SIG, "cuda", "tvmscript", kernel("gpu", offered["group"]["gemm"])["source"],
+                      "gpu")
+    outcome = _verify_in(tmp_path, cuda, 300)(f"generator:{name}")
+    assert outcome.verdict == "cannot run" and outcome.reason.startswith("compiled; cannot run on this machine"), outcome
 
 
 def test_a_generator_may_split_only_c_kernels_into_tasks_and_at_most_max_tasks():

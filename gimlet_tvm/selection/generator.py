@@ -74,12 +74,12 @@ class Generator:
 
 def formats_for(sig: OpSignature, target: tvm.target.Target) -> tuple[str, ...]:
     """The source formats a generator may answer in for `sig` on `target`; empty: the group
-    is not offered (for now GEMMs, conv2ds and attention on CPU targets, built as external
-    kernels are)."""
+    is not offered (GEMMs, conv2ds and attention, built as external kernels are): C on CPU
+    targets this machine runs, TVMScript on every target (GPU kernels bind their threads)."""
     spec = spec_for(target)
-    if sig.op not in OPS or not spec.is_cpu or (sig.op == "matmul" and sig.addends_2d() is None):
+    if sig.op not in OPS or (sig.op == "matmul" and sig.addends_2d() is None):
         return ()
-    return ("c", "tvmscript") if spec.runs_here() and sig.dtype == "float32" else ("tvmscript",)
+    return ("c", "tvmscript") if spec.is_cpu and spec.runs_here() and sig.dtype == "float32" else ("tvmscript",)
 
 
 def _conv2d(sig: OpSignature) -> dict[str, Any]:
@@ -157,7 +157,7 @@ SEMANTICS = {
 }
 
 
-def _interface(sig: OpSignature, formats: tuple[str, ...]) -> dict[str, str]:
+def _interface(sig: OpSignature, target: tvm.target.Target, formats: tuple[str, ...]) -> dict[str, str]:
     """How a kernel of each format takes its operands (`OpSignature.kernel_operands`)."""
     operands = sig.kernel_operands()
     out = operands[-1][0]
@@ -174,7 +174,10 @@ def _interface(sig: OpSignature, formats: tuple[str, ...]) -> dict[str, str]:
               "reverse order, and must give one output)"),
         "tvmscript": (f"TVMScript of one T.prim_func (T is tvm.script.tirx) with buffers {arrays} in that order, "
                       f"dtype {sig.dtype}, as PrimFunc.script() prints it, no Python imports; give it "
-                      'T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True}) when it is scheduled'),
+                      'T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True}) when it is scheduled'
+                      + ("" if spec_for(target).is_cpu else
+                         "; for this GPU target, bind its loops with T.thread_binding to blockIdx.x/threadIdx.x "
+                         "(at most the target facts' max_threads_per_block threads a block)")),
     }
     return {fmt: described[fmt] for fmt in formats}
 
@@ -204,7 +207,7 @@ def task(sig: OpSignature, target: tvm.target.Target, round_: int, rounds: int,
     return {
         "protocol": PROTOCOL, "round": round_, "rounds": rounds, "group": group,
         "reference": {"tvmscript": sig.module().script(), "numpy": numpy_expression(sig)},
-        "target": _target_facts(target), "formats": list(formats), "interface": _interface(sig, formats),
+        "target": _target_facts(target), "formats": list(formats), "interface": _interface(sig, target, formats),
         "best": best, "history": history,
     }
 

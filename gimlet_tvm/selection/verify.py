@@ -25,7 +25,7 @@ operand named); a TVMScript kernel here, after one run on ordinary arrays and be
 poisoned runs, whose results a read past an operand's end could change (`_guard_pages`: DLPack
 wants 64-byte aligned data, so an array may end up to 60 bytes short of its page), the fault ending
 this child, which `_spawn` reads by the stage the child announced (the guard pages are this
-machine's memory: for a remote device they are skipped, the rest runs there). A C kernel split
+machine's host memory: for a remote device or a GPU they are skipped, the rest runs there). A C kernel split
 into tasks (`CSource`) also runs its tasks concurrently, in order and in reverse order
 (`task_orders`): an output that differs between those is a "race" (tasks writing one element,
 or reading what another writes). The child runs in a
@@ -263,9 +263,10 @@ def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, Outco
         return executable, Outcome(False, f"compiled; cannot run on this machine: {cannot_run}",
                                    verdict="cannot run")
     if candidate.kernel is not None:
-        # Operands against guard pages are this machine's memory: a remote device skips them.
+        # Operands against guard pages are this machine's host memory: a remote device or a GPU
+        # skips them.
         alone = _alone(sig, candidate, machine, target, tuned)
-        local = machine.remote is None
+        local = machine.remote is None and machine.spec.is_cpu
         if candidate.c_source is not None and local:  # called on its own in a process of its own
             failure = (out_of_bounds(sig, candidate.c_source, target) or task_orders(sig, candidate.c_source, target)
                        or _poisoned(sig, machine, alone))

@@ -189,12 +189,12 @@ def add_kernel(directory: str, sig: OpSignature, target_kind: str, fmt: str, tex
                tasks: int = 1, **provenance: Any) -> str:
     """Keep the kernel source `text` (of `format` fmt, for `sig` on targets of `target_kind`,
     split into `tasks` for C) in `directory` as an entry of its manifest (created if missing;
-    written atomically), named `name` and its content's hash, with `provenance` (e.g.
-    generator, round) beside it; the same kernel added again is the same entry. Returns the
-    entry's name."""
+    written atomically), named `name` and the hash of its content and target kind, with
+    `provenance` (e.g. generator, round) beside it; the same kernel added again for the same
+    kind of target is the same entry. Returns the entry's name."""
     os.makedirs(directory, exist_ok=True)
     split = f"\ntasks={tasks}" if tasks != 1 else ""
-    content = hashlib.sha256(f"{sig.key}\n{fmt}\n{text}{split}".encode()).hexdigest()[:12]
+    content = hashlib.sha256(f"{sig.key}\n{target_kind}\n{fmt}\n{text}{split}".encode()).hexdigest()[:12]
     entry_name = f"{re.sub(r'[^A-Za-z0-9_]', '_', name)[:40]}_{content}"
     manifest = os.path.join(directory, MANIFEST)
     entries = read_manifest(directory) if os.path.isfile(manifest) else []
