@@ -34,7 +34,7 @@ from gimlet_tvm.schedules.tuning.records import target_key
 from gimlet_tvm.selection import accepted
 from gimlet_tvm.selection.generator import Generator, generate, numpy_expression, task
 from gimlet_tvm.selection.json_schema import SCHEMA_FILE, protocol_errors
-from gimlet_tvm.selection.search_generator import Config, c_conv2d
+from gimlet_tvm.selection.search_generator import Config, c_attention, c_conv2d
 from gimlet_tvm.selection.select import op_signatures
 from gimlet_tvm.selection.verify import out_of_bounds, run_candidate
 
@@ -188,11 +188,59 @@ def test_search_generator_conv2d_template_computes_the_reference(case, tmp_path)
         source.write_text(c_conv2d(config, group))
         kernel_function = ctypes.CDLL(str(shared_library(str(source), target))).kernel
         out = np.full(sig.out_shape, np.nan, np.float32)
-        arrays = [x.ctypes.data_as(ctypes.c_void_p) for x in (*operands, out)]
-        for share in range(config.tasks):  # each task its share; together every output element
-            kernel_function(*([ctypes.c_int64(share), ctypes.c_int64(config.tasks)] if config.tasks > 1 else []),
-                            *arrays)
+        _call_c_kernel(kernel_function, config, [*operands, out])
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=config.name)
+
+
+def _call_c_kernel(function, config: Config, arrays: list[np.ndarray]) -> None:
+    """Call a template's kernel on `arrays` as the build does: each of its tasks in turn."""
+    pointers = [x.ctypes.data_as(ctypes.c_void_p) for x in arrays]
+    for share in range(config.tasks):
+        function(*([ctypes.c_int64(share), ctypes.c_int64(config.tasks)] if config.tasks > 1 else []), *pointers)
+
+
+def _attention_sig(q, k, v, bias=None, scale=0.3) -> OpSignature:
+    return OpSignature.from_json({"op": "attention", "shapes": [q, k, v, *([bias] if bias else [])],
+                                  "dtype": "float32", "attrs": {"scale": scale}})
+
+
+ATTENTION_TEMPLATE_CASES = {
+    "no bias, odd sizes": _attention_sig([1, 7, 3, 13], [1, 11, 3, 13], [1, 11, 3, 5]),
+    "padding mask": _attention_sig([2, 9, 2, 16], [2, 9, 2, 16], [2, 9, 2, 16], [2, 1, 1, 9]),
+    "full bias, head 37": _attention_sig([1, 5, 2, 37], [1, 6, 2, 37], [1, 6, 2, 37], [1, 2, 5, 6], 0.125),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_TEMPLATE_CASES))
+def test_search_generator_attention_template_computes_the_reference(case, tmp_path):
+    """The search generator's attention, compiled as verification compiles it and called task
+    by task, at query tiles that divide the rows and tiles that do not, vectors that divide the
+    head and heads with a tail, with and without a (broadcast) bias, against the reference."""
+    sig = ATTENTION_TEMPLATE_CASES[case]
+    _, target = resolve_target("llvm")
+    group = task(sig, target, 1, 1, None, [])["group"]
+    rng = np.random.default_rng(18)
+    operands = [rng.standard_normal(shape).astype(np.float32) for _, shape in sig.kernel_operands()[:-1]]
+    want = sig.reference(*operands)
+    for config in (Config(1, 1, 4, 1, 1), Config(3, 1, 8, 2, 2), Config(8, 1, 16, 4, 3)):
+        source = tmp_path / f"{config.name}.c"
+        source.write_text(c_attention(config, group))
+        out = np.full(sig.out_shape, np.nan, np.float32)
+        _call_c_kernel(ctypes.CDLL(str(shared_library(str(source), target))).kernel, config, [*operands, out])
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5, err_msg=config.name)
+
+
+def test_search_generator_answers_attention_with_a_verified_kernel(tmp_path):
+    """The bundled search's first kernel for the encoder's attention (with its padding-mask
+    bias) passes verification: reference, NaN/Inf, poisons, guard pages, task orders."""
+    _, _, _, _, attention = encoder_attention()
+    _, target = resolve_target("llvm")
+    request = dict(_request(target), signature=attention.to_json(), generated_dir=str(tmp_path))
+    tried = []
+    rounds = generate(attention, target, Generator.named("search", rounds=1, seconds=60), str(tmp_path),
+                      lambda cid: run_candidate(dict(request, candidate=cid), 120), tried, lambda line: None)
+    assert not rounds[0].failure and len(tried) == 1, rounds
+    assert tried[0].verified, tried[0].reason
 
 
 @pytest.mark.slow  # ~60 s; the template's results are checked in CI by the test above

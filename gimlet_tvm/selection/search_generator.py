@@ -1,5 +1,5 @@
-"""A kernel generator that needs no model: a hill climb over C templates, a GEMM and a direct
-convolution.
+"""A kernel generator that needs no model: a hill climb over C templates, a GEMM, a direct
+convolution and an attention.
 
     gimlet-tvm select model.onnx --records DIR --generator search
     (any command running this file as a script does the same: `python search_generator.py`)
@@ -9,12 +9,13 @@ input, a JSON list of candidates on standard output. The GEMM template (`c_gemm`
 in tiles of MR rows by NV vectors of VW floats (GCC vector extensions; the tiles at the edges
 scalar), its K loop unrolled U times; the convolution's (`c_conv2d`) in tiles of MR output
 channels by NV vectors of VW output columns; each applies the group's epilogue to a tile as it
-is stored. Either splits its tiles into T tasks (the protocol's `tasks`: the compiler runs them
-on its thread pool), T one of 1, the target's cores and twice that. Round 1 proposes the
-smallest tile, one task a core; each later round the neighbours (one parameter one step up or
-down) of the fastest kernel the history calls `ok`, never a configuration already tried (the
-configuration is in the kernel's name). When none is `ok` yet, it tries configurations it has
-not, smallest first.
+is stored. The attention's (`c_attention`) in tiles of MR query rows of one head, its values
+summed in vectors of VW. Each splits its tiles into T tasks (the protocol's `tasks`: the
+compiler runs them on its thread pool), T one of 1, the target's cores and twice that. Round 1
+proposes the smallest tile, one task a core; each later round the neighbours (one parameter
+of the op's template one step up or down) of the fastest kernel the history calls `ok`, never
+a configuration already tried (the configuration is in the kernel's name). When none is `ok`
+yet, it tries configurations it has not, smallest first.
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ class Config:
         found = NAME.match(name)
         return None if found is None else cls(*map(int, found.groups()))
 
-    def neighbours(self, widths: tuple[int, ...], tasks: tuple[int, ...]) -> list[Config]:
-        """Each parameter one step up or down its axis."""
+    def neighbours(self, axes: dict[str, tuple[int, ...]]) -> list[Config]:
+        """Each parameter of `axes` one step up or down its axis."""
         found = []
-        for field, axis in (("mr", MR), ("nv", NV), ("vw", widths), ("unroll", UNROLL), ("tasks", tasks)):
+        for field, axis in axes.items():
             value = getattr(self, field)
             if value not in axis:
                 continue
@@ -242,28 +243,117 @@ void kernel({params}const float *a, const float *b, {addends}float *c) {{
 """
 
 
-TEMPLATES = {"matmul": c_gemm, "conv2d": c_conv2d}
+def c_attention(config: Config, group: dict[str, Any]) -> str:
+    """The attention template's C source for the task's attention group at `config`: tiles of
+    MR query rows of one head (each key row read once for the tile); a tile's scores kept
+    whole, softmax over them, then the values summed in vectors of VW floats (the head's last
+    values element by element). NaN and Inf propagate as in the reference: a NaN score, or an
+    infinite one (inf - inf), makes the row's sum NaN."""
+    a = group["attention"]
+    bias_arg, bias_term = "", ""
+    if a["bias"] is not None:  # broadcast over (b, n, s, t) where the bias has 1
+        terms, stride = [], 1
+        for coord, size in reversed(list(zip(("b", "n", "s0 + r", "t"), a["bias"]))):
+            if size != 1:
+                terms.append(f"({coord}) * {stride}")
+            stride *= size
+        bias_arg, bias_term = "const float *bias, ", f" + bias[{' + '.join(terms) or '0'}]"
+    params, share = _split(config, "(int64_t)B * NH * TILES_S")
+    return f"""#include <math.h>
+#include <stdint.h>
+#include <string.h>
+enum {{ B = {a["b"]}, S = {a["s"]}, T = {a["t"]}, NH = {a["n"]}, H = {a["h"]}, HV = {a["hv"]},
+       MR = {config.mr}, VW = {config.vw}, TILES_S = (S + MR - 1) / MR }};
+typedef float vf __attribute__((vector_size(VW * 4)));
+static const float SCALE = {float(a["scale"])!r}f;
+
+static inline float dot(const float *x, const float *y) {{
+  vf acc = {{0}};
+  int i = 0;
+  for (; i + VW <= H; i += VW) {{
+    vf xv, yv;
+    memcpy(&xv, x + i, sizeof xv);
+    memcpy(&yv, y + i, sizeof yv);
+    acc += xv * yv;
+  }}
+  float sum = 0.0f;
+  for (int l = 0; l < VW; ++l) sum += acc[l];
+  for (; i < H; ++i) sum += x[i] * y[i];
+  return sum;
+}}
+
+void kernel({params}const float *q, const float *k, const float *v, {bias_arg}float *out) {{
+  {share}
+  for (int64_t tile = begin; tile < end; ++tile) {{
+    const int b = (int)(tile / (NH * TILES_S)), n = (int)(tile / TILES_S % NH), s0 = (int)(tile % TILES_S) * MR;
+    const int rows = S - s0 < MR ? S - s0 : MR;
+    float p[MR][T], top[MR], total[MR];
+    for (int r = 0; r < rows; ++r) {{ top[r] = -INFINITY; total[r] = 0.0f; }}
+    #pragma GCC unroll {config.unroll}
+    for (int t = 0; t < T; ++t) {{
+      const float *key = k + ((b * T + t) * NH + n) * H;
+      for (int r = 0; r < rows; ++r) {{
+        const float x = dot(q + ((b * S + s0 + r) * NH + n) * H, key) * SCALE{bias_term};
+        p[r][t] = x;
+        top[r] = x > top[r] ? x : top[r];
+      }}
+    }}
+    for (int r = 0; r < rows; ++r)
+      for (int t = 0; t < T; ++t) {{
+        p[r][t] = expf(p[r][t] - top[r]);
+        total[r] += p[r][t];
+      }}
+    for (int r = 0; r < rows; ++r) {{
+      float *o = out + ((b * S + s0 + r) * NH + n) * HV;
+      int j = 0;
+      for (; j + VW <= HV; j += VW) {{
+        vf acc = {{0}};
+        for (int t = 0; t < T; ++t) {{
+          vf value;
+          memcpy(&value, v + ((b * T + t) * NH + n) * HV + j, sizeof value);
+          acc += p[r][t] * value;
+        }}
+        acc /= total[r];
+        memcpy(o + j, &acc, sizeof acc);
+      }}
+      for (; j < HV; ++j) {{
+        float sum = 0.0f;
+        for (int t = 0; t < T; ++t) sum += p[r][t] * v[((b * T + t) * NH + n) * HV + j];
+        o[j] = sum / total[r];
+      }}
+    }}
+  }}
+}}
+"""
+
+
+TEMPLATES = {"matmul": (c_gemm, ("mr", "nv", "vw", "unroll", "tasks")),
+             "conv2d": (c_conv2d, ("mr", "nv", "vw", "unroll", "tasks")),
+             "attention": (c_attention, ("mr", "vw", "unroll", "tasks"))}
+"""Each op's template and the parameters its search varies (the others stay at their first value)."""
 
 
 def propose(task: dict[str, Any]) -> list[Config]:
     """The configurations to try this round (at most PER_ROUND, none tried before)."""
     facts = task["target"]["facts"]
     bits = int(facts.get("vector_bits", 128))
-    widths = tuple(w for w in VW if w * 32 <= bits) or VW[:1]
     cores = max(1, int(facts.get("cores", 1)))
-    tasks = tuple(sorted({1, cores, 2 * cores}))
+    space = {"mr": MR, "nv": NV, "vw": tuple(w for w in VW if w * 32 <= bits) or VW[:1], "unroll": UNROLL,
+             "tasks": tuple(sorted({1, cores, 2 * cores}))}
+    axes = {field: space[field] for field in TEMPLATES[task["group"]["op"]][1]}
     attempts = [a for h in task["history"] for a in h["attempts"]]
     tried = {Config.parse(a["name"]) for a in attempts}
     ok = [(a["seconds"], Config.parse(a["name"])) for a in attempts
           if a["verdict"] == "ok" and a["seconds"] is not None and Config.parse(a["name"]) is not None]
-    smallest = Config(MR[0], NV[0], widths[0], UNROLL[0], cores)
+    first = {field: axis[0] for field, axis in space.items()}
     if not task["history"]:
-        return [smallest]
+        return [Config(**{**first, "tasks": cores})]
     if ok:
         best = min(ok, key=lambda pair: pair[0])[1]
-        pool = best.neighbours(widths, tasks)
+        pool = best.neighbours(axes)
     else:  # nothing verified yet: the space, smallest tiles first
-        pool = sorted((Config(*point) for point in itertools.product(MR, NV, widths, UNROLL, tasks)),
+        points = itertools.product(*(axes.get(field, (value,)) for field, value in first.items()))
+        pool = sorted((Config(*point) for point in points),
                       key=lambda c: (c.mr * c.nv * c.vw, c.unroll, c.tasks != cores))
     return [c for c in dict.fromkeys(pool) if c not in tried][:PER_ROUND]
 
@@ -271,7 +361,7 @@ def propose(task: dict[str, Any]) -> list[Config]:
 def answer(task: dict[str, Any]) -> list[dict[str, str]]:
     """The candidates for one task (C only; none when the target does not take C, or for an
     op without a template)."""
-    template = TEMPLATES.get(task["group"]["op"])
+    template = TEMPLATES.get(task["group"]["op"], (None,))[0]
     if "c" not in task["formats"] or template is None:
         return []
     return [{"format": "c", "name": c.name, "source": template(c, task["group"]),
