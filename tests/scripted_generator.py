@@ -30,6 +30,8 @@ import os
 import sys
 import time
 
+from gimlet_tvm.selection.search_generator import broadcast_index
+
 C_GEMM = """
 #include <unistd.h>
 void kernel(const float *a, const float *b, float *c) {{
@@ -144,12 +146,7 @@ def attention_kernel(plan: str, sizes: dict) -> str:
     """The C attention of `plan` for the task's `attention` sizes."""
     bias_arg, bias_term = "", ""
     if sizes["bias"] is not None:
-        terms, stride = [], 1
-        for coord, size in reversed(list(zip(("b", "n", "s", "t"), sizes["bias"]))):
-            if size != 1:
-                terms.append(f"{coord} * {stride}")
-            stride *= size
-        bias_arg, bias_term = "const float *bias, ", f"+ bias[{' + '.join(terms) or '0'}]"
+        bias_arg, bias_term = "const float *bias, ", f"+ bias[{broadcast_index(['b', 'n', 's', 't'], sizes['bias'])}]"
     scaled = repr(sizes["scale"]) + "f" if plan == "attention" else "1.0f"
     return C_ATTENTION.format(**sizes, bias_arg=bias_arg, bias_term=bias_term, scaled=scaled)
 TVMSCRIPT = """

@@ -68,6 +68,17 @@ class Config:
         return found
 
 
+def broadcast_index(coords: list[str], shape: list[int]) -> str:
+    """The C index into a compact row-major array of `shape` of the element at `coords` (C
+    expressions, one per axis) of the array it broadcasts over: an axis of 1 repeats."""
+    terms, stride = [], 1
+    for coord, size in reversed(list(zip(coords, shape))):
+        if size != 1:
+            terms.append(f"({coord}) * {stride}")
+        stride *= size
+    return " + ".join(terms) or "0"
+
+
 def _epilogue(group: dict[str, Any], coords: list[str]) -> str:
     """C statements applying the group's epilogue to `x`, the output element at `coords` (C
     expressions, one per output axis); each addend broadcasts numpy-style (an axis of 1
@@ -76,12 +87,7 @@ def _epilogue(group: dict[str, Any], coords: list[str]) -> str:
     for kind, _ in group["epilogue"]:
         if kind == "add":
             shape = [1] * (len(coords) - len(group["addends"][addend])) + group["addends"][addend]
-            terms, stride = [], 1
-            for coord, size in reversed(list(zip(coords, shape))):
-                if size != 1:
-                    terms.append(f"{coord} * {stride}")
-                stride *= size
-            lines.append(f"x += addend{addend}[{' + '.join(terms) or '0'}];")
+            lines.append(f"x += addend{addend}[{broadcast_index(coords, shape)}];")
             addend += 1
         elif kind == "relu":
             lines.append("x = x < 0.0f ? 0.0f : x;")  # NaN stays NaN, as numpy's maximum
@@ -251,13 +257,9 @@ def c_attention(config: Config, group: dict[str, Any]) -> str:
     infinite one (inf - inf), makes the row's sum NaN."""
     a = group["attention"]
     bias_arg, bias_term = "", ""
-    if a["bias"] is not None:  # broadcast over (b, n, s, t) where the bias has 1
-        terms, stride = [], 1
-        for coord, size in reversed(list(zip(("b", "n", "s0 + r", "t"), a["bias"]))):
-            if size != 1:
-                terms.append(f"({coord}) * {stride}")
-            stride *= size
-        bias_arg, bias_term = "const float *bias, ", f" + bias[{' + '.join(terms) or '0'}]"
+    if a["bias"] is not None:  # broadcast over (b, n, s, t)
+        bias_arg = "const float *bias, "
+        bias_term = f" + bias[{broadcast_index(['b', 'n', 's0 + r', 't'], a['bias'])}]"
     params, share = _split(config, "(int64_t)B * NH * TILES_S")
     return f"""#include <math.h>
 #include <stdint.h>
