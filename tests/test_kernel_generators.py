@@ -34,7 +34,7 @@ from gimlet_tvm.schedules.tuning.records import target_key
 from gimlet_tvm.selection import accepted
 from gimlet_tvm.selection.generator import Generator, generate, numpy_expression, task
 from gimlet_tvm.selection.json_schema import SCHEMA_FILE, protocol_errors
-from gimlet_tvm.selection.search_generator import Config, c_attention, c_conv2d
+from gimlet_tvm.selection.search_generator import Config, c_attention, c_conv2d, c_gemm
 from gimlet_tvm.selection.select import op_signatures
 from gimlet_tvm.selection.verify import out_of_bounds, run_candidate
 
@@ -197,6 +197,34 @@ def _call_c_kernel(function, config: Config, arrays: list[np.ndarray]) -> None:
     pointers = [x.ctypes.data_as(ctypes.c_void_p) for x in arrays]
     for share in range(config.tasks):
         function(*([ctypes.c_int64(share), ctypes.c_int64(config.tasks)] if config.tasks > 1 else []), *pointers)
+
+
+GEMM_TEMPLATE_CASES = {
+    "bias + ReLU, odd sizes": dataclasses.replace(
+        OpSignature.from_json({"op": "matmul", "shapes": [[11, 37], [37, 69]], "dtype": "float32", "weight": True}),
+        epilogue=(("add", (69,)), ("relu", ()))),
+    "one row (GEMV), GELU": dataclasses.replace(
+        OpSignature.from_json({"op": "matmul", "shapes": [[1, 300], [300, 96]], "dtype": "float32", "weight": True}),
+        epilogue=(("gelu", ()),)),
+}
+
+
+@pytest.mark.parametrize("case", list(GEMM_TEMPLATE_CASES))
+def test_search_generator_gemm_template_computes_the_reference(case, tmp_path):
+    """The search generator's GEMM called task by task, at tiles that divide c and tiles that do
+    not (rows and columns), K whole and in blocks with a last partial one, against the reference."""
+    sig = GEMM_TEMPLATE_CASES[case]
+    _, target = resolve_target("llvm")
+    group = task(sig, target, 1, 1, None, [])["group"]
+    rng = np.random.default_rng(19)
+    operands = [rng.standard_normal(shape).astype(np.float32) for _, shape in sig.kernel_operands()[:-1]]
+    want = sig.reference(*operands)  # addends as (rows, columns): they broadcast over c alike
+    for config in (Config(1, 1, 4, 1, 1), Config(3, 2, 8, 2, 2, 16), Config(8, 4, 16, 4, 3, 64)):
+        source = tmp_path / f"{config.name}.c"
+        source.write_text(c_gemm(config, group))
+        out = np.full(sig.kernel_operands()[-1][1], np.nan, np.float32)
+        _call_c_kernel(ctypes.CDLL(str(shared_library(str(source), target))).kernel, config, [*operands, out])
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=config.name)
 
 
 def _attention_sig(q, k, v, bias=None, scale=0.3) -> OpSignature:

@@ -5,12 +5,13 @@ again on the same model (a search generator is deterministic; a model's answer m
 Verifying it once more costs builds and runs in a child process and tells nothing new, so each
 accepted kernel is recorded in the generated-kernel directory's `accepted.json` under the hash
 of everything its verdict depends on (`content_hash`: the op group, the target, the format,
-the source, its tasks, and the checks the verifier makes, `verify.KERNEL_CHECKS`: a verifier
-that checks more verifies it again), with its provenance: the generator command, the round, when, the
-checks it passed, its time. Only accepted kernels are kept: a rejected one is verified again
-(its failure is what the generator must be told, and a better verifier may judge it anew).
-A cached kernel keeps the time it was measured at then; where it is close to the fastest, the
-race (`select._race_close`) times it again beside the others.
+the source, its tasks, the C compiler's flags, and the checks the verifier makes,
+`verify.KERNEL_CHECKS`: a verifier that checks more verifies it again), with its provenance:
+the generator command, the round, when, the checks it passed, its time. Only accepted kernels
+are kept: a rejected one is verified again (its failure is what the generator must be told,
+and a better verifier may judge it anew). A cached kernel keeps the time it was measured at
+then; where it is close to the fastest, the race (`select._race_close`) times it again beside
+the others.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tvm
 from ..errors import GimletError
 from ..files import atomic_path
 from ..schedules.kernel_selection.candidates import OpSignature
+from ..schedules.kernel_selection.external import C_FLAGS
 from ..schedules.tuning.records import target_key
 from .verify import KERNEL_CHECKS, Outcome
 
@@ -35,7 +37,8 @@ FORMAT = "gimlet-tvm-accepted-kernels/1"
 
 def content_hash(sig: OpSignature, target: tvm.target.Target, fmt: str, source: str, tasks: int = 1) -> str:
     """The hash of everything a generated kernel's verdict depends on."""
-    text = json.dumps([sig.key, target_key(target), fmt, source, list(KERNEL_CHECKS), *([tasks] if tasks != 1 else [])])
+    text = json.dumps([sig.key, target_key(target), fmt, source, list(KERNEL_CHECKS), list(C_FLAGS),
+                       *([tasks] if tasks != 1 else [])])
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -166,7 +166,7 @@ def _interface(sig: OpSignature, target: tvm.target.Target, formats: tuple[str, 
     described = {
         "c": (f"C11 source defining void {C_FUNCTION}({c_args}); arrays {arrays}, compact row-major "
               f"{SEMANTICS[sig.op]}; each addend broadcasts over {out} (a dimension of 1 repeats); write every "
-              f"element of {out}; compiled with gcc -O3 -march=<the target's CPU>; libc and libm only, no threads, "
+              f"element of {out}; compiled with gcc -O3 -ffp-contract=fast -march=<the target's CPU>; libc and libm only, no threads, "
               "processes, files or network. To use the target's cores, give the candidate \"tasks\": T (2 to "
               f"{MAX_TASKS}): then the function takes int64_t task, int64_t tasks before the arrays and computes its "
               "share of the output, called for task = 0 .. T-1 in parallel on the compiler's thread pool; each output "

@@ -6,8 +6,8 @@ convolution and an attention.
 
 It speaks the kernel generator protocol (docs/kernel-generators.md): a task on standard
 input, a JSON list of candidates on standard output. The GEMM template (`c_gemm`) computes c
-in tiles of MR rows by NV vectors of VW floats (GCC vector extensions; the tiles at the edges
-scalar), its K loop unrolled U times; the convolution's (`c_conv2d`) in tiles of MR output
+in tiles of MR rows by NV vectors of VW floats (GCC vector extensions; the last columns
+scalar), over blocks of KB rows of b, its K loop unrolled U times; the convolution's (`c_conv2d`) in tiles of MR output
 channels by NV vectors of VW output columns; each applies the group's epilogue to a tile as it
 is stored. The attention's (`c_attention`) in tiles of MR query rows of one head, its values
 summed in vectors of VW. Each splits its tiles into T tasks (the protocol's `tasks`: the
@@ -32,7 +32,8 @@ NV = (1, 2, 3, 4)
 VW = (4, 8, 16)
 UNROLL = (1, 2, 4, 8)
 PER_ROUND = 4
-NAME = re.compile(r"mr(\d+)_nv(\d+)_vw(\d+)_u(\d+)_t(\d+)")
+KB = (0, 256, 64, 16)  # rows of b a block (0: all of K), largest first
+NAME = re.compile(r"mr(\d+)_nv(\d+)_vw(\d+)_u(\d+)_t(\d+)_kb(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +45,11 @@ class Config:
     vw: int
     unroll: int
     tasks: int
+    kb: int = 0
 
     @property
     def name(self) -> str:
-        return f"mr{self.mr}_nv{self.nv}_vw{self.vw}_u{self.unroll}_t{self.tasks}"
+        return f"mr{self.mr}_nv{self.nv}_vw{self.vw}_u{self.unroll}_t{self.tasks}_kb{self.kb}"
 
     @classmethod
     def parse(cls, name: str) -> Config | None:
@@ -106,17 +108,20 @@ def _split(config: Config, units: str) -> tuple[str, str]:
 
 
 def c_gemm(config: Config, group: dict[str, Any]) -> str:
-    """The template's C source for the task's group at `config`."""
+    """The GEMM template's C source for the task's group at `config`: tiles of MR rows by NV
+    vectors of VW columns of c (a tile's accumulators in registers), over blocks of KB rows of
+    b (KB = 0: all of K at once), each block of b read once for all the tiles of a task before
+    the next (a GEMV streams b row by row; a GEMM keeps the block in cache for every row tile).
+    The last columns go element by element; the epilogue is applied to each tile at the end."""
     m, n, k = group["gemm"]["m"], group["gemm"]["n"], group["gemm"]["k"]
     addends = "".join(f"const float *addend{i}, " for i in range(len(group["addends"])))
     addend_args = "".join(f"addend{i}, " for i in range(len(group["addends"])))
-    nr = config.nv * config.vw
     params, share = _split(config, "(int64_t)((M + MR - 1) / MR) * TILES_J")
     return f"""#include <math.h>
 #include <stdint.h>
 #include <string.h>
-enum {{ M = {m}, N = {n}, K = {k}, MR = {config.mr}, NV = {config.nv}, VW = {config.vw}, NR = {nr},
-       TILES_J = (N + NR - 1) / NR }};
+enum {{ M = {m}, N = {n}, K = {k}, MR = {config.mr}, NV = {config.nv}, VW = {config.vw}, NR = NV * VW,
+       KB = {config.kb or k}, TILES_J = (N + NR - 1) / NR }};
 typedef float vf __attribute__((vector_size(VW * 4)));
 
 static inline void finish(int i0, int rows, int j0, int cols, {addends}float *c) {{
@@ -128,34 +133,50 @@ static inline void finish(int i0, int rows, int j0, int cols, {addends}float *c)
     }}
 }}
 
+/* c[i0 : i0 + rows, j0 : j0 + NR] (+)= a[.., k0 : k1] b[k0 : k1, ..]; inlined with rows = MR
+   known, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile_block(const float *a, const float *b, float *c, int i0,
+                                                            int j0, int rows, int k0, int k1) {{
+  vf acc[MR][NV];
+  for (int r = 0; r < rows; ++r)
+    for (int v = 0; v < NV; ++v) {{
+      if (k0 == 0) memset(&acc[r][v], 0, sizeof(vf));
+      else memcpy(&acc[r][v], c + (i0 + r) * N + j0 + v * VW, sizeof(vf));
+    }}
+  #pragma GCC unroll {config.unroll}
+  for (int k = k0; k < k1; ++k) {{
+    vf bv[NV];
+    for (int v = 0; v < NV; ++v) memcpy(&bv[v], b + k * N + j0 + v * VW, sizeof(vf));
+    for (int r = 0; r < rows; ++r) {{
+      const float s = a[(i0 + r) * K + k];
+      for (int v = 0; v < NV; ++v) acc[r][v] += s * bv[v];
+    }}
+  }}
+  for (int r = 0; r < rows; ++r)
+    for (int v = 0; v < NV; ++v) memcpy(c + (i0 + r) * N + j0 + v * VW, &acc[r][v], sizeof(vf));
+}}
+
 void kernel({params}const float *a, const float *b, {addends}float *c) {{
   {share}
+  for (int k0 = 0; k0 < K; k0 += KB) {{
+    const int k1 = K - k0 < KB ? K : k0 + KB;
+    for (int64_t tile = begin; tile < end; ++tile) {{
+      const int i0 = (int)(tile / TILES_J) * MR, j0 = (int)(tile % TILES_J) * NR;
+      const int rows = M - i0 < MR ? M - i0 : MR, cols = N - j0 < NR ? N - j0 : NR;
+      if (cols == NR && rows == MR) tile_block(a, b, c, i0, j0, MR, k0, k1);
+      else if (cols == NR) tile_block(a, b, c, i0, j0, rows, k0, k1);
+      else
+        for (int i = i0; i < i0 + rows; ++i)
+          for (int j = j0; j < j0 + cols; ++j) {{
+            float sum = k0 == 0 ? 0.0f : c[i * N + j];
+            for (int k = k0; k < k1; ++k) sum += a[i * K + k] * b[k * N + j];
+            c[i * N + j] = sum;
+          }}
+    }}
+  }}
   for (int64_t tile = begin; tile < end; ++tile) {{
     const int i0 = (int)(tile / TILES_J) * MR, j0 = (int)(tile % TILES_J) * NR;
-    const int rows = M - i0 < MR ? M - i0 : MR, cols = N - j0 < NR ? N - j0 : NR;
-    if (rows == MR && cols == NR) {{
-      vf acc[MR][NV];
-      memset(acc, 0, sizeof acc);
-      #pragma GCC unroll {config.unroll}
-      for (int k = 0; k < K; ++k) {{
-        vf bv[NV];
-        for (int v = 0; v < NV; ++v) memcpy(&bv[v], b + k * N + j0 + v * VW, sizeof(vf));
-        for (int r = 0; r < MR; ++r) {{
-          float s = a[(i0 + r) * K + k];
-          for (int v = 0; v < NV; ++v) acc[r][v] += s * bv[v];
-        }}
-      }}
-      for (int r = 0; r < MR; ++r)
-        for (int v = 0; v < NV; ++v) memcpy(c + (i0 + r) * N + j0 + v * VW, &acc[r][v], sizeof(vf));
-    }} else {{
-      for (int i = i0; i < i0 + rows; ++i)
-        for (int j = j0; j < j0 + cols; ++j) {{
-          float sum = 0.0f;
-          for (int k = 0; k < K; ++k) sum += a[i * K + k] * b[k * N + j];
-          c[i * N + j] = sum;
-        }}
-    }}
-    finish(i0, rows, j0, cols, {addend_args}c);
+    finish(i0, M - i0 < MR ? M - i0 : MR, j0, N - j0 < NR ? N - j0 : NR, {addend_args}c);
   }}
 }}
 """
@@ -329,7 +350,7 @@ void kernel({params}const float *q, const float *k, const float *v, {bias_arg}fl
 """
 
 
-TEMPLATES = {"matmul": (c_gemm, ("mr", "nv", "vw", "unroll", "tasks")),
+TEMPLATES = {"matmul": (c_gemm, ("mr", "nv", "vw", "unroll", "tasks", "kb")),
              "conv2d": (c_conv2d, ("mr", "nv", "vw", "unroll", "tasks")),
              "attention": (c_attention, ("mr", "vw", "unroll", "tasks"))}
 """Each op's template and the parameters its search varies (the others stay at their first value)."""
@@ -341,7 +362,7 @@ def propose(task: dict[str, Any]) -> list[Config]:
     bits = int(facts.get("vector_bits", 128))
     cores = max(1, int(facts.get("cores", 1)))
     space = {"mr": MR, "nv": NV, "vw": tuple(w for w in VW if w * 32 <= bits) or VW[:1], "unroll": UNROLL,
-             "tasks": tuple(sorted({1, cores, 2 * cores}))}
+             "tasks": tuple(sorted({1, cores, 2 * cores})), "kb": KB}
     axes = {field: space[field] for field in TEMPLATES[task["group"]["op"]][1]}
     attempts = [a for h in task["history"] for a in h["attempts"]]
     tried = {Config.parse(a["name"]) for a in attempts}
