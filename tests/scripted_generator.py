@@ -25,12 +25,19 @@ With GIMLET_TEST_TASKS=DIR, every task it reads is saved there as round<r>.json.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 import time
+from pathlib import Path
 
-from gimlet_tvm.selection.search_generator import broadcast_index
+# The bundled search generator's file, loaded on its own: importing it through the package
+# would import TVM, and this generator must start in well under a second.
+_SEARCH = Path(__file__).resolve().parents[1] / "gimlet_tvm" / "selection" / "search_generator.py"
+_spec = importlib.util.spec_from_file_location("search_generator", _SEARCH)
+search_generator = sys.modules.setdefault("search_generator", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(search_generator)
 
 C_GEMM = """
 #include <unistd.h>
@@ -146,7 +153,7 @@ def attention_kernel(plan: str, sizes: dict) -> str:
     """The C attention of `plan` for the task's `attention` sizes."""
     bias_arg, bias_term = "", ""
     if sizes["bias"] is not None:
-        bias_arg, bias_term = "const float *bias, ", f"+ bias[{broadcast_index(['b', 'n', 's', 't'], sizes['bias'])}]"
+        bias_arg, bias_term = "const float *bias, ", f"+ bias[{search_generator.broadcast_index(['b', 'n', 's', 't'], sizes['bias'])}]"
     scaled = repr(sizes["scale"]) + "f" if plan == "attention" else "1.0f"
     return C_ATTENTION.format(**sizes, bias_arg=bias_arg, bias_term=bias_term, scaled=scaled)
 TVMSCRIPT = """
