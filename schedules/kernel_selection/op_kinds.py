@@ -338,8 +338,9 @@ class LayerNorm(OpKind):
     AFFINE = ("gamma", "beta")
     EDGE = (7, 3, 37)  # rows; each normalized axis but the last; the last (no multiple of a vector)
     OFFSET = 30.0
-    """The "offset rows" input set's mean, in standard deviations: E[x^2] - E[x]^2 in float32
-    loses about 1e-3 of the variance there at a few hundred elements a row, two passes 1e-5."""
+    """The "offset-rows" input set's mean, in standard deviations. There the variance taken as
+    E[x^2] - E[x]^2 in float32 is 1.3 to 8 times the tolerance off (rows of 32 to 4096
+    elements, sequential sums), two sequential float32 passes at most 0.2 times it."""
 
     def find(self, call: relax.Expr) -> Group | None:
         if not _is_op(call, self.OP) or not all(getattr(call.attrs, flag, True) for flag in ("center", "scale")):
