@@ -626,7 +626,8 @@ def _written_out_norm(x: np.ndarray, gamma: np.ndarray, beta, epsilon: float, ce
         mean = sum(row) / size if centered else 0.0
         variance = sum((v - mean) ** 2 for v in row) / size
         for i in range(size):
-            out[r, i] = (row[i] - mean) / np.sqrt(variance + epsilon) * gamma.flat[i] + (beta.flat[i] if centered else 0)
+            shift = beta.flat[i] if centered else 0.0
+            out[r, i] = (row[i] - mean) / np.sqrt(variance + epsilon) * gamma.flat[i] + shift
     return out.reshape(x.shape)
 
 
@@ -646,8 +647,8 @@ def test_norm_references_shapes_and_kernel_arrays():
         np.testing.assert_allclose(sig.reference(*operands), want, rtol=1e-12)
         assert sig.kind.valid(sig.shapes) and sig.out_shape == shapes[0]
         rows, size = np.prod(shapes[0]) // np.prod(shapes[1]), np.prod(shapes[1])
-        assert sig.kernel_operands() == [("x", (rows, size)), *((n, (size,)) for n in ("gamma", "beta")[:len(shapes) - 1]),
-                                         ("out", (rows, size))]
+        affine = [(name, (size,)) for name in ("gamma", "beta")[:len(shapes) - 1]]
+        assert sig.kernel_operands() == [("x", (rows, size)), *affine, ("out", (rows, size))]
     two_axes = OpSignature("layer_norm", ((2, 3, 5), (3, 5), (3, 5)), "float32", attrs=(("epsilon", 0.01),))
     assert two_axes.edge_case().shapes == ((7, 3, 37), (3, 37), (3, 37))
     assert not two_axes.kind.valid(((2, 3, 5), (3, 5), (5,)))
