@@ -634,7 +634,8 @@ def _written_out_norm(x: np.ndarray, gamma: np.ndarray, beta, epsilon: float, ce
 def test_norm_references_shapes_and_kernel_arrays():
     """The layer and RMS norm references (what candidates are checked against) against a norm
     written out, over one and two trailing axes; their edge cases and the arrays an outside
-    kernel takes (rows and normalized axes folded); only trailing axes in order are a group."""
+    kernel takes (rows and normalized axes folded); only trailing axes in order, with an
+    epsilon, are a group."""
     from gimlet_tvm.schedules.kernel_selection.op_kinds import OP_KINDS
 
     rng = np.random.default_rng(8)
@@ -651,12 +652,15 @@ def test_norm_references_shapes_and_kernel_arrays():
         assert sig.kernel_operands() == [("x", (rows, size)), *affine, ("out", (rows, size))]
     two_axes = OpSignature("layer_norm", ((2, 3, 5), (3, 5), (3, 5)), "float32", attrs=(("epsilon", 0.01),))
     assert two_axes.edge_case().shapes == ((7, 3, 37), (3, 37), (3, 37))
+    assert OpSignature("rms_norm", ((3, 5), (3, 5)), "float32", attrs=(("epsilon", 0.01),)).edge_case().shapes == (
+        (3, 37), (3, 37))
     assert not two_axes.kind.valid(((2, 3, 5), (3, 5), (5,)))
     x = relax.Var("x", relax.TensorType((2, 3, 5), "float32"))
     gamma = relax.Var("gamma", relax.TensorType((3,), "float32"))
     assert OP_KINDS["rms_norm"].find(relax.op.nn.rms_norm(x, gamma, axes=[1])) is None
     gamma = relax.Var("gamma", relax.TensorType((5,), "float32"))
     assert OP_KINDS["rms_norm"].find(relax.op.nn.rms_norm(x, gamma, axes=[-1])).attrs == (("epsilon", 1e-5),)
+    assert OP_KINDS["rms_norm"].find(relax.op.nn.rms_norm(x, gamma, axes=[-1], epsilon=0.0)) is None
 
 
 def test_attention_reference_is_softmax_of_scaled_scores():

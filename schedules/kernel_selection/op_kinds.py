@@ -348,6 +348,8 @@ class LayerNorm(OpKind):
         ndim, count = call.args[0].ty.ndim, len(call.attrs.axes)
         if ndim < 1 or [int(a) % ndim for a in call.attrs.axes] != list(range(ndim - count, ndim)):
             return None  # gamma's shape follows the axes' order: trailing axes, in order, only
+        if call.attrs.epsilon <= 0:
+            return None  # a constant row is 0/0: no float32 result to check a kernel against
         return Group(list(call.args), (("epsilon", float(call.attrs.epsilon)),), [], [])
 
     def valid(self, shapes: tuple[Shape, ...]) -> bool:
@@ -376,8 +378,9 @@ class LayerNorm(OpKind):
         rows, inner, last = self.EDGE
         x, normed = shapes[0], shapes[1]
         leading = len(x) - len(normed)
+        edge_rows = (*[1] * (leading - 1), rows) if leading else ()
         edge_normed = (*[inner] * (len(normed) - 1), last)
-        return ((*[1] * (leading - 1), rows)[:leading] + edge_normed, *[edge_normed] * len(self.AFFINE))
+        return (edge_rows + edge_normed, *[edge_normed] * len(self.AFFINE))
 
     def large(self, operand: int) -> bool:
         # x 1e3 times larger normalizes to the same rows: the kernel must not overflow or lose
