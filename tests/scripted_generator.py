@@ -18,6 +18,10 @@ r of an op group by the r-th PLAN, each a '+'-joined list of kernels, or one mis
                                       that forgets the padding (reads outside data at its edges)
     attention  attentionnoscale       C attentions for the task's (with its bias, if any): right;
                                       one that forgets the scale
+    norm  normnoeps  normunbiased     C layer or RMS norms for the task's: right (two passes);
+    normonepass  normoob              one that forgets epsilon; one that divides the variance by
+                                      size - 1; one that takes it as E[x^2] - E[x]^2 in float32;
+                                      one that reads one element past the end of gamma
     malformed  notlist  exit  hang    not JSON; JSON but no list of candidates; exit code 3; sleep
 
 With GIMLET_TEST_TASKS=DIR, every task it reads is saved there as round<r>.json.
@@ -156,6 +160,38 @@ def attention_kernel(plan: str, sizes: dict) -> str:
         bias_arg, bias_term = "const float *bias, ", f"+ bias[{search_generator.broadcast_index(['b', 'n', 's', 't'], sizes['bias'])}]"
     scaled = repr(sizes["scale"]) + "f" if plan == "attention" else "1.0f"
     return C_ATTENTION.format(**sizes, bias_arg=bias_arg, bias_term=bias_term, scaled=scaled)
+C_NORM = """
+#include <math.h>
+void kernel(const float *x, const float *gamma, {beta_arg}float *out) {{
+  for (int r = 0; r < {rows}; ++r) {{
+    const float *row = x + r * {size};
+    float mean = 0.0f, var = 0.0f, squares = 0.0f;
+    for (int i = 0; i < {size}; ++i) {{ mean += row[i]; squares += row[i] * row[i]; }}
+    mean = {centered} ? mean / {size} : 0.0f;
+    for (int i = 0; i < {size}; ++i) var += (row[i] - mean) * (row[i] - mean);
+    var = {variance};
+    float scale = 1.0f / sqrtf(var + {epsilon});
+    for (int i = 0; i < {size}; ++i) out[r * {size} + i] = (row[i] - mean) * scale * gamma[i]{beta_term};
+  }}
+  {after}
+}}
+"""
+NORM_VARIANTS = {"normunbiased": {"variance": "var / ({size} - 1)"},
+                 "normonepass": {"variance": "squares / {size} - mean * mean"},
+                 "normnoeps": {"epsilon": "0.0f"},
+                 "normoob": {"after": "out[0] += 0.0f * gamma[{size}];"}}
+
+
+def norm_kernel(plan: str, sizes: dict, op: str) -> str:
+    """The C layer norm (`op` "layer_norm") or RMS norm of `plan` for the task's norm sizes."""
+    parts = {"variance": "var / {size}", "epsilon": f"{sizes['epsilon']!r}f", "after": "",
+             **NORM_VARIANTS.get(plan, {})}
+    beta = op == "layer_norm"
+    return C_NORM.format(**{**sizes, **{key: value.format(**sizes) for key, value in parts.items()}},
+                         centered=int(beta), beta_arg="const float *beta, " if beta else "",
+                         beta_term=" + beta[i]" if beta else "")
+
+
 TVMSCRIPT = """
 # from tvm.script import tirx as T
 
@@ -170,8 +206,11 @@ def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
 """
 
 
-def kernel(plan: str, sizes: dict) -> dict:
-    """The candidate of `plan` for the task's sizes (its group's `gemm`, `conv2d` or `attention`)."""
+def kernel(plan: str, sizes: dict, op: str = "matmul") -> dict:
+    """The candidate of `plan` for the task's sizes (its group's `gemm`, `conv2d`, `attention`
+    or norm's) of op `op`."""
+    if plan.startswith("norm"):
+        return {"format": "c", "source": norm_kernel(plan, sizes, op), "name": plan}
     if plan.startswith("attention"):
         return {"format": "c", "source": attention_kernel(plan, sizes), "name": plan}
     if plan in CONV_INSIDE:
@@ -205,9 +244,10 @@ def main() -> None:
     elif plan == "hang":
         time.sleep(600)
     else:
-        assert not task["group"]["epilogue"], "this generator writes plain GEMMs, conv2ds and attention only"
-        sizes = task["group"][{"matmul": "gemm"}.get(task["group"]["op"], task["group"]["op"])]
-        print(json.dumps([kernel(p, sizes) for p in plan.split("+")]))
+        assert not task["group"]["epilogue"], "this generator writes plain GEMMs, conv2ds, attention and norms only"
+        op = task["group"]["op"]
+        sizes = task["group"][{"matmul": "gemm"}.get(op, op)]
+        print(json.dumps([kernel(p, sizes, op) for p in plan.split("+")]))
 
 
 if __name__ == "__main__":

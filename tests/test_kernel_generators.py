@@ -35,11 +35,11 @@ from gimlet_tvm.selection import accepted
 from gimlet_tvm.selection.generator import Generator, generate, numpy_expression, task
 from gimlet_tvm.selection.json_schema import SCHEMA_FILE, protocol_errors
 from gimlet_tvm.selection.search_generator import Config, c_attention, c_conv2d, c_gemm
-from gimlet_tvm.selection.select import op_signatures
+from gimlet_tvm.selection.select import op_signatures, select_kernels
 from gimlet_tvm.selection.verify import out_of_bounds, run_candidate
 
 from .scripted_generator import TVMSCRIPT, kernel
-from .test_kernel_selection import K, M, N, WEIGHT_SIG, _matmul_model, encoder_attention
+from .test_kernel_selection import K, M, N, WEIGHT_SIG, _matmul_model, encoder_attention, encoder_group
 
 SCRIPT = Path(__file__).with_name("scripted_generator.py")
 
@@ -329,6 +329,102 @@ def test_attention_groups_are_offered_and_a_generated_attention_builds(tmp_path)
     model = gimlet_tvm.build(proto, "llvm", input_shapes=shapes, selection=selection)
     assert f"generator_{outcomes['attention'].id.split(':')[1]}" in model._module.as_text()  # pylint: disable=protected-access
     ok, diff = check_against_onnxruntime(proto, model, inputs, tolerance=1e-4)
+    assert ok, diff
+
+
+def _generated_norms(sig: OpSignature, plans: str, directory: str) -> tuple[dict, list]:
+    """One round of the scripted generator's `plans` on `sig`, each kernel verified: its
+    outcomes by plan, and all of them as tried."""
+    _, target = resolve_target("llvm")
+    request = dict(_request(target), signature=sig.to_json(), generated_dir=directory)
+    tried = []
+    rounds = generate(sig, target, Generator(scripted(plans), rounds=1), directory,
+                      lambda cid: run_candidate(dict(request, candidate=cid), 120), tried, lambda line: None)
+    assert not rounds[0].failure, rounds
+    return {t.id.split(":")[1].split("_")[0]: t for t in tried}, tried
+
+
+def test_layer_norm_groups_are_offered_and_a_generated_layer_norm_builds(tmp_path):
+    """The encoder's LayerNorm offered to a generator: the task states its rows, size, axes
+    and epsilon, the C interface names x, gamma, beta and out, and its numpy expression
+    computes the reference; a right C layer norm is verified (one that divides the variance
+    by size - 1 is a wrong result), and the model built with it (in place of both of the
+    encoder's LayerNorms) computes what onnxruntime does."""
+    proto, inputs, shapes, _, sig = encoder_group("layer_norm")
+    _, target = resolve_target("llvm")
+    made = task(sig, target, 1, 1, None, [])
+    assert protocol_errors(made, "task") == [] and made["formats"] == ["c", "tvmscript"]
+    assert made["group"]["layer_norm"] == {"rows": 64, "size": 256, "axes": 1, "epsilon": pytest.approx(1e-5)}
+    assert ("void kernel(const float *x, const float *gamma, const float *beta, float *out); "
+            "arrays x[64][256], gamma[256], beta[256], out[64][256]") in made["interface"]["c"]
+    operands = [np.random.default_rng(17).standard_normal(shape) for shape in sig.shapes]
+    got = eval(made["reference"]["numpy"], {"np": np}, dict(zip(("x", "gamma", "beta"), operands)))  # noqa: S307
+    np.testing.assert_allclose(got, sig.reference(*operands), rtol=1e-12, atol=1e-12)
+    assert protocol_errors(dict(made, group=dict(made["group"], layer_norm={"rows": 64})), "task") == [
+        "$.group.layer_norm: lacks 'size'", "$.group.layer_norm: lacks 'axes'", "$.group.layer_norm: lacks 'epsilon'"]
+
+    outcomes, tried = _generated_norms(sig, "norm+normunbiased", str(tmp_path))
+    assert outcomes["norm"].verified, outcomes["norm"].reason
+    assert outcomes["normunbiased"].verdict == "wrong result" and "on random inputs" in outcomes["normunbiased"].reason
+    selection = KernelSelection(target_key(target), {sig.key: OpChoice(sig, tried, outcomes["norm"].id)},
+                                generated_dir=str(tmp_path))
+    model = gimlet_tvm.build(proto, "llvm", input_shapes=shapes, selection=selection)
+    assert f"generator_{outcomes['norm'].id.split(':')[1]}" in model._module.as_text()  # pylint: disable=protected-access
+    ok, diff = check_against_onnxruntime(proto, model, inputs, tolerance=1e-4)
+    assert ok, diff
+
+
+def test_wrong_layer_norms_are_rejected_with_their_reason(tmp_path):
+    """C layer norms for the encoder's LayerNorm that forget epsilon (NaN on zero rows), take
+    the variance as E[x^2] - E[x]^2 in float32 (off on rows far from 0) or read one element
+    past gamma are each rejected for what they do."""
+    _, _, _, _, sig = encoder_group("layer_norm")
+    outcomes, _ = _generated_norms(sig, "normnoeps+normonepass+normoob", str(tmp_path))
+    assert outcomes["normnoeps"].verdict == "wrong result"
+    assert "on zeros inputs: max abs error nan" in outcomes["normnoeps"].reason
+    assert outcomes["normonepass"].verdict == "wrong result"
+    assert "on offset-rows inputs" in outcomes["normonepass"].reason
+    assert outcomes["normoob"].verdict == "out-of-bounds access"
+    assert outcomes["normoob"].reason.endswith("past the end of gamma (or writes this input)")
+
+
+def _rms_norm_model() -> onnx.ModelProto:
+    """One opset-23 RMSNormalization over the last two axes of x[3, 6, 40], its scale an
+    initializer."""
+    scale = np.random.default_rng(18).uniform(0.5, 1.5, (6, 40)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("RMSNormalization", ["x", "scale"], ["y"], axis=-2, epsilon=1e-6)], "rms_norm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 6, 40])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 6, 40])],
+        [onnx.numpy_helper.from_array(scale, "scale")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+def test_select_with_a_generator_races_its_rms_norm_against_generated_code(tmp_path):
+    """An RMSNormalization over two axes is an op group (x folded to [3, 240] for a kernel):
+    `select` verifies the generated TIR and the generator's C RMS norm and stores the faster
+    (raced where they are close); the model built with the selection computes what
+    onnxruntime does, with the generator's kernel in it where it won."""
+    proto = _rms_norm_model()
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(proto, {})
+    (sig,) = op_signatures(mod, target)
+    assert sig.key == "rms_norm float32 3x6x40 6x40 epsilon=1e-06"
+    assert [name for name, _ in sig.kernel_operands()] == ["x", "gamma", "out"]
+    made = task(sig, target, 1, 1, None, [])
+    assert protocol_errors(made, "task") == [] and made["group"]["rms_norm"]["axes"] == 2
+    assert "void kernel(const float *x, const float *gamma, float *out); arrays x[3][240], gamma[240]" in \
+        made["interface"]["c"]
+    selection = select_kernels(mod, target, records=str(tmp_path), timeout=120, min_repeat_ms=1,
+                               generator=Generator(scripted("norm"), rounds=1))
+    choice = selection.choices[sig.key]
+    assert [t.id.split("_")[0] for t in choice.tried] == ["generated:tir", "generator:norm"]
+    assert all(t.verified for t in choice.tried), [t.reason for t in choice.tried]
+    assert choice.winner == min(choice.tried, key=lambda t: t.seconds).id or all(t.rounds for t in choice.tried)
+    model = gimlet_tvm.build(proto, "llvm", records=str(tmp_path), selection=selection)
+    assert (choice.winner.startswith("generator:")) == ("generator_norm" in model._module.as_text())  # pylint: disable=protected-access
+    x = {"x": np.random.default_rng(19).standard_normal((3, 6, 40)).astype(np.float32) * 5 + 2}
+    ok, diff = check_against_onnxruntime(proto, model, x, tolerance=1e-4)
     assert ok, diff
 
 

@@ -542,17 +542,22 @@ def test_race_times_every_candidate_in_every_round(kernels):
     assert race.failure.startswith("crashed (SIGSEGV)") and race.samples == {}
 
 
-def encoder_attention():
+def encoder_group(op: str):
     """The suite's transformer encoder at batch 1 (model, inputs, input shapes, imported
-    module) and its one attention op signature on llvm (with its padding-mask bias)."""
+    module) and its one op signature of `op` on llvm."""
     from gimlet_tvm.models import SUITE
 
     info = SUITE["transformer_encoder"]
     proto, inputs = info.build(), info.example_inputs(batch=1)
     shapes = {name: list(x.shape) for name, x in inputs.items()}
     mod, _ = import_model(proto, shapes)
-    (attention,) = [sig for sig in op_signatures(mod, resolve_target("llvm")[1]) if sig.op == "attention"]
-    return proto, inputs, shapes, mod, attention
+    (sig,) = [sig for sig in op_signatures(mod, resolve_target("llvm")[1]) if sig.op == op]
+    return proto, inputs, shapes, mod, sig
+
+
+def encoder_attention():
+    """`encoder_group` of the encoder's attention (with its padding-mask bias)."""
+    return encoder_group("attention")
 
 
 def test_attention_is_an_op_group_with_library_and_generated_candidates():
@@ -592,6 +597,71 @@ def test_selection_of_a_kernel_no_longer_offered_is_refused():
     selection = KernelSelection(target_key(target), {WEIGHT_SIG.key: choice})
     with pytest.raises(GimletError, match=f"kernel {gone}, selected for .* no longer offered"):
         selection.winner(WEIGHT_SIG, target)
+
+def test_layer_norms_are_an_op_group_with_a_generated_candidate():
+    """The encoder's two LayerNorms (the ONNX op and the written-out chain, fused) are one op
+    signature, epsilon an attribute; its generated TIR, the only candidate the compiler has, is
+    verified against the float64 reference (at its shape and the edge-case one, on the norm's
+    own input sets too)."""
+    _, _, _, mod, norm = encoder_group("layer_norm")
+    _, target = resolve_target("llvm")
+    assert op_signatures(mod, target)[norm] == 2
+    assert norm.key == "layer_norm float32 1x64x256 256 256 epsilon=1e-05" and norm.weight
+    assert norm.edge_case().key == "layer_norm float32 1x7x37 37 37 epsilon=1e-05"
+    assert OpSignature.from_json(json.loads(json.dumps(norm.to_json()))) == norm
+    assert list(norm.input_sets(np.random.default_rng(0))) == [
+        "random", "integers", "large", "zeros", "small-variance", "offset-rows"]
+    assert [c.id for c in candidates(norm, target)] == ["generated:tir"]
+    outcome = run_candidate(dict(_request("generated:tir", target), signature=norm.to_json()), timeout=180)
+    assert outcome.verified, outcome.reason
+    assert outcome.checks == [norm.key, norm.edge_case().key]
+
+
+def _written_out_norm(x: np.ndarray, gamma: np.ndarray, beta, epsilon: float, centered: bool) -> np.ndarray:
+    """A norm over gamma's trailing axes, row by row in plain Python."""
+    size = gamma.size
+    rows = x.reshape(-1, size)
+    out = np.empty_like(rows)
+    for r, row in enumerate(rows):
+        mean = sum(row) / size if centered else 0.0
+        variance = sum((v - mean) ** 2 for v in row) / size
+        for i in range(size):
+            shift = beta.flat[i] if centered else 0.0
+            out[r, i] = (row[i] - mean) / np.sqrt(variance + epsilon) * gamma.flat[i] + shift
+    return out.reshape(x.shape)
+
+
+def test_norm_references_shapes_and_kernel_arrays():
+    """The layer and RMS norm references (what candidates are checked against) against a norm
+    written out, over one and two trailing axes; their edge cases and the arrays an outside
+    kernel takes (rows and normalized axes folded); only trailing axes in order, with an
+    epsilon, are a group."""
+    from gimlet_tvm.schedules.kernel_selection.op_kinds import OP_KINDS
+
+    rng = np.random.default_rng(8)
+    for op, shapes in (("layer_norm", ((2, 3, 5), (5,), (5,))), ("layer_norm", ((2, 3, 5), (3, 5), (3, 5))),
+                       ("rms_norm", ((4, 6), (6,))), ("rms_norm", ((2, 3, 5), (3, 5)))):
+        sig = OpSignature(op, shapes, "float32", attrs=(("epsilon", 0.01),))
+        operands = [rng.standard_normal(shape) for shape in shapes]
+        want = _written_out_norm(*operands[:2], operands[2] if op == "layer_norm" else None, 0.01,
+                                 centered=op == "layer_norm")
+        np.testing.assert_allclose(sig.reference(*operands), want, rtol=1e-12)
+        assert sig.kind.valid(sig.shapes) and sig.out_shape == shapes[0]
+        rows, size = np.prod(shapes[0]) // np.prod(shapes[1]), np.prod(shapes[1])
+        affine = [(name, (size,)) for name in ("gamma", "beta")[:len(shapes) - 1]]
+        assert sig.kernel_operands() == [("x", (rows, size)), *affine, ("out", (rows, size))]
+    two_axes = OpSignature("layer_norm", ((2, 3, 5), (3, 5), (3, 5)), "float32", attrs=(("epsilon", 0.01),))
+    assert two_axes.edge_case().shapes == ((7, 3, 37), (3, 37), (3, 37))
+    assert OpSignature("rms_norm", ((3, 5), (3, 5)), "float32", attrs=(("epsilon", 0.01),)).edge_case().shapes == (
+        (3, 37), (3, 37))
+    assert not two_axes.kind.valid(((2, 3, 5), (3, 5), (5,)))
+    x = relax.Var("x", relax.TensorType((2, 3, 5), "float32"))
+    gamma = relax.Var("gamma", relax.TensorType((3,), "float32"))
+    assert OP_KINDS["rms_norm"].find(relax.op.nn.rms_norm(x, gamma, axes=[1])) is None
+    gamma = relax.Var("gamma", relax.TensorType((5,), "float32"))
+    assert OP_KINDS["rms_norm"].find(relax.op.nn.rms_norm(x, gamma, axes=[-1])).attrs == (("epsilon", 1e-5),)
+    assert OP_KINDS["rms_norm"].find(relax.op.nn.rms_norm(x, gamma, axes=[-1], epsilon=0.0)) is None
+
 
 def test_attention_reference_is_softmax_of_scaled_scores():
     """The reference attention against a per-head loop written out (it is what candidates are

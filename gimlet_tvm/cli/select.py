@@ -14,7 +14,7 @@ import tvm
 
 from ..compiler import resolve_target
 from ..frontend import import_model, load_model
-from ..schedules.kernel_selection.op_kinds import static_shape
+from ..schedules.kernel_selection.op_kinds import OP_KINDS, static_shape
 from ..schedules.kernel_selection.choices import KernelSelection
 from ..selection.generator import Generator
 from ..selection.select import select_kernels, selected_sources
@@ -77,7 +77,7 @@ def _symbolic_inputs(mod) -> list[str]:
 
 def nothing_to_select(mod) -> str:
     """Why the selection is empty, and how to fix the shapes when that is why."""
-    message = "no op in this model has kernel candidates (static-shape matmul, conv2d or attention)"
+    message = f"no op in this model has kernel candidates (static-shape {', '.join(OP_KINDS)})"
     symbolic = _symbolic_inputs(mod)
     if symbolic:
         message += (f"; inputs with symbolic dims: {', '.join(symbolic)}: fix them with "

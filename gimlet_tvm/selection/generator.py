@@ -74,8 +74,8 @@ class Generator:
 
 def formats_for(sig: OpSignature, target: tvm.target.Target) -> tuple[str, ...]:
     """The source formats a generator may answer in for `sig` on `target`; empty: the group
-    is not offered (GEMMs, conv2ds and attention, built as external kernels are): C on CPU
-    targets this machine runs, TVMScript on every target (GPU kernels bind their threads)."""
+    is not offered (GEMMs, conv2ds, attention and norms, built as external kernels are): C on
+    CPU targets this machine runs, TVMScript on every target (GPU kernels bind their threads)."""
     spec = spec_for(target)
     if sig.op not in OPS or (sig.op == "matmul" and sig.addends_2d() is None):
         return ()
@@ -122,12 +122,34 @@ def _attention_numpy(sig: OpSignature) -> str:
             f"/ np.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True), v))({scores}, v)")
 
 
+def _norm(sig: OpSignature) -> dict[str, Any]:
+    """A norm's rows, normalized size (`OpSignature.kernel_operands`' x[rows, size]), how many
+    trailing axes of x it normalizes over, and its epsilon, as the task states them."""
+    (_, (rows, size)) = sig.kernel_operands()[0]
+    return {"rows": rows, "size": size, "axes": len(sig.shapes[1]), "epsilon": dict(sig.attrs)["epsilon"]}
+
+
+def _norm_numpy(sig: OpSignature) -> str:
+    """A layer norm of `x` by `gamma` and `beta` (an RMS norm's by `gamma`) over the trailing
+    axes, in numpy."""
+    axes = tuple(range(-len(sig.shapes[1]), 0))
+    mean_square = f"(v * v).mean(axis={axes}, keepdims=True)"
+    normed = f"(lambda v: v / np.sqrt({mean_square} + {dict(sig.attrs)['epsilon']!r}))"
+    if sig.op == "rms_norm":
+        return f"{normed}(x) * gamma"
+    return f"{normed}(x - x.mean(axis={axes}, keepdims=True)) * gamma + beta"
+
+
+OWN_NUMPY = {"attention": _attention_numpy, "layer_norm": _norm_numpy, "rms_norm": _norm_numpy}
+"""The numpy expression of each op without an epilogue, over its operands' names."""
+
+
 def numpy_expression(sig: OpSignature) -> str:
     """What the group computes as a numpy expression of `a`, `b` and `addend0`, ...
     (`erf`: `math.erf` elementwise; a conv2d's: `_conv2d_numpy`); an attention's of `q`,
-    `k`, `v` and `bias`."""
-    if sig.op == "attention":
-        return _attention_numpy(sig)
+    `k`, `v` and `bias`, a norm's of `x`, `gamma` and `beta` (`OWN_NUMPY`)."""
+    if sig.op in OWN_NUMPY:
+        return OWN_NUMPY[sig.op](sig)
     expr, addends = "a @ b" if sig.op == "matmul" else _conv2d_numpy(sig), 0
     for kind, _ in sig.epilogue:
         if kind == "add":
@@ -145,6 +167,10 @@ LAYOUTS = {
               "addends broadcast numpy-style",
     "attention": "BSNH q[B, S, N, H], k[B, T, N, H], v[B, T, N, HV] (batch, positions, heads, head size), "
                  "an optional additive bias[B or 1, N or 1, S or 1, T] that broadcasts -> BSNH out[B, S, N, HV]",
+    "layer_norm": "row-major x[..., D1, ..., Dk] normalized over its last k axes (k: gamma's rank), gamma and "
+                  "beta [D1, ..., Dk] -> out shaped as x; a kernel sees x and out as [rows, size]",
+    "rms_norm": "row-major x[..., D1, ..., Dk] normalized over its last k axes (k: gamma's rank), gamma "
+                "[D1, ..., Dk] -> out shaped as x; a kernel sees x and out as [rows, size]",
 }
 SEMANTICS = {
     "matmul": "(batch axes folded into M)",
@@ -154,6 +180,10 @@ SEMANTICS = {
     "attention": ("out[b][s][n][:] = sum over t < T of p[t] * v[b][t][n][:], p = softmax over t of "
                   "(scale * sum over h of q[b][s][n][h] * k[b][t][n][h] + bias[b][n][s][t]), no causal mask; "
                   "scale is the group's attribute"),
+    "layer_norm": ("out[r][i] = (x[r][i] - mean) / sqrt(var + epsilon) * gamma[i] + beta[i], mean and var "
+                   "(biased: divided by size) over the size elements of row r; epsilon is the group's attribute"),
+    "rms_norm": ("out[r][i] = x[r][i] / sqrt(ms + epsilon) * gamma[i], ms the mean of x[r][j] * x[r][j] over "
+                 "the size elements of row r; epsilon is the group's attribute"),
 }
 
 
@@ -182,6 +212,16 @@ def _interface(sig: OpSignature, target: tvm.target.Target, formats: tuple[str, 
     return {fmt: described[fmt] for fmt in formats}
 
 
+def _gemm(sig: OpSignature) -> dict[str, int]:
+    m, n, k = sig.gemm
+    return {"m": m, "n": n, "k": k}
+
+
+SIZES = {"matmul": ("gemm", _gemm), "conv2d": ("conv2d", _conv2d), "attention": ("attention", _attention),
+         "layer_norm": ("layer_norm", _norm), "rms_norm": ("rms_norm", _norm)}
+"""Where the task's group states each op's sizes and attributes, and what it says there."""
+
+
 def _target_facts(target: tvm.target.Target) -> dict[str, Any]:
     spec = spec_for(target)
     return {"kind": target.kind.name, "target": json.loads(str(target)), "facts": spec.facts(),
@@ -197,13 +237,8 @@ def task(sig: OpSignature, target: tvm.target.Target, round_: int, rounds: int,
              "epilogue": [[kind, list(shape)] for kind, shape in sig.epilogue], "layout": LAYOUTS[sig.op],
              "addends": [list(shape) for name, shape in sig.kernel_operands() if name.startswith("addend")],
              "weight": sig.weight}
-    if sig.op == "matmul":
-        m, n, k = sig.gemm
-        group["gemm"] = {"m": m, "n": n, "k": k}
-    elif sig.op == "conv2d":
-        group["conv2d"] = _conv2d(sig)
-    else:
-        group["attention"] = _attention(sig)
+    field, sizes = SIZES[sig.op]
+    group[field] = sizes(sig)
     return {
         "protocol": PROTOCOL, "round": round_, "rounds": rounds, "group": group,
         "reference": {"tvmscript": sig.module().script(), "numpy": numpy_expression(sig)},

@@ -1,13 +1,13 @@
 """What kernel selection chooses between: `Candidate` implementations of one `OpSignature`.
 
-An op signature is an op of `op_kinds.OP_KINDS` (matmul, attention, conv2d) at static shapes and one
-dtype, together with the elementwise epilogue the target's library call absorbs (on the CPU
-exactly what `DispatchCPULibrary` fuses into its call, read back from it). A candidate
-rewrites that whole group into its implementation before legalization: generated TIR
-(`call_tir` of the legalized op, the epilogue left as Relax ops for FuseOps to fuse,
-scheduled later by MetaSchedule records or the target's default rules), a library call (left
-as the library pass wrote it), a hand-written or an external GEMM PrimFunc (`call_tir`, batch
-axes folded into rows, the epilogue's addends passed after the operands).
+An op signature is an op of `op_kinds.OP_KINDS` (matmul, attention, conv2d, layer and RMS
+norm) at static shapes and one dtype, together with the elementwise epilogue the target's
+library call absorbs (on the CPU exactly what `DispatchCPULibrary` fuses into its call, read
+back from it). A candidate rewrites that whole group into its implementation before
+legalization: generated TIR (`call_tir` of the legalized op, the epilogue left as Relax ops
+for FuseOps to fuse, scheduled later by MetaSchedule records or the target's default rules), a
+library call (left as the library pass wrote it), a hand-written or an external GEMM PrimFunc
+(`call_tir`, batch axes folded into rows, the epilogue's addends passed after the operands).
 """
 
 from __future__ import annotations
@@ -118,7 +118,9 @@ class OpSignature:
         generated) takes, the output last, all compact row-major: a matmul's 2-D, `a[M, K]`,
         `b[K, N]`, each addend as `addends_2d`, `c[M, N]`; a conv2d's NCHW `data`, OIHW
         `weight`, each addend at the output's rank (leading 1s), NCHW `out`; an attention's
-        BSNH `q`, `k`, `v`, its `bias` (B or 1, N or 1, S or 1, T) if it has one, BSNH `out`."""
+        BSNH `q`, `k`, `v`, its `bias` (B or 1, N or 1, S or 1, T) if it has one, BSNH `out`;
+        a layer norm's `x[rows, size]` (the normalized axes folded into size, the others into
+        rows), `gamma[size]`, `beta[size]`, `out[rows, size]` (an RMS norm's without beta)."""
         aligned = [(1,) * (len(self.out_shape) - len(shape)) + shape for shape in self.addend_shapes]
         if self.op == "matmul":
             m, n, k = self.gemm
@@ -127,8 +129,8 @@ class OpSignature:
             names, operands, out = ("data", "weight", "out"), list(self.shapes), self.out_shape
         elif self.op == "attention":  # no epilogue; the bias, when there is one, an operand
             return [*zip(("q", "k", "v", "bias"), self.shapes), ("out", self.out_shape)]
-        else:
-            raise ValueError(f"no kernel from outside the compiler is taken for {self.op}")
+        else:  # no epilogue; the op kind says (a norm's: x[rows, size], gamma[size], beta[size], out)
+            return self.kind.kernel_operands(self.shapes, self.attrs)
         addends = [(f"addend{i}", shape) for i, shape in enumerate(aligned)]
         return [*zip(names[:2], operands), *addends, (names[2], out)]
 
@@ -169,7 +171,7 @@ class OpSignature:
     def input_sets(self, rng: np.random.Generator) -> dict[str, list[np.ndarray]]:
         """Operands (then epilogue addends) to check with: random normal, small integers
         (exact sums), large values (where the op's float32 result is meaningful), zeros in
-        the first operand."""
+        the first operand, then the op kind's own (`OpKind.own_input_sets`)."""
         shapes = [*self.shapes, *self.addend_shapes]
         normal = [rng.standard_normal(s) for s in shapes]
         return {
@@ -177,6 +179,7 @@ class OpSignature:
             "integers": [rng.integers(-4, 5, s).astype(np.float64) for s in shapes],
             "large": [x * 1e3 if self.kind.large(i) else x for i, x in enumerate(normal)],
             "zeros": [np.zeros(shapes[0]), *normal[1:]],
+            **self.kind.own_input_sets(normal, self.attrs),
         }
 
     def error_scale(self, operands: Sequence[np.ndarray]) -> float:
@@ -288,7 +291,8 @@ def call_prim_func(bb: relax.BlockBuilder, call: relax.Call, func: tvm.tirx.Prim
     `OpSignature.kernel_operands`: for a matmul a 2-D GEMM `(a[M, K], b, addends..., c[M, N])`,
     b being B[K, N] or, with `packed_b`, `pack_panels(B)`, batch axes of the first operand
     folded into M and unfolded after; for a conv2d `(data, weight, addends..., out)`; for an
-    attention `(q, k, v[, bias], out)`. Each addend is reshaped to its shape there."""
+    attention `(q, k, v[, bias], out)`; for a norm `(x, gamma[, beta], out)`. Each operand and
+    addend is reshaped to its shape there, and the output back to the op's."""
     group = group_operands(call)
     operands, addends = list(group.operands), group.addends
     sig = OpSignature.of_call(call)
@@ -299,7 +303,11 @@ def call_prim_func(bb: relax.BlockBuilder, call: relax.Call, func: tvm.tirx.Prim
     gvar = bb.add_func(func, name)
     flat = [bb.emit(relax.op.reshape(x, shape)) for x, (_, shape) in zip(addends, arrays[len(operands):-1])]
     if sig.op != "matmul":
-        return relax.call_tir(gvar, [*operands, *flat], relax.TensorType(sig.out_shape, sig.dtype))
+        args = [x if static_shape(x) == shape else bb.emit(relax.op.reshape(x, shape))
+                for x, (_, shape) in zip(operands, arrays)]
+        out_shape = arrays[-1][1]
+        out = relax.call_tir(gvar, [*args, *flat], relax.TensorType(out_shape, sig.dtype))
+        return out if out_shape == sig.out_shape else relax.op.reshape(bb.emit(out), sig.out_shape)
     (a, b), (m, n, k) = operands, sig.gemm
     b = b if packed_b is None else pack_panels(bb, b, packed_b)
     a2 = a if len(sig.shapes[0]) == 2 else bb.emit(relax.op.reshape(a, (m, k)))

@@ -10,7 +10,8 @@
   exactly those shapes: for a matmul `(a[M, K], b[K, N], c[M, N])` (batch axes of the first
   operand fold into M), for a conv2d `(data[N, C, H, W], weight[O, C/groups, KH, KW],
   out[N, O, OH, OW])`, whose `"attrs"` (strides, pads, dilation, groups: `Conv2d.ATTRS`) the
-  entry gives;
+  entry gives, for a layer norm `(x[rows, size], gamma[size], beta[size], out[rows, size])`
+  (an RMS norm's without beta), whose `"attrs"` give its epsilon;
 - "c" (CPU targets): C11 source defining `void FUNCTION(...)` taking a pointer to each of the
   same arrays, compact row-major, the output last (a matmul's `(const float *a, const float
   *b, float *c)`), FUNCTION being the entry's `"function"` (default: its name). It is
@@ -28,8 +29,8 @@
 An optional `"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kernel of that op
 group (`OpSignature.epilogue`): it takes each addend after the operands, as
 `OpSignature.kernel_operands` shapes it, and applies the steps in order. An entry is a
-candidate only for its op, shapes, epilogue, attributes, dtype and target kind; only matmul
-conv2d and attention are taken for now (`OPS`), an entry of another op is listed as unavailable. The
+candidate only for its op, shapes, epilogue, attributes, dtype and target kind; only matmul,
+conv2d, attention and the norms are taken for now (`OPS`), an entry of another op is listed as unavailable. The
 source is parsed only when the candidate is built (in the verification subprocess, or by a build after it was
 verified, when its digest must still match).
 
@@ -57,7 +58,7 @@ from .candidates import MAX_TASKS, Candidate, CSource, OpSignature, call_prim_fu
 
 MANIFEST = "kernels.json"
 FORMATS = ("tvmscript", "c")
-OPS = ("matmul", "conv2d", "attention")
+OPS = ("matmul", "conv2d", "attention", "layer_norm", "rms_norm")
 """The ops kernels from outside the compiler are taken for (`OpSignature.kernel_operands`)."""
 C_COMPILER = os.environ.get("CC", "gcc")
 C_FLAGS = ("-std=c11", "-O3", "-ffp-contract=fast", "-fPIC")

@@ -8,7 +8,10 @@ at besides its own and the inputs it is checked on.
 - attention: `R.nn.attention` over BSNH query, key and value with an optional 4-D additive
   bias (a padding mask), no causal mask or window; no epilogue;
 - conv2d: `R.nn.conv2d` with NCHW data and output and OIHW weights (any strides, padding,
-  dilation and groups), with the epilogue `DispatchCPULibrary` absorbs.
+  dilation and groups), with the epilogue `DispatchCPULibrary` absorbs;
+- layer_norm, rms_norm: `R.nn.layer_norm` (x, gamma, beta) and `R.nn.rms_norm` (x, gamma) over
+  the last k axes of x, k being gamma's rank (what the ONNX importer and `FuseNormalization`
+  emit for LayerNormalization, RMSNormalization and their written-out chains); no epilogue.
 """
 
 from __future__ import annotations
@@ -111,6 +114,16 @@ class OpKind:
     def error_scale(self, operands: list[np.ndarray]) -> float:
         """The magnitude the op's float32 rounding error is relative to."""
         raise NotImplementedError
+
+    def own_input_sets(self, normal: list[np.ndarray], attrs: Attrs) -> dict[str, list[np.ndarray]]:
+        """Input sets of the op's own, made from the random normal operands, beyond those every
+        op is checked on (`OpSignature.input_sets`): where this op's kernels go wrong."""
+        return {}
+
+    def kernel_operands(self, shapes: tuple[Shape, ...], attrs: Attrs) -> list[tuple[str, Shape]]:
+        """The name and shape of each array an outside kernel takes (`OpSignature.kernel_operands`),
+        for an op whose kind says so."""
+        raise ValueError(f"no kernel from outside the compiler is taken for {self.name}")
 
 
 class Matmul(OpKind):
@@ -316,7 +329,105 @@ class Conv2d(OpKind):
         return float(np.abs(data).max(initial=0) * per_output.max(initial=0))
 
 
-OP_KINDS: dict[str, OpKind] = {kind.name: kind for kind in (Matmul(), Attention(), Conv2d())}
+class LayerNorm(OpKind):
+    """`R.nn.layer_norm`: each row of x (its last k axes, k being gamma's rank) less its mean,
+    divided by the square root of its biased variance plus epsilon, times gamma, plus beta."""
+
+    name = "layer_norm"
+    OP = "relax.nn.layer_norm"
+    AFFINE = ("gamma", "beta")
+    EDGE = (7, 3, 37)  # rows; each normalized axis but the last; the last (no multiple of a vector)
+    OFFSET = 30.0
+    """The "offset-rows" input set's mean, in standard deviations. There the variance taken as
+    E[x^2] - E[x]^2 in float32 is 1.3 to 8 times the tolerance off (rows of 32 to 4096
+    elements, sequential sums), two sequential float32 passes at most 0.2 times it."""
+
+    def find(self, call: relax.Expr) -> Group | None:
+        if not _is_op(call, self.OP) or not all(getattr(call.attrs, flag, True) for flag in ("center", "scale")):
+            return None
+        ndim, count = call.args[0].ty.ndim, len(call.attrs.axes)
+        if ndim < 1 or [int(a) % ndim for a in call.attrs.axes] != list(range(ndim - count, ndim)):
+            return None  # gamma's shape follows the axes' order: trailing axes, in order, only
+        if call.attrs.epsilon <= 0:
+            return None  # a constant row is 0/0: no float32 result to check a kernel against
+        return Group(list(call.args), (("epsilon", float(call.attrs.epsilon)),), [], [])
+
+    def valid(self, shapes: tuple[Shape, ...]) -> bool:
+        if len(shapes) != 1 + len(self.AFFINE):
+            return False
+        x, normed = shapes[0], shapes[1]
+        return 1 <= len(normed) <= len(x) and all(s == x[len(x) - len(normed):] for s in shapes[1:])
+
+    def emit(self, operands: list[relax.Expr], attrs: Attrs) -> relax.Call:
+        axes = list(range(-operands[1].ty.ndim, 0))
+        return relax.op.nn.layer_norm(*operands, axes=axes, epsilon=dict(attrs)["epsilon"])
+
+    def out_shape(self, shapes: tuple[Shape, ...], attrs: Attrs) -> Shape:
+        return shapes[0]
+
+    def _normalized(self, x: np.ndarray, axes: tuple[int, ...], epsilon: float) -> np.ndarray:
+        centered = x - x.mean(axis=axes, keepdims=True)
+        return centered / np.sqrt((centered * centered).mean(axis=axes, keepdims=True) + epsilon)
+
+    def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
+        x, gamma, *beta = operands
+        normed = self._normalized(x, tuple(range(x.ndim - gamma.ndim, x.ndim)), dict(attrs)["epsilon"])
+        return normed * gamma + (beta[0] if beta else 0.0)
+
+    def edge_shapes(self, shapes: tuple[Shape, ...], attrs: Attrs) -> tuple[Shape, ...]:
+        rows, inner, last = self.EDGE
+        x, normed = shapes[0], shapes[1]
+        leading = len(x) - len(normed)
+        edge_rows = (*[1] * (leading - 1), rows) if leading else ()
+        edge_normed = (*[inner] * (len(normed) - 1), last)
+        return (edge_rows + edge_normed, *[edge_normed] * len(self.AFFINE))
+
+    def large(self, operand: int) -> bool:
+        # x 1e3 times larger normalizes to the same rows: the kernel must not overflow or lose
+        # them. gamma and beta scale the output only, as random ones do.
+        return operand == 0
+
+    def error_scale(self, operands: list[np.ndarray]) -> float:
+        # Each output's magnitude: |x normalized| |gamma| + |beta|, x normalized without epsilon
+        # (larger: with it), a constant row's as 0.
+        x, gamma, *beta = operands
+        with np.errstate(invalid="ignore", divide="ignore"):
+            normed = np.nan_to_num(self._normalized(x, tuple(range(x.ndim - gamma.ndim, x.ndim)), 0.0),
+                                   nan=0.0, posinf=0.0, neginf=0.0)
+        return float((np.abs(normed) * np.abs(gamma) + (np.abs(beta[0]) if beta else 0.0)).max(initial=0))
+
+    def own_input_sets(self, normal: list[np.ndarray], attrs: Attrs) -> dict[str, list[np.ndarray]]:
+        # Rows whose variance is about epsilon (which then decides the output), and rows far
+        # from 0 relative to their spread (where the variance must not come from cancellation).
+        x, *affine = normal
+        return {"small-variance": [x * math.sqrt(dict(attrs)["epsilon"]), *affine],
+                "offset-rows": [x + self.OFFSET, *affine]}
+
+    def kernel_operands(self, shapes: tuple[Shape, ...], attrs: Attrs) -> list[tuple[str, Shape]]:
+        # Rows of x folded into one axis and the normalized axes into another (as a matmul's
+        # batch axes into M): one kernel interface for every rank.
+        x, normed = shapes[0], shapes[1]
+        rows, size = math.prod(x[:len(x) - len(normed)]), math.prod(normed)
+        return [("x", (rows, size)), *((name, (size,)) for name in self.AFFINE), ("out", (rows, size))]
+
+
+class RMSNorm(LayerNorm):
+    """`R.nn.rms_norm`: each row of x (its last k axes) divided by the square root of its mean
+    square plus epsilon, times gamma (no centring, no beta)."""
+
+    name = "rms_norm"
+    OP = "relax.nn.rms_norm"
+    AFFINE = ("gamma",)
+
+    def emit(self, operands: list[relax.Expr], attrs: Attrs) -> relax.Call:
+        axes = list(range(-operands[1].ty.ndim, 0))
+        return relax.op.nn.rms_norm(*operands, axes=axes, epsilon=dict(attrs)["epsilon"])
+
+    def _normalized(self, x: np.ndarray, axes: tuple[int, ...], epsilon: float) -> np.ndarray:
+        return x / np.sqrt((x * x).mean(axis=axes, keepdims=True) + epsilon)
+
+
+OP_KINDS: dict[str, OpKind] = {kind.name: kind for kind in (Matmul(), Attention(), Conv2d(), LayerNorm(), RMSNorm())}
 
 
 def find_group(call: relax.Expr) -> tuple[OpKind, Group] | None:
