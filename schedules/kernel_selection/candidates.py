@@ -1,7 +1,7 @@
 """What kernel selection chooses between: `Candidate` implementations of one `OpSignature`.
 
-An op signature is an op of `op_kinds.OP_KINDS` (matmul, attention, conv2d) at static shapes and one
-dtype, together with the elementwise epilogue the target's library call absorbs (on the CPU
+An op signature is an op of `op_kinds.OP_KINDS` (matmul, attention, conv2d, dequant_gemv) at
+static shapes (a rows-generic op's rows: 1) and its operands' dtypes, together with the elementwise epilogue the target's library call absorbs (on the CPU
 exactly what `DispatchCPULibrary` fuses into its call, read back from it). A candidate
 rewrites that whole group into its implementation before legalization: generated TIR
 (`call_tir` of the legalized op, the epilogue left as Relax ops for FuseOps to fuse,
@@ -30,16 +30,17 @@ Rewrite = Callable[[relax.BlockBuilder, relax.Call], relax.Expr]
 ACTIVATIONS = {"relu": relax.op.nn.relu, "gelu": relax.op.nn.gelu}
 
 
-def group_operands(call: relax.Expr) -> Group | None:
-    """The op group `call` is (a plain op, or a library call with its absorbed epilogue)."""
-    found = find_group(call)
+def group_operands(call: relax.Expr, mod: tvm.IRModule | None = None) -> Group | None:
+    """The op group `call` (in `mod`) is (a plain op, or a library call with its absorbed epilogue)."""
+    found = find_group(call, mod)
     return None if found is None else found[1]
 
 
 @dataclasses.dataclass(frozen=True)
 class OpSignature:
-    """An op group at static shapes: `shapes` of the op's tensor operands, all of `dtype`, its
-    attributes (`attrs`, e.g. attention's scale), then its `epilogue` steps in order;
+    """An op group at static shapes: `shapes` of the op's tensor operands, of `dtype` (the
+    first operand's, the output's and the addends'; the others' as the kind says:
+    `operand_dtypes`), its attributes (`attrs`, e.g. attention's scale), then its `epilogue` steps in order;
     `weight`: the second operand is a constant (a model weight), so a kernel may take it in
     its own layout, converted at build time."""
 
@@ -51,24 +52,23 @@ class OpSignature:
     attrs: Attrs = ()
 
     @classmethod
-    def of_call(cls, call: relax.Expr) -> OpSignature | None:
-        """The signature of `call`, or None when selection does not handle it."""
-        found = find_group(call)
+    def of_call(cls, call: relax.Expr, mod: tvm.IRModule | None = None) -> OpSignature | None:
+        """The signature of `call` (in `mod`: see `find_group`), or None when selection does
+        not handle it."""
+        found = find_group(call, mod)
         if found is None:
             return None
         kind, group = found
-        shapes, dtypes = [], set()
-        for arg in (*group.operands, *group.addends):
-            shape = static_shape(arg)
-            if shape is None:
-                return None
-            shapes.append(shape)
-            dtypes.add(str(arg.ty.dtype))
+        shapes = [*kind.shapes_of(group.operands), *(static_shape(arg) for arg in group.addends)]
+        if None in shapes:
+            return None
         operands = tuple(shapes[:len(group.operands)])
-        if len(dtypes) != 1 or not kind.valid(operands):
+        dtype = str(group.operands[0].ty.dtype)
+        expected = (*kind.operand_dtypes(dtype, group.attrs, len(operands)), *(dtype,) * len(group.addends))
+        if tuple(str(arg.ty.dtype) for arg in (*group.operands, *group.addends)) != expected or not kind.valid(operands):
             return None
         weight = len(operands) > 1 and isinstance(group.operands[1], tvm.ir.expr.Constant)
-        return cls(kind.name, operands, dtypes.pop(), tuple(group.steps), weight, group.attrs)
+        return cls(kind.name, operands, dtype, tuple(group.steps), weight, group.attrs)
 
     @property
     def kind(self) -> OpKind:
@@ -85,6 +85,21 @@ class OpSignature:
     @property
     def out_shape(self) -> tuple[int, ...]:
         return self.kind.out_shape(self.shapes, self.attrs)
+
+    @property
+    def operand_dtypes(self) -> tuple[str, ...]:
+        """The dtype of each tensor operand (then of each addend: `dtype`)."""
+        return (*self.kind.operand_dtypes(self.dtype, self.attrs, len(self.shapes)),
+                *(self.dtype,) * len(self.addend_shapes))
+
+    def cast(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Operands then addends (as `input_sets` gives them) in their dtypes."""
+        return [x.astype(dtype) for x, dtype in zip(arrays, self.operand_dtypes)]
+
+    def variants(self) -> list[OpSignature]:
+        """The same group at the other shapes every candidate is checked at (a rows-generic
+        op's other row count)."""
+        return [dataclasses.replace(self, shapes=shapes) for shapes in self.kind.variants(self.shapes)]
 
     @property
     def gemm(self) -> tuple[int, int, int]:
@@ -118,7 +133,9 @@ class OpSignature:
         generated) takes, the output last, all compact row-major: a matmul's 2-D, `a[M, K]`,
         `b[K, N]`, each addend as `addends_2d`, `c[M, N]`; a conv2d's NCHW `data`, OIHW
         `weight`, each addend at the output's rank (leading 1s), NCHW `out`; an attention's
-        BSNH `q`, `k`, `v`, its `bias` (B or 1, N or 1, S or 1, T) if it has one, BSNH `out`."""
+        BSNH `q`, `k`, `v`, its `bias` (B or 1, N or 1, S or 1, T) if it has one, BSNH `out`; a
+        dequant_gemv's `x[rows, 1, k]`, `scales`, (`mins`,) `quants`, (`bias`,) `out[rows, 1, n]`
+        (`kernel_dtypes` gives each one's dtype)."""
         aligned = [(1,) * (len(self.out_shape) - len(shape)) + shape for shape in self.addend_shapes]
         if self.op == "matmul":
             m, n, k = self.gemm
@@ -127,10 +144,29 @@ class OpSignature:
             names, operands, out = ("data", "weight", "out"), list(self.shapes), self.out_shape
         elif self.op == "attention":  # no epilogue; the bias, when there is one, an operand
             return [*zip(("q", "k", "v", "bias"), self.shapes), ("out", self.out_shape)]
+        elif self.op == "dequant_gemv":  # no epilogue
+            layout = self.kind.layout(self.attrs)
+            names = ("x", "scales", *(("mins",) if layout.has_mins else ()), "quants", "bias")
+            return [*zip(names, self.shapes), ("out", self.out_shape)]
         else:
             raise ValueError(f"no kernel from outside the compiler is taken for {self.op}")
         addends = [(f"addend{i}", shape) for i, shape in enumerate(aligned)]
         return [*zip(names[:2], operands), *addends, (names[2], out)]
+
+    def kernel_dtypes(self) -> list[str]:
+        """The dtype of each array of `kernel_operands` (the output's: `dtype`)."""
+        return [*self.operand_dtypes, self.dtype]
+
+    def kernel_buffers(self) -> tuple[list[tvm.tirx.Var], list[tvm.tirx.Buffer]]:
+        """The arrays of `kernel_operands` as TIR buffers of their dtypes, and the scalars a
+        kernel takes before them: for a rows-generic op its row count, a variable `rows` that
+        is the leading dimension of the first operand and of the output."""
+        operands, dtypes = self.kernel_operands(), self.kernel_dtypes()
+        rows = [tvm.tirx.Var("rows", "int64")] if self.kind.rows_generic else []
+        generic = {0, len(operands) - 1} if rows else set()
+        buffers = [tvm.tirx.decl_buffer((*rows, *shape[1:]) if i in generic else shape, dtype, name)
+                   for i, ((name, shape), dtype) in enumerate(zip(operands, dtypes))]
+        return rows, buffers
 
     def edge_case(self) -> OpSignature:
         """The same op group at small shapes that are no multiple of any tile (tails everywhere)."""
@@ -152,7 +188,8 @@ class OpSignature:
         """`main(operands..., addends...)` computing the op group as plain Relax ops. With
         `weights`, the second operand is no parameter: `main` runs the group once with each of
         them as a constant (as a model's weights reach its kernels) and returns a tuple."""
-        operands = [relax.Var(f"arg{i}", relax.TensorType(shape, self.dtype)) for i, shape in enumerate(self.shapes)]
+        operands = [relax.Var(f"arg{i}", relax.TensorType(shape, dtype))
+                    for i, (shape, dtype) in enumerate(zip(self.shapes, self.operand_dtypes))]
         addends = [relax.Var(f"addend{i}", relax.TensorType(shape, self.dtype))
                    for i, shape in enumerate(self.addend_shapes)]
         variants = [[operands[0], relax.const(w.astype(self.dtype)), *operands[2:]] for w in weights] or [operands]
@@ -169,7 +206,10 @@ class OpSignature:
     def input_sets(self, rng: np.random.Generator) -> dict[str, list[np.ndarray]]:
         """Operands (then epilogue addends) to check with: random normal, small integers
         (exact sums), large values (where the op's float32 result is meaningful), zeros in
-        the first operand."""
+        the first operand; or the op's own (`OpKind.input_sets`)."""
+        own = self.kind.input_sets(self.shapes, self.attrs, rng)
+        if own is not None:
+            return own
         shapes = [*self.shapes, *self.addend_shapes]
         normal = [rng.standard_normal(s) for s in shapes]
         return {
@@ -182,7 +222,7 @@ class OpSignature:
     def error_scale(self, operands: Sequence[np.ndarray]) -> float:
         """The magnitude an output's float32 rounding is relative to (at least 1)."""
         addends = operands[len(self.shapes):]
-        return max(1.0, self.kind.error_scale(list(operands[:len(self.shapes)])),
+        return max(1.0, self.kind.error_scale_of(list(operands[:len(self.shapes)]), self.attrs),
                    *(float(np.abs(x).max(initial=0)) for x in addends))
 
     def reference(self, *operands: np.ndarray) -> np.ndarray:
@@ -272,18 +312,20 @@ def call_prim_func(bb: relax.BlockBuilder, call: relax.Call, func: tvm.tirx.Prim
     `OpSignature.kernel_operands`: for a matmul a 2-D GEMM `(a[M, K], b, addends..., c[M, N])`,
     b being B[K, N] or, with `packed_b`, `pack_panels(B)`, batch axes of the first operand
     folded into M and unfolded after; for a conv2d `(data, weight, addends..., out)`; for an
-    attention `(q, k, v[, bias], out)`. Each addend is reshaped to its shape there."""
-    group = group_operands(call)
+    attention `(q, k, v[, bias], out)`; for a dequant_gemv `(x, scales, [mins,] quants, [bias,] out)`
+    (its rows any). Each addend is reshaped to its shape there."""
+    group = group_operands(call, bb.get())
     operands, addends = list(group.operands), group.addends
-    sig = OpSignature.of_call(call)
+    sig = OpSignature.of_call(call, bb.get())
     arrays = sig.kernel_operands()
     # Opaque: FuseOps must not fuse into a scheduled kernel; no symbol of its own, so that
     # several shapes of one kernel in a model each get theirs from their GlobalVar.
     func = func.with_attr("op_pattern", 8).without_attr("global_symbol")
     gvar = bb.add_func(func, name)
     flat = [bb.emit(relax.op.reshape(x, shape)) for x, (_, shape) in zip(addends, arrays[len(operands):-1])]
-    if sig.op != "matmul":
-        return relax.call_tir(gvar, [*operands, *flat], relax.TensorType(sig.out_shape, sig.dtype))
+    if sig.op != "matmul":  # a rows-generic op's output: the call's own (its rows symbolic, maybe)
+        out = call.ty if sig.kind.rows_generic else relax.TensorType(sig.out_shape, sig.dtype)
+        return relax.call_tir(gvar, [*operands, *flat], out)
     (a, b), (m, n, k) = operands, sig.gemm
     b = b if packed_b is None else pack_panels(bb, b, packed_b)
     a2 = a if len(sig.shapes[0]) == 2 else bb.emit(relax.op.reshape(a, (m, k)))

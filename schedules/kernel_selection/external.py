@@ -24,8 +24,8 @@
 An optional `"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kernel of that op
 group (`OpSignature.epilogue`): it takes each addend after the operands, as
 `OpSignature.kernel_operands` shapes it, and applies the steps in order. An entry is a
-candidate only for its op, shapes, epilogue, attributes, dtype and target kind; only matmul
-conv2d and attention are taken for now (`OPS`), an entry of another op is listed as unavailable. The
+candidate only for its op, shapes, epilogue, attributes, dtype and target kind; only matmul,
+conv2d, attention and dequant_gemv are taken for now (`OPS`), an entry of another op is listed as unavailable. The
 source is parsed only when the candidate is built (in the verification subprocess, or by a build after it was
 verified, when its digest must still match).
 
@@ -53,7 +53,7 @@ from .candidates import Candidate, OpSignature, call_prim_func
 
 MANIFEST = "kernels.json"
 FORMATS = ("tvmscript", "c")
-OPS = ("matmul", "conv2d", "attention")
+OPS = ("matmul", "conv2d", "attention", "dequant_gemv")
 """The ops kernels from outside the compiler are taken for (`OpSignature.kernel_operands`)."""
 C_COMPILER = os.environ.get("CC", "gcc")
 C_FLAGS = ("-std=c11", "-O3", "-fPIC")
@@ -117,8 +117,8 @@ def _c_prim_func(path: str, function: str, sig: OpSignature, target: tvm.target.
     undefined = subprocess.run(["nm", "-u", "--format=just-symbols", str(obj)], capture_output=True, text=True,
                                check=True).stdout.split()
     _refuse_calls(path, undefined)
-    buffers = [tvm.tirx.decl_buffer(shape, sig.dtype, name) for name, shape in sig.kernel_operands()]
-    body = tvm.tirx.Evaluate(tvm.tirx.call_extern("void", symbol, *(b.data for b in buffers)))
+    scalars, buffers = sig.kernel_buffers()
+    body = tvm.tirx.Evaluate(tvm.tirx.call_extern("void", symbol, *scalars, *(b.data for b in buffers)))
     func = tvm.tirx.PrimFunc(buffers, body)
     return func.with_attrs({"tir.noalias": True, "tirx.is_scheduled": True, LINK_OBJECT: str(obj)})
 
@@ -227,7 +227,7 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
             return _c_prim_func(path, function, sig, target) if c else _load_prim_func(path)
 
         def rewrite(bb, call, name=entry["name"], kernel=kernel):
-            return call_prim_func(bb, call, kernel(OpSignature.of_call(call)), f"{source}_{name}")
+            return call_prim_func(bb, call, kernel(OpSignature.of_call(call, bb.get())), f"{source}_{name}")
 
         found.append(Candidate(source, entry["name"], path, rewrite, shape_generic=False,
                                digest=digest(path) if unavailable is None else "", kernel=kernel,

@@ -1,0 +1,105 @@
+"""The LLM's dequantizing GEMV as a kernel-selection op group ("dequant_gemv"): found by the
+mark on its PrimFunc, with per-operand dtypes and a rows-generic signature; its float64
+reference is GGUF's dequantization times x; the shipped TIR kernel is the verified baseline;
+kernel generators are offered it and their C kernels are verified (a right one accepted, wrong
+ones rejected); an LLM built with an accepted kernel decodes as without."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.relax.frontend import nn
+
+from gimlet_tvm.compiler import resolve_target
+from gimlet_tvm.llm import quantization as quant
+from gimlet_tvm.llm.quantization import QuantizedLinear
+from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
+from gimlet_tvm.schedules.kernel_selection.op_kinds import OP_KINDS
+from gimlet_tvm.schedules.kernel_selection.sources import candidates
+from gimlet_tvm.selection.select import op_signatures
+from gimlet_tvm.selection.verify import run_candidate
+
+
+class _Linear(nn.Module):
+    def __init__(self, fmt: quant.BlockFormat, n: int, k: int, bias: bool) -> None:
+        super().__init__()
+        self.lin = QuantizedLinear(k, n, fmt, bias)
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        return self.lin(x)
+
+
+def linear_module(fmt: quant.BlockFormat, n: int, k: int, bias: bool) -> tvm.IRModule:
+    """A Relax module of one `QuantizedLinear` in decode (x [rows, 1, k], rows symbolic)."""
+    _, target = resolve_target("llvm")
+    with target:
+        mod, _ = _Linear(fmt, n, k, bias).export_tvm(
+            spec={"forward": {"x": nn.spec.Tensor(["rows", 1, k], "float32")}})
+    return mod
+
+
+def _request(sig: OpSignature, target, **more) -> dict:
+    return {"signature": sig.to_json(), "target": json.loads(str(target)), "external_dir": None,
+            "records": None, "min_repeat_ms": 1, **more}
+
+
+@pytest.mark.parametrize("fmt,bias", [(quant.Q8_0, False), (quant.Q4_1, True)], ids=["q8_0", "q4_1_bias"])
+def test_dequant_gemv_groups_are_found_by_their_mark(fmt, bias):
+    """A QuantizedLinear's decode call is one dequant_gemv group (rows generic: 1 in the
+    signature), its operands of their own dtypes, the signature round-tripping through JSON;
+    the same call_tir of a PrimFunc without the mark is no group."""
+    _, target = resolve_target("llvm")
+    mod = linear_module(fmt, 64, 96, bias)
+    ((sig, count),) = op_signatures(mod, target).items()
+    blocks = (64, 3)
+    mins = [blocks] if fmt.has_mins else []
+    assert count == 1 and sig.op == "dequant_gemv"
+    assert sig.shapes == ((1, 1, 96), blocks, *mins, (64, 96 // fmt.per_byte), *([(64,)] if bias else []))
+    assert sig.operand_dtypes == ("float32", "float16", *["float16"] * len(mins), fmt.quants_dtype,
+                                  *(["float32"] if bias else []))
+    assert sig.key == f"dequant_gemv float32 rowsx1x96 @ 64x96^T {fmt.name.lower()}" + (" +bias" if bias else "")
+    assert OpSignature.from_json(json.loads(json.dumps(sig.to_json()))) == sig
+    assert [c.id for c in candidates(sig, target)] == ["generated:tir"]
+    unmarked = tvm.IRModule({g: (f.without_attr("gimlet.op_group") if isinstance(f, tvm.tirx.PrimFunc) else f)
+                             for g, f in mod.functions_items()})
+    assert op_signatures(unmarked, target) == {}
+
+
+@pytest.mark.parametrize("fmt", [quant.Q8_0, quant.Q4_1], ids=lambda f: f.name)
+def test_reference_is_gguf_dequantization_times_x(fmt):
+    """The op's float64 reference computes x @ W^T + bias with W as gguf dequantizes the
+    blocks the arrays were split from; its input sets cover each quant dtype's whole range and
+    zero, negative, tiny and large scales."""
+    rng = np.random.default_rng(0)
+    n, k = 40, 96
+    blocks = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), fmt.gguf_type)
+    arrays = quant.split_blocks(fmt, blocks)
+    x, bias = rng.standard_normal((3, 1, k)), rng.standard_normal(n)
+    operands = [x, arrays[quant.SCALES], *([arrays[quant.MINS]] if fmt.has_mins else []), arrays[quant.QUANTS], bias]
+    sig = OpSignature("dequant_gemv", tuple(np.shape(a) for a in operands), "float32",
+                      attrs=(("bits", 8.0 if fmt is quant.Q8_0 else 4.0), ("bias", 1.0)))
+    want = x[:, 0, :] @ gguf.quants.dequantize(blocks, fmt.gguf_type).astype(np.float64).T + bias
+    np.testing.assert_allclose(sig.reference(*operands)[:, 0, :], want, rtol=1e-12, atol=1e-12)
+    sets = OpSignature("dequant_gemv", ((1, 1, k), *sig.shapes[1:]), "float32", attrs=sig.attrs).input_sets(rng)
+    quants = sets["random"][-2]
+    info = np.iinfo(fmt.quants_dtype)
+    assert quants.min() == info.min and quants.max() == info.max
+    scales = np.concatenate([s[1].ravel() for s in sets.values()])
+    assert (scales == 0).any() and (scales < 0).any() and np.abs(scales[scales != 0]).min() < 1e-5
+    assert np.abs(scales).max() > 100
+    assert OP_KINDS["dequant_gemv"].variants(sig.shapes)[0][0] == (7, 1, k)
+
+
+def test_the_shipped_kernel_is_the_verified_baseline():
+    """The generated candidate keeps the shipped TIR kernel; verification checks it at one
+    row, at an odd row count and at edge sizes (37 outputs, 3 blocks) and times it."""
+    _, target = resolve_target("llvm")
+    ((sig, _),) = op_signatures(linear_module(quant.Q4_1, 64, 96, True), target).items()
+    outcome = run_candidate(_request(sig, target, candidate="generated:tir"), 120)
+    assert outcome.verified, outcome.reason
+    assert len(outcome.checks) == 3 and "37x96^T" in outcome.checks[2]
