@@ -13,6 +13,9 @@ r of an op group by the r-th PLAN, each a '+'-joined list of kernels, or one mis
                                       that forgets the padding (reads outside data at its edges)
     attention  attentionnoscale       C attentions for the task's (with its bias, if any): right;
                                       one that forgets the scale
+    gemv  gemvnoscale  gemvunsigned   C Q8_0 dequantizing GEMVs for the task's (with its bias, if
+                                      any): right; one that ignores the scales; one that reads the
+                                      quants as unsigned
     malformed  notlist  exit  hang    not JSON; JSON but no list of candidates; exit code 3; sleep
 
 With GIMLET_TEST_TASKS=DIR, every task it reads is saved there as round<r>.json.
@@ -106,6 +109,45 @@ def attention_kernel(plan: str, sizes: dict) -> str:
         bias_arg, bias_term = "const float *bias, ", f"+ bias[{' + '.join(terms) or '0'}]"
     scaled = repr(sizes["scale"]) + "f" if plan == "attention" else "1.0f"
     return C_ATTENTION.format(**sizes, bias_arg=bias_arg, bias_term=bias_term, scaled=scaled)
+C_GEMV = """
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+static float half_to_float(uint16_t h) {{
+  uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
+  if (exponent == 0) {{ float f = ldexpf((float)mantissa, -24); return sign ? -f : f; }}
+  bits = sign | (exponent == 31 ? 0x7f800000u : (exponent + 112) << 23) | (mantissa << 13);
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}}
+void kernel(int64_t rows, const float *x, const uint16_t *scales, const int8_t *quants, {bias_arg}float *out) {{
+  for (int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < {n}; ++j) {{
+      float sum = 0.0f;
+      for (int b = 0; b < {blocks}; ++b) {{
+        float part = 0.0f;
+        for (int i = 0; i < 32; ++i) part += (float)({quant_type})quants[j * {k} + b * 32 + i] * x[r * {k} + b * 32 + i];
+        sum += {scaled};
+      }}
+      out[r * {n} + j] = sum{bias_term};
+    }}
+}}
+"""
+GEMV_PLANS = {"gemv": ("int8_t", "half_to_float(scales[j * {blocks} + b]) * part"),
+              "gemvnoscale": ("int8_t", "part"),
+              "gemvunsigned": ("uint8_t", "half_to_float(scales[j * {blocks} + b]) * part")}
+
+
+def gemv_kernel(plan: str, sizes: dict) -> str:
+    """The C Q8_0 GEMV of `plan` for the task's `dequant_gemv` sizes."""
+    assert sizes["format"] == "q8_0", "this generator writes Q8_0 GEMVs only"
+    quant_type, scaled = GEMV_PLANS[plan]
+    bias = sizes["bias"]
+    return C_GEMV.format(**sizes, quant_type=quant_type, scaled=scaled.format(**sizes),
+                         bias_arg="const float *bias, " if bias else "", bias_term=" + bias[j]" if bias else "")
+
+
 TVMSCRIPT = """
 # from tvm.script import tirx as T
 
@@ -121,7 +163,10 @@ def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
 
 
 def kernel(plan: str, sizes: dict) -> dict:
-    """The candidate of `plan` for the task's sizes (its group's `gemm`, `conv2d` or `attention`)."""
+    """The candidate of `plan` for the task's sizes (its group's `gemm`, `conv2d`, `attention` or
+    `dequant_gemv`)."""
+    if plan in GEMV_PLANS:
+        return {"format": "c", "source": gemv_kernel(plan, sizes), "name": plan}
     if plan.startswith("attention"):
         return {"format": "c", "source": attention_kernel(plan, sizes), "name": plan}
     if plan in CONV_INSIDE:
@@ -149,7 +194,7 @@ def main() -> None:
     elif plan == "hang":
         time.sleep(600)
     else:
-        assert not task["group"]["epilogue"], "this generator writes plain GEMMs, conv2ds and attention only"
+        assert not task["group"]["epilogue"], "this generator writes plain GEMMs, conv2ds, attention and GEMVs only"
         sizes = task["group"][{"matmul": "gemm"}.get(task["group"]["op"], task["group"]["op"])]
         print(json.dumps([kernel(p, sizes) for p in plan.split("+")]))
 

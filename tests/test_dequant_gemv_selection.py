@@ -21,8 +21,12 @@ from gimlet_tvm.llm.quantization import QuantizedLinear
 from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
 from gimlet_tvm.schedules.kernel_selection.op_kinds import OP_KINDS
 from gimlet_tvm.schedules.kernel_selection.sources import candidates
+from gimlet_tvm.selection.generator import Generator, generate, task
+from gimlet_tvm.selection.json_schema import protocol_errors
 from gimlet_tvm.selection.select import op_signatures
 from gimlet_tvm.selection.verify import run_candidate
+
+from .test_kernel_generators import scripted
 
 
 class _Linear(nn.Module):
@@ -103,3 +107,36 @@ def test_the_shipped_kernel_is_the_verified_baseline():
     outcome = run_candidate(_request(sig, target, candidate="generated:tir"), 120)
     assert outcome.verified, outcome.reason
     assert len(outcome.checks) == 3 and "37x96^T" in outcome.checks[2]
+
+
+def test_generators_are_offered_the_group_and_a_right_c_kernel_is_accepted(tmp_path):
+    """The task of a Q8_0 GEMV states its block layout, dtypes and C interface (the row count
+    first), valid against the schema, its numpy expression computing the reference; of three
+    C kernels the right one is verified (guard pages and poisons with rows, 1 and 7 rows) and
+    the ones that ignore the scales or read the quants as unsigned are wrong results."""
+    _, target = resolve_target("llvm")
+    ((sig, _),) = op_signatures(linear_module(quant.Q8_0, 64, 96, True), target).items()
+    made = task(sig, target, 1, 1, None, [])
+    assert protocol_errors(made, "task") == [] and made["formats"] == ["c", "tvmscript"]
+    assert made["group"]["dequant_gemv"]["format"] == "q8_0" and made["group"]["dequant_gemv"]["rows_checked"] == [1, 7]
+    assert "w = d * q" in made["group"]["dequant_gemv"]["block"]
+    assert made["group"]["dtypes"] == ["float32", "float16", "int8", "float32"]
+    assert ("void kernel(int64_t rows, const float *x, const uint16_t *scales, const int8_t *quants, "
+            "const float *bias, float *out)") in made["interface"]["c"]
+    assert "x[rows][1][96], scales[64][3] float16, quants[64][96] int8, bias[64], out[rows][1][64]" in made[
+        "interface"]["c"]
+    operands = sig.cast(sig.input_sets(np.random.default_rng(5))["random"])
+    names = dict(zip(("x", "scales", "quants", "bias"), operands))
+    got = eval(made["reference"]["numpy"], {"np": np}, names)  # noqa: S307
+    np.testing.assert_allclose(got, sig.reference(*operands), rtol=1e-12, atol=1e-12)
+
+    directory = str(tmp_path)
+    tried = []
+    rounds = generate(sig, target, Generator(scripted("gemv+gemvnoscale+gemvunsigned"), rounds=1), directory,
+                      lambda cid: run_candidate(_request(sig, target, candidate=cid, generated_dir=directory), 120),
+                      tried, lambda line: None)
+    assert not rounds[0].failure, rounds
+    outcomes = {t.id.split(":")[1].split("_")[0]: t for t in tried}
+    assert outcomes["gemv"].verified, outcomes["gemv"].reason
+    for wrong in ("gemvnoscale", "gemvunsigned"):
+        assert outcomes[wrong].verdict == "wrong result", outcomes[wrong].reason

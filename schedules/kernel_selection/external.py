@@ -13,7 +13,10 @@
   entry gives;
 - "c" (CPU targets): C11 source defining `void FUNCTION(...)` taking a pointer to each of the
   same arrays, compact row-major, the output last (a matmul's `(const float *a, const float
-  *b, float *c)`), FUNCTION being the entry's `"function"` (default: its name). It is
+  *b, float *c)`; an array of another dtype by its C type, e.g. a dequant_gemv's `const
+  uint16_t *scales` (float16 bits), `const int8_t *quants`; a rows-generic op's kernel takes
+  `int64_t rows` first: `OpSignature.kernel_buffers`), FUNCTION being the entry's `"function"`
+  (default: its name). It is
   compiled with `$CC` (gcc) `-O3` for the target's CPU (`-march` = its `mcpu`; native when
   that is this machine's CPU or none) to an object file that the build links into the model
   (so exported models carry it); the function is renamed to a symbol unique to the source and
