@@ -11,22 +11,30 @@ import json
 import gguf
 import numpy as np
 import pytest
+import torch
 import tvm
-from tvm import relax
 from tvm.relax.frontend import nn
 
+import gimlet_tvm.llm as gllm
 from gimlet_tvm.compiler import resolve_target
 from gimlet_tvm.llm import quantization as quant
+from gimlet_tvm.llm.compile import compile_llm, llm_module
+from gimlet_tvm.llm.kernel_selection import select_llm_kernels
+from gimlet_tvm.llm.weights import open_checkpoint
 from gimlet_tvm.llm.quantization import QuantizedLinear
 from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
+from gimlet_tvm.schedules.kernel_selection.choices import KernelSelection, OpChoice
 from gimlet_tvm.schedules.kernel_selection.op_kinds import OP_KINDS
 from gimlet_tvm.schedules.kernel_selection.sources import candidates
+from gimlet_tvm.schedules.tuning.records import target_key
 from gimlet_tvm.selection.generator import Generator, generate, task
 from gimlet_tvm.selection.json_schema import protocol_errors
 from gimlet_tvm.selection.select import op_signatures
 from gimlet_tvm.selection.verify import run_candidate
 
+from .llm_models import SMOLLM2_GGUF, random_model
 from .test_kernel_generators import scripted
+from .test_llm_quantization import PROMPT, _assert_same_greedy, _reference_logits, _requantized, _run_greedy
 
 
 class _Linear(nn.Module):
@@ -140,3 +148,64 @@ def test_generators_are_offered_the_group_and_a_right_c_kernel_is_accepted(tmp_p
     assert outcomes["gemv"].verified, outcomes["gemv"].reason
     for wrong in ("gemvnoscale", "gemvunsigned"):
         assert outcomes[wrong].verdict == "wrong result", outcomes[wrong].reason
+
+
+def test_llm_built_with_a_generated_gemv_decodes_as_the_reference(tmp_path):
+    """A small Q8_0 Llama's decode GEMV groups as the LLM module has them; a generator's C
+    kernel for the output head's (decode's and prefill's logits), verified and stored as the winner in
+    a records directory, is built into the LLM by `load(..., records=DIR)`, which then decodes
+    the greedy tokens, with close logits, of the float32 transformers model whose weights are
+    dequantize(quantize(w)) (as the build without a selection does:
+    test_llm_quantization.test_small_llama_quantized_on_load)."""
+    folder, model = random_model("llama", dict(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
+        tie_word_embeddings=False, initializer_range=0.1), tmp_path / "model")
+    _, target = resolve_target("llvm")
+    mod, _ = llm_module(open_checkpoint(folder).config, target, "q8")
+    sigs = op_signatures(mod, target)
+    # query/key/value, output, gate/up, down projections and the head
+    assert sorted((s.shapes[1][0], s.shapes[0][2]) for s in sigs) == [(128, 128), (128, 256), (192, 128),
+                                                                       (256, 128), (512, 128)]
+    records, directory = tmp_path / "records", str(tmp_path / "records" / "generated_kernels")
+    choices = {}
+    for sig in sigs:
+        if sig.shapes[1][0] != 256:
+            continue  # the layers keep the shipped kernel
+        tried = []
+        generate(sig, target, Generator(scripted("gemv"), rounds=1), directory,
+                 lambda cid, sig=sig: run_candidate(_request(sig, target, candidate=cid, generated_dir=directory),
+                                                    120), tried, lambda line: None)
+        (made,) = tried
+        assert made.verified, made.reason
+        choices[sig.key] = OpChoice(sig, tried, made.id)
+    KernelSelection(target_key(target), choices, generated_dir=directory).save(records)
+
+    compiled = compile_llm(open_checkpoint(folder).config, "llvm", "q8", records)
+    for choice in choices.values():
+        assert compiled.module.implements_function(f"generator_{choice.winner.split(':')[1]}", True)
+    tokens, logits = _run_greedy(gllm.LLM(compiled, open_checkpoint(folder), None), PROMPT)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(_requantized(module.weight.numpy(), quant.Q8_0.gguf_type))
+    _assert_same_greedy(tokens, logits, _reference_logits(model, PROMPT, tokens))
+
+
+@pytest.mark.slow
+def test_smollm2_decode_gemvs_are_selected_with_a_generator_and_applied(tmp_path):
+    """SmolLM2-135M at Q8_0: `select_llm_kernels` finds its five decode GEMV shapes (hidden
+    576, intermediate 1536, the 49152-row head), verifies the shipped kernel and the scripted
+    generator's C kernel at each and stores the winners; the LLM loaded with those records
+    generates the greedy tokens it generates without them."""
+    _, target = resolve_target("llvm")
+    selection = select_llm_kernels(SMOLLM2_GGUF, "llvm", "q8", records=tmp_path,
+                                   generator=Generator(scripted("gemv"), rounds=1))
+    sizes = sorted((c.signature.shapes[1][0], c.signature.shapes[0][2]) for c in selection.choices.values())
+    assert sizes == [(576, 576), (576, 1536), (960, 576), (3072, 576), (49152, 576)]
+    for choice in selection.choices.values():
+        verified = {t.id.split(":")[0] for t in choice.tried if t.verified}
+        assert verified == {"generated", "generator"}, choice.tried
+    assert KernelSelection.load(tmp_path, target).choices.keys() == selection.choices.keys()
+    tokens, _ = _run_greedy(gllm.load(SMOLLM2_GGUF, quantization="q8", records=tmp_path), [504, 3575, 282, 4649, 314])
+    want, _ = _run_greedy(gllm.load(SMOLLM2_GGUF, quantization="q8"), [504, 3575, 282, 4649, 314])
+    assert tokens == want
