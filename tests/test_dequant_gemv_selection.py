@@ -209,3 +209,20 @@ def test_smollm2_decode_gemvs_are_selected_with_a_generator_and_applied(tmp_path
     tokens, _ = _run_greedy(gllm.load(SMOLLM2_GGUF, quantization="q8", records=tmp_path), [504, 3575, 282, 4649, 314])
     want, _ = _run_greedy(gllm.load(SMOLLM2_GGUF, quantization="q8"), [504, 3575, 282, 4649, 314])
     assert tokens == want
+
+
+@pytest.mark.slow  # ~2 min: the shipped kernel verified at five shapes, then the LLM built
+def test_select_cli_chooses_an_llms_decode_kernels(cli, tmp_path):
+    """`gimlet-tvm select MODEL -q q8 --records DIR` on a small Llama: a table per decode GEMV
+    shape, each with the shipped kernel verified and winning, stored in DIR, and the LLM
+    builds with it; an LLM selection refuses the ONNX-only options."""
+    folder, _ = random_model("llama", dict(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
+        tie_word_embeddings=False, initializer_range=0.1), tmp_path / "model")
+    code, out, err = cli("select", str(folder), "-q", "q8", "--records", str(tmp_path / "records"))
+    assert code == 0, err
+    assert out.count("winner: generated:tir") == 5, out
+    assert "dequant_gemv float32 rowsx1x128 @ 256x128^T q8_0" in out and "the LLM builds with the selection" in out
+    assert len(KernelSelection.load(tmp_path / "records", resolve_target("llvm")[1]).choices) == 5
+    code, _, err = cli("select", str(folder), "-q", "q8", "--records", str(tmp_path / "r2"), "--kernels", "x")
+    assert code != 0 and "an LLM's kernels are selected on this machine" in err

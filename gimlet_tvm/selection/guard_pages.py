@@ -41,9 +41,9 @@ def _protect(address: int, size: int, prot: int) -> None:
 
 class Guarded:
     """An array of `shape` and `dtype` in a mapping of its own, against a PROT_NONE page after
-    its end (`at_end`) or before its start. With `align` (at least the element's size), its
-    start is a multiple of that many bytes: at the end it then lies within align - element
-    size bytes of the page (TVM takes DLPack data 64-byte aligned only)."""
+    its end (`at_end`) or before its start, exactly by default. With `align`, its start is a
+    multiple of that many bytes: at the end it then lies within align - element size bytes of
+    the page (TVM takes DLPack data 64-byte aligned only)."""
 
     def __init__(self, shape: list[int] | tuple[int, ...], at_end: bool, align: int = 1,
                  dtype: str = "float32") -> None:

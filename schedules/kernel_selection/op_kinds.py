@@ -409,8 +409,8 @@ class DequantGemv(OpKind):
 
     def valid(self, shapes: tuple[Shape, ...]) -> bool:
         x, scales = shapes[:2]
-        n, k = scales[0], x[2]
-        return len(x) == 3 and x[:2] == (1, 1) and k % BLOCK == 0 and scales == (n, k // BLOCK)
+        return (len(x) == 3 and x[:2] == (1, 1) and x[2] % BLOCK == 0 and len(scales) == 2
+                and scales[1] == x[2] // BLOCK)
 
     def emit(self, operands: list[relax.Expr], attrs: Attrs) -> relax.Call:
         """A `call_tir` of the shipped kernel, added to the current BlockBuilder's module."""
