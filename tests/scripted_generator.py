@@ -127,7 +127,8 @@ void kernel(int64_t rows, const float *x, const uint16_t *scales, const int8_t *
       float sum = 0.0f;
       for (int b = 0; b < {blocks}; ++b) {{
         float part = 0.0f;
-        for (int i = 0; i < 32; ++i) part += (float)({quant_type})quants[j * {k} + b * 32 + i] * x[r * {k} + b * 32 + i];
+        for (int i = 0; i < 32; ++i)
+          part += (float)({quant_type})quants[j * {k} + b * 32 + i] * x[r * {k} + b * 32 + i];
         sum += {scaled};
       }}
       out[r * {n} + j] = sum{bias_term};
@@ -194,7 +195,7 @@ def main() -> None:
     elif plan == "hang":
         time.sleep(600)
     else:
-        assert not task["group"]["epilogue"], "this generator writes plain GEMMs, conv2ds, attention and GEMVs only"
+        assert not task["group"]["epilogue"], "this generator writes plain GEMMs, conv2ds, attention, GEMVs only"
         sizes = task["group"][{"matmul": "gemm"}.get(task["group"]["op"], task["group"]["op"])]
         print(json.dumps([kernel(p, sizes) for p in plan.split("+")]))
 

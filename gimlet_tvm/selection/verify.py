@@ -376,8 +376,8 @@ def _guard_pages(sig, machine: _Machine, alone) -> None:
     run on ordinary arrays (a crash there is a crash, not an out-of-bounds access)."""
     rng = np.random.default_rng(4)
     shapes, dtypes = [shape for _, shape in sig.kernel_operands()], sig.kernel_dtypes()
-    machine.run_in_place(alone, machine.tensors([*(rng.standard_normal(s).astype(d) for s, d in zip(shapes, dtypes[:-1])),
-                                                 np.zeros(shapes[-1], sig.dtype)]))
+    inputs = [rng.standard_normal(s).astype(d) for s, d in zip(shapes[:-1], dtypes)]
+    machine.run_in_place(alone, machine.tensors([*inputs, np.zeros(shapes[-1], sig.dtype)]))
     print(STAGE_PREFIX + GUARD_STAGE, flush=True)
     for at_end in (True, False):
         operands = [guard_pages.Guarded(shape, at_end, align=64, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]

@@ -1,10 +1,11 @@
 """What kernel selection chooses between: `Candidate` implementations of one `OpSignature`.
 
 An op signature is an op of `op_kinds.OP_KINDS` (matmul, attention, conv2d, dequant_gemv) at
-static shapes (a rows-generic op's rows: 1) and its operands' dtypes, together with the elementwise epilogue the target's library call absorbs (on the CPU
-exactly what `DispatchCPULibrary` fuses into its call, read back from it). A candidate
-rewrites that whole group into its implementation before legalization: generated TIR
-(`call_tir` of the legalized op, the epilogue left as Relax ops for FuseOps to fuse,
+static shapes (a rows-generic op's rows: 1) and its operands' dtypes, together with the
+elementwise epilogue the target's library call absorbs (on the CPU exactly what
+`DispatchCPULibrary` fuses into its call, read back from it). A candidate rewrites that
+whole group into its implementation before legalization: generated TIR (`call_tir` of the
+legalized op, the epilogue left as Relax ops for FuseOps to fuse,
 scheduled later by MetaSchedule records or the target's default rules), a library call (left
 as the library pass wrote it), a hand-written or an external GEMM PrimFunc (`call_tir`, batch
 axes folded into rows, the epilogue's addends passed after the operands).
@@ -40,7 +41,8 @@ def group_operands(call: relax.Expr, mod: tvm.IRModule | None = None) -> Group |
 class OpSignature:
     """An op group at static shapes: `shapes` of the op's tensor operands, of `dtype` (the
     first operand's, the output's and the addends'; the others' as the kind says:
-    `operand_dtypes`), its attributes (`attrs`, e.g. attention's scale), then its `epilogue` steps in order;
+    `operand_dtypes`), its attributes (`attrs`, e.g. attention's scale), then its `epilogue`
+    steps in order;
     `weight`: the second operand is a constant (a model weight), so a kernel may take it in
     its own layout, converted at build time."""
 
@@ -65,7 +67,8 @@ class OpSignature:
         operands = tuple(shapes[:len(group.operands)])
         dtype = str(group.operands[0].ty.dtype)
         expected = (*kind.operand_dtypes(dtype, group.attrs, len(operands)), *(dtype,) * len(group.addends))
-        if tuple(str(arg.ty.dtype) for arg in (*group.operands, *group.addends)) != expected or not kind.valid(operands):
+        dtypes = tuple(str(arg.ty.dtype) for arg in (*group.operands, *group.addends))
+        if dtypes != expected or not kind.valid(operands):
             return None
         weight = len(operands) > 1 and isinstance(group.operands[1], tvm.ir.expr.Constant)
         return cls(kind.name, operands, dtype, tuple(group.steps), weight, group.attrs)
