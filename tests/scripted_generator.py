@@ -22,6 +22,9 @@ r of an op group by the r-th PLAN, each a '+'-joined list of kernels, or one mis
     normonepass  normoob              one that forgets epsilon; one that divides the variance by
                                       size - 1; one that takes it as E[x^2] - E[x]^2 in float32;
                                       one that reads one element past the end of gamma
+    gemv  gemvnoscale  gemvunsigned   C Q8_0 dequantizing GEMVs for the task's (with its bias, if
+                                      any): right; one that ignores the scales; one that reads the
+                                      quants as unsigned
     malformed  notlist  exit  hang    not JSON; JSON but no list of candidates; exit code 3; sleep
 
 With GIMLET_TEST_TASKS=DIR, every task it reads is saved there as round<r>.json.
@@ -192,6 +195,46 @@ def norm_kernel(plan: str, sizes: dict, op: str) -> str:
                          beta_term=" + beta[i]" if beta else "")
 
 
+C_GEMV = """
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+static float half_to_float(uint16_t h) {{
+  uint32_t sign = (uint32_t)(h >> 15) << 31, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
+  if (exponent == 0) {{ float f = ldexpf((float)mantissa, -24); return sign ? -f : f; }}
+  bits = sign | (exponent == 31 ? 0x7f800000u : (exponent + 112) << 23) | (mantissa << 13);
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}}
+void kernel(int64_t rows, const float *x, const uint16_t *scales, const int8_t *quants, {bias_arg}float *out) {{
+  for (int64_t r = 0; r < rows; ++r)
+    for (int j = 0; j < {n}; ++j) {{
+      float sum = 0.0f;
+      for (int b = 0; b < {blocks}; ++b) {{
+        float part = 0.0f;
+        for (int i = 0; i < 32; ++i)
+          part += (float)({quant_type})quants[j * {k} + b * 32 + i] * x[r * {k} + b * 32 + i];
+        sum += {scaled};
+      }}
+      out[r * {n} + j] = sum{bias_term};
+    }}
+}}
+"""
+GEMV_PLANS = {"gemv": ("int8_t", "half_to_float(scales[j * {blocks} + b]) * part"),
+              "gemvnoscale": ("int8_t", "part"),
+              "gemvunsigned": ("uint8_t", "half_to_float(scales[j * {blocks} + b]) * part")}
+
+
+def gemv_kernel(plan: str, sizes: dict) -> str:
+    """The C Q8_0 GEMV of `plan` for the task's `dequant_gemv` sizes."""
+    assert sizes["format"] == "q8_0", "this generator writes Q8_0 GEMVs only"
+    quant_type, scaled = GEMV_PLANS[plan]
+    bias = sizes["bias"]
+    return C_GEMV.format(**sizes, quant_type=quant_type, scaled=scaled.format(**sizes),
+                         bias_arg="const float *bias, " if bias else "", bias_term=" + bias[j]" if bias else "")
+
+
 TVMSCRIPT = """
 # from tvm.script import tirx as T
 
@@ -207,10 +250,12 @@ def gemm(a: T.Buffer(({m}, {k}), "float32"), b: T.Buffer(({k}, {n}), "float32"),
 
 
 def kernel(plan: str, sizes: dict, op: str = "matmul") -> dict:
-    """The candidate of `plan` for the task's sizes (its group's `gemm`, `conv2d`, `attention`
-    or norm's) of op `op`."""
+    """The candidate of `plan` for the task's sizes (its group's `gemm`, `conv2d`, `attention`,
+    norm's or `dequant_gemv`) of op `op`."""
     if plan.startswith("norm"):
         return {"format": "c", "source": norm_kernel(plan, sizes, op), "name": plan}
+    if plan in GEMV_PLANS:
+        return {"format": "c", "source": gemv_kernel(plan, sizes), "name": plan}
     if plan.startswith("attention"):
         return {"format": "c", "source": attention_kernel(plan, sizes), "name": plan}
     if plan in CONV_INSIDE:
@@ -244,7 +289,7 @@ def main() -> None:
     elif plan == "hang":
         time.sleep(600)
     else:
-        assert not task["group"]["epilogue"], "this generator writes plain GEMMs, conv2ds, attention and norms only"
+        assert not task["group"]["epilogue"], "this generator writes plain GEMMs, conv2ds, attention, norms and GEMVs only"
         op = task["group"]["op"]
         sizes = task["group"][{"matmul": "gemm"}.get(op, op)]
         print(json.dumps([kernel(p, sizes, op) for p in plan.split("+")]))

@@ -2,20 +2,28 @@
 measurement (generated, library, hand-written, external, and a kernel generator's with
 `--generator CMD`: docs/kernel-generators.md), on this machine or on a remote device (`--rpc
 HOST:PORT`, or `--tracker HOST:PORT --key KEY`), and store the choice in DIR, where `compile
---records DIR` applies it."""
+--records DIR` applies it. With `--quantization q8|q4` the model is a language model (an HF
+folder or a .gguf file): its decode GEMVs' kernels are chosen (`select_llm_kernels`), which
+`gimlet_tvm.llm.load(..., records=DIR)` applies."""
 
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import time
 
 import tvm
 
 from ..compiler import resolve_target
+from ..errors import GimletError
 from ..frontend import import_model, load_model
+from ..llm.compile import compile_llm
+from ..llm.kernel_selection import select_llm_kernels
+from ..llm.quantization import QUANTIZATIONS
+from ..llm.weights import open_checkpoint
 from ..schedules.kernel_selection.op_kinds import OP_KINDS, static_shape
-from ..schedules.kernel_selection.choices import KernelSelection
+from ..schedules.kernel_selection.choices import SELECTION_FILE, KernelSelection
 from ..selection.generator import Generator
 from ..selection.select import select_kernels, selected_sources
 from .common import (add_remote_args, add_target_args, build_from_args, format_table, parse_input_shapes,
@@ -24,7 +32,7 @@ from .common import (add_remote_args, add_target_args, build_from_args, format_t
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("select", help="choose each op's kernel by verified measurement")
-    parser.add_argument("model", help="ONNX model file")
+    parser.add_argument("model", help="ONNX model file; with --quantization an LLM: an HF model folder or a .gguf file")
     add_target_args(parser)
     parser.add_argument("--records", metavar="DIR", required=True,
                         help="records directory to store the selection in (created if missing)")
@@ -40,6 +48,9 @@ def add_parser(sub) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="generator rounds per op group (default 3)")
     parser.add_argument("--per-group-seconds", type=float, default=300.0,
                         help="seconds the generator may take on one op group, rounds together (default 300)")
+    parser.add_argument("-q", "--quantization", choices=[q for q in QUANTIZATIONS if q],
+                        help="the model is a language model with its linear weights kept in this format: "
+                             "select its decode GEMVs' kernels (this machine only)")
     add_remote_args(parser)
     parser.set_defaults(handler=run)
 
@@ -88,17 +99,37 @@ def nothing_to_select(mod) -> str:
 def run(args) -> int:
     start = time.perf_counter()
     _, target = resolve_target(args.target)
-    mod, _ = import_model(load_model(args.model), parse_input_shapes(args.input_shape))
     generator = Generator.named(args.generator, args.rounds, args.per_group_seconds) if args.generator else None
+    if args.quantization is not None:
+        if remote_device(args) is not None or args.kernels or args.input_shape or not isinstance(args.target, str):
+            raise GimletError("an LLM's kernels are selected on this machine, for one target, without --kernels or "
+                              "--input-shape")
+        selection = select_llm_kernels(args.model, args.target, args.quantization, records=args.records,
+                                       generator=generator, timeout=args.timeout, progress=_progress)
+        print(format_selection(selection) or "no op of this LLM has kernel candidates")
+        _summary(selection, start, args.records)
+        compile_llm(open_checkpoint(args.model).config, args.target, args.quantization, args.records)
+        print("the LLM builds with the selection")
+        return 0
+    mod, _ = import_model(load_model(args.model), parse_input_shapes(args.input_shape))
     selection = select_kernels(mod, target, external_dir=args.kernels, records=args.records,
-                               timeout=args.timeout, remote=remote_device(args),
-                               progress=lambda line: print(line, file=sys.stderr, flush=True), generator=generator)
-    path = selection.save(args.records)
+                               timeout=args.timeout, remote=remote_device(args), progress=_progress,
+                               generator=generator)
+    selection.save(args.records)
     print(format_selection(selection) or nothing_to_select(mod))
-    counts = collections.Counter(selected_sources(selection))
-    print(f"\nselected in {time.perf_counter() - start:.0f} s on {selection.device}: "
-          + (", ".join(f"{n} {source}" for source, n in sorted(counts.items())) or "nothing")
-          + f"; stored in {path}")
+    _summary(selection, start, args.records)
     build_from_args(args.model, args, records=args.records, selection=selection)
     print("model builds with the selection")
     return 0
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _summary(selection: KernelSelection, start: float, records: str) -> None:
+    """How long selection took, where, what won, and where it is stored."""
+    counts = collections.Counter(selected_sources(selection))
+    print(f"\nselected in {time.perf_counter() - start:.0f} s on {selection.device}: "
+          + (", ".join(f"{n} {source}" for source, n in sorted(counts.items())) or "nothing")
+          + f"; stored in {os.path.join(records, SELECTION_FILE)}")

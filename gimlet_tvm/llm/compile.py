@@ -2,10 +2,12 @@
 
 The module exported from the family (`prefill`, `decode`, `create_paged_kv_cache`, weights as
 one packed parameter tuple) goes through the same Relax pipeline as an ONNX model: graph
-fusion, library dispatch, the target's default schedules, tuning records when given. The
-result depends on the architecture (`LLMConfig`), the weights' format and the target, never on
-the weights themselves: one artifact serves every checkpoint of that architecture, and
-`compiled_for` keeps one per key in a cache folder so a model compiles once per machine.
+fusion, library dispatch, the target's default schedules, tuning records and the kernel
+selection stored with them when given (`select_llm_kernels`: the decode GEMVs' kernels chosen by
+verified measurement, a kernel generator's among them). The result depends on the architecture
+(`LLMConfig`), the weights' format, the target and the records, never on the weights
+themselves: one artifact serves every checkpoint of that architecture, and `compiled_for`
+keeps one per key in a cache folder so a model compiles once per machine.
 
 The artifact is our usual one file (`runtime.artifact`: shared library + JSON metadata) with
 the config and the parameters' names, shapes and dtypes in its metadata.
@@ -32,6 +34,7 @@ from ..errors import ArtifactError, CompileError, GimletError, TargetUnavailable
 from ..logs import quiet_tvm_logs
 from ..runtime import artifact
 from ..runtime.libraries import TargetRuntime
+from ..schedules.kernel_selection.choices import KernelSelection
 from ..schedules.tuning.records import ApplyRecords, RecordsDB
 from ..targets import TargetLike
 from .config import LLMConfig
@@ -78,30 +81,43 @@ class CompiledLLM:
             artifact.write(path, self.module.export_library, self.metadata())
 
 
-def compile_llm(config: LLMConfig, target: TargetLike, quantization: str | None = None,
-                records: str | os.PathLike | None = None) -> CompiledLLM:
-    """Build `config`'s architecture for `target`; `quantization` ("q8", "q4") keeps linear
-    weights quantized; `records` are tuning records for the target's kernels."""
+def llm_module(config: LLMConfig, target: tvm.target.Target,
+               quantization: str | None = None) -> tuple[tvm.IRModule, list[tuple[str, Any]]]:
+    """`config`'s architecture as the family exports it for `target` (`prefill`, `decode`,
+    the KV cache's functions), and its named parameters: what `compile_llm` builds and
+    `select_llm_kernels` selects kernels for."""
     if quantization not in QUANTIZATIONS:
         raise GimletError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, "
                           f"not {quantization!r}")
+    with quiet_tvm_logs(), target:
+        model = FAMILIES[config.family].model(config)
+        quantize_module(model, quantization)
+        return model.export_tvm(spec=model.export_spec())
+
+
+def compile_llm(config: LLMConfig, target: TargetLike, quantization: str | None = None,
+                records: str | os.PathLike | None = None) -> CompiledLLM:
+    """Build `config`'s architecture for `target`; `quantization` ("q8", "q4") keeps linear
+    weights quantized; `records`: a records directory whose tuning records schedule the
+    target's kernels and whose kernel selection for the target (if any) is applied."""
     spec, tvm_target = resolve_target(target)
     reason = spec.can_compile()
     if reason is not None:
         raise TargetUnavailableError(f"cannot compile for {spec.name} on this machine: {reason}")
-    family = FAMILIES[config.family]
+    tuned = ApplyRecords(RecordsDB(records), tvm_target) if records is not None else None
+    selection = KernelSelection.load(records, tvm_target) if records is not None else None
     with quiet_tvm_logs(), tvm_target:
-        model = family.model(config)
-        quantize_module(model, quantization)
-        tuned = ApplyRecords(RecordsDB(records), tvm_target) if records is not None else None
         try:
             # Exporting builds the KV cache's kernels for the target, which may refuse the shape.
-            mod, named = model.export_tvm(spec=model.export_spec())
+            mod, named = llm_module(config, tvm_target, quantization)
+            chosen = selection.pass_for(tvm_target) if selection is not None else None
             # No index checks in the kernels: the engine checks token ids before a run, and
             # the KV cache's page indices are its own.
             with spec.codegen_hooks(tvm_target) as codegen:
-                pipeline = device_pipeline([(spec, tvm_target)], tuned, checked_indices=False)
+                pipeline = device_pipeline([(spec, tvm_target)], tuned, selection=chosen, checked_indices=False)
                 executable = tvm.compile(mod, tvm_target, relax_pipeline=pipeline)
+        except GimletError:
+            raise
         except Exception as err:
             raise CompileError(f"compiling {config.family} for {spec.name} failed: {summary(err)}") from err
         device_code = spec.check_code(executable.mod, codegen, tvm_target)
@@ -152,10 +168,25 @@ def _compiler_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def compiled_for(config: LLMConfig, target: TargetLike, quantization: str | None = None) -> CompiledLLM:
-    """The compiled architecture from the cache, compiled and stored on first use."""
+def _records_fingerprint(records: str | os.PathLike | None) -> str | None:
+    """A hash of the records directory's files (tuning records, kernel selection; the generated
+    kernels a selection names carry their digests in it), or None without one."""
+    if records is None:
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(Path(records).iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def compiled_for(config: LLMConfig, target: TargetLike, quantization: str | None = None,
+                 records: str | os.PathLike | None = None) -> CompiledLLM:
+    """The compiled architecture from the cache, compiled and stored on first use (with
+    `records`, as `compile_llm` applies them: keyed by their content too)."""
     spec, tvm_target = resolve_target(target)
-    key = json.dumps([config.to_json(), quantization, str(tvm_target), _compiler_fingerprint()],
+    key = json.dumps([config.to_json(), quantization, str(tvm_target), _compiler_fingerprint(),
+                      *([_records_fingerprint(records)] if records is not None else [])],
                      sort_keys=True, default=str)
     path = cache_dir() / f"{config.family}-{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     if path.exists():
@@ -163,7 +194,7 @@ def compiled_for(config: LLMConfig, target: TargetLike, quantization: str | None
             return load_compiled(path)
         except ArtifactError as err:
             logger.warning(f"recompiling: the cached {path.name} is unusable ({err})")
-    compiled = compile_llm(config, target, quantization)
+    compiled = compile_llm(config, target, quantization, records)
     path.parent.mkdir(parents=True, exist_ok=True)
     compiled.export(path)
     compiled.file = str(path)

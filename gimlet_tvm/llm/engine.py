@@ -523,7 +523,8 @@ def cache_tokens(config: LLMConfig, context_window: int | None, kv_cache_tokens:
 def load(path: str | os.PathLike, target: TargetLike = DEFAULT_TARGET, quantization: str | None = None,
          *, compiled: str | os.PathLike | None = None, max_batch_size: int = 8,
          context_window: int | None = None, kv_cache_tokens: int | None = None,
-         layers: int | None = None, remote: RemoteDevice | None = None) -> LLM:
+         layers: int | None = None, remote: RemoteDevice | None = None,
+         records: str | os.PathLike | None = None) -> LLM:
     """A model from an HF folder or a GGUF file, ready to generate.
 
     The architecture is compiled for `target` once per machine (cached; `compiled` names an
@@ -532,7 +533,9 @@ def load(path: str | os.PathLike, target: TargetLike = DEFAULT_TARGET, quantizat
     `context_window` caps a sequence's tokens (default: the model's); `kv_cache_tokens` is the
     cache's room for all sequences together (default: one context window). `layers` keeps
     only the first decoder layers: the model cut short, as a draft for speculative decoding.
-    `remote`: run on an RPC server's device instead (weights are read here and copied there)."""
+    `remote`: run on an RPC server's device instead (weights are read here and copied there).
+    `records`: a records directory whose tuning records and kernel selection the compile
+    applies (`select_llm_kernels` stores one)."""
     checkpoint = open_checkpoint(path)
     if layers is not None:
         checkpoint = checkpoint.first_layers(layers)
@@ -544,7 +547,7 @@ def load(path: str | os.PathLike, target: TargetLike = DEFAULT_TARGET, quantizat
         require(memory_need(checkpoint.config, built.quantization if built else quantization, tokens),
                 f"loading {os.fspath(path)}")
     if built is None:
-        built = compiled_for(checkpoint.config, target, quantization)
+        built = compiled_for(checkpoint.config, target, quantization, records)
     return LLM(built, checkpoint, tokenizer_of(checkpoint), max_batch_size=max_batch_size,
                context_window=context_window, kv_cache_tokens=kv_cache_tokens, remote=remote)
 

@@ -32,7 +32,9 @@ class LocalHost:
             raise LLMError(f"the model is compiled for {runtime.name}, which cannot run here: {reason}")
         runtime.load_libraries()
         self.device = runtime.device()
-        self.module = compiled.module
+        # As an Executable, linked where it is not yet (the objects of kernels from outside the
+        # compiler, which kernel selection may have chosen): a module loaded from a file is as it was.
+        self.module = tvm.runtime.Executable(compiled.module).jit()
         self.name = runtime.name
 
     def function(self, name: str) -> Callable[..., Any]:

@@ -30,6 +30,7 @@ from ..errors import GimletError
 from ..schedules.kernel_selection.candidates import MAX_TASKS, OpSignature
 from ..schedules.kernel_selection.choices import GeneratorRound, Tried
 from ..schedules.kernel_selection.external import C_FUNCTION, OPS, add_kernel
+from ..targets.kernels.dequant_gemv import BLOCK
 from ..schedules.kernel_selection.sources import find
 from ..targets import spec_for
 from ..targets.cpu import cpu_features
@@ -74,8 +75,9 @@ class Generator:
 
 def formats_for(sig: OpSignature, target: tvm.target.Target) -> tuple[str, ...]:
     """The source formats a generator may answer in for `sig` on `target`; empty: the group
-    is not offered (GEMMs, conv2ds, attention and norms, built as external kernels are): C on
-    CPU targets this machine runs, TVMScript on every target (GPU kernels bind their threads)."""
+    is not offered (GEMMs, conv2ds, attention, norms and the LLM's dequantizing GEMV, built as
+    external kernels are): C on CPU targets this machine runs, TVMScript on every target (GPU
+    kernels bind their threads)."""
     spec = spec_for(target)
     if sig.op not in OPS or (sig.op == "matmul" and sig.addends_2d() is None):
         return ()
@@ -140,14 +142,46 @@ def _norm_numpy(sig: OpSignature) -> str:
     return f"{normed}(x - x.mean(axis={axes}, keepdims=True)) * gamma + beta"
 
 
-OWN_NUMPY = {"attention": _attention_numpy, "layer_norm": _norm_numpy, "rms_norm": _norm_numpy}
+def _dequant_gemv(sig: OpSignature) -> dict[str, Any]:
+    """A dequant_gemv's sizes, block format and how its blocks are laid out, as the task states them."""
+    layout = sig.kind.layout(sig.attrs)
+    (_, _, k), (n, blocks) = sig.shapes[:2]
+    if layout.has_mins:
+        block = ("block b of output row j: weights j, b*32 .. b*32+31; scales[j][b] = d and mins[j][b] = m (IEEE "
+                 "float16 bits); quants[j][b*16 + i] (uint8, i < 16) holds q of weight b*32+i in its low nibble and "
+                 "q of weight b*32+16+i in its high nibble (0..15); w = d * q + m")
+    else:
+        block = ("block b of output row j: weights j, b*32 .. b*32+31; scales[j][b] = d (IEEE float16 bits); "
+                 "quants[j][b*32 + i] = q (int8, -128..127); w = d * q")
+    return {"n": n, "k": k, "blocks": blocks, "format": layout.name, "bias": bool(dict(sig.attrs)["bias"]),
+            "block_size": BLOCK, "block": block, "rows_checked": [shapes[0][0] for shapes in
+                                                                 (sig.shapes, *(v.shapes for v in sig.variants()))]}
+
+
+def _dequant_gemv_numpy(sig: OpSignature) -> str:
+    """W dequantized from the block arrays (float64), then x @ W^T (+ bias)."""
+    layout = sig.kind.layout(sig.attrs)
+    (_, _, k), (n, blocks) = sig.shapes[:2]
+    if layout.has_mins:
+        q = (f"np.concatenate([quants.reshape({n}, {blocks}, 16) & 15, quants.reshape({n}, {blocks}, 16) >> 4], "
+             "axis=2)")
+        w = f"scales.astype(np.float64)[:, :, None] * {q} + mins.astype(np.float64)[:, :, None]"
+    else:
+        w = f"scales.astype(np.float64)[:, :, None] * quants.reshape({n}, {blocks}, 32)"
+    bias = " + bias" if dict(sig.attrs)["bias"] else ""
+    return f"(x[:, 0, :] @ ({w}).reshape({n}, {k}).T{bias})[:, None, :]"
+
+
+OWN_NUMPY = {"attention": _attention_numpy, "layer_norm": _norm_numpy, "rms_norm": _norm_numpy,
+             "dequant_gemv": _dequant_gemv_numpy}
 """The numpy expression of each op without an epilogue, over its operands' names."""
 
 
 def numpy_expression(sig: OpSignature) -> str:
     """What the group computes as a numpy expression of `a`, `b` and `addend0`, ...
     (`erf`: `math.erf` elementwise; a conv2d's: `_conv2d_numpy`); an attention's of `q`,
-    `k`, `v` and `bias`, a norm's of `x`, `gamma` and `beta` (`OWN_NUMPY`)."""
+    `k`, `v` and `bias`, a norm's of `x`, `gamma` and `beta`, a dequant_gemv's of `x`,
+    `scales`, `mins`, `quants` and `bias` (`OWN_NUMPY`)."""
     if sig.op in OWN_NUMPY:
         return OWN_NUMPY[sig.op](sig)
     expr, addends = "a @ b" if sig.op == "matmul" else _conv2d_numpy(sig), 0
@@ -171,6 +205,9 @@ LAYOUTS = {
                   "beta [D1, ..., Dk] -> out shaped as x; a kernel sees x and out as [rows, size]",
     "rms_norm": "row-major x[..., D1, ..., Dk] normalized over its last k axes (k: gamma's rank), gamma "
                 "[D1, ..., Dk] -> out shaped as x; a kernel sees x and out as [rows, size]",
+    "dequant_gemv": "x[rows, 1, K] (float32) @ W^T (+ bias[N], float32) -> out[rows, 1, N] (float32), W[N, K] "
+                    "given in a GGUF block format (float16 scales[N, K/32], Q4_1 also float16 mins[N, K/32], "
+                    "quants); rows is any count, given at run time",
 }
 SEMANTICS = {
     "matmul": "(batch axes folded into M)",
@@ -184,26 +221,39 @@ SEMANTICS = {
                    "(biased: divided by size) over the size elements of row r; epsilon is the group's attribute"),
     "rms_norm": ("out[r][i] = x[r][i] / sqrt(ms + epsilon) * gamma[i], ms the mean of x[r][j] * x[r][j] over "
                  "the size elements of row r; epsilon is the group's attribute"),
+    "dequant_gemv": ("out[r][0][j] = sum over c < K of x[r][0][c] * w[j][c] (+ bias[j]), w as group.dequant_gemv "
+                     "states it; rows is the first argument"),
 }
+C_TYPES = {"float32": "float", "float16": "uint16_t", "int8": "int8_t", "uint8": "uint8_t"}
+"""The C type of an array element of each dtype (float16: its IEEE half-precision bits)."""
 
 
 def _interface(sig: OpSignature, target: tvm.target.Target, formats: tuple[str, ...]) -> dict[str, str]:
     """How a kernel of each format takes its operands (`OpSignature.kernel_operands`)."""
-    operands = sig.kernel_operands()
+    operands, dtypes = sig.kernel_operands(), sig.kernel_dtypes()
     out = operands[-1][0]
-    c_args = ", ".join([*(f"const float *{name}" for name, _ in operands[:-1]), f"float *{out}"])
-    arrays = ", ".join(name + "".join(f"[{d}]" for d in shape) for name, shape in operands)
+    rows = ["int64_t rows"] if sig.kind.rows_generic else []
+    c_args = ", ".join([*rows, *(f"const {C_TYPES[dtype]} *{name}" for (name, _), dtype in zip(operands[:-1], dtypes)),
+                        f"{C_TYPES[sig.dtype]} *{out}"])
+    generic = {0, len(operands) - 1} if rows else set()
+    arrays = ", ".join(name + "".join(f"[{'rows' if i in generic and a == 0 else d}]" for a, d in enumerate(shape))
+                       + ("" if dtype == sig.dtype else f" {dtype}")
+                       for i, ((name, shape), dtype) in enumerate(zip(operands, dtypes)))
     described = {
-        "c": (f"C11 source defining void {C_FUNCTION}({c_args}); arrays {arrays}, compact row-major "
+        "c": (f"C11 source defining void {C_FUNCTION}({c_args}); "
+              + ("<stdint.h>'s types; rows: the row count of x and out, any (checked at "
+                 f"{', '.join(str(v.shapes[0][0]) for v in (sig, *sig.variants()))}); " if rows else "")
+              + f"arrays {arrays}, compact row-major "
               f"{SEMANTICS[sig.op]}; each addend broadcasts over {out} (a dimension of 1 repeats); write every "
               f"element of {out}; compiled with gcc -O3 -ffp-contract=fast -march=<the target's CPU>; libc and libm only, no threads, "
               "processes, files or network. To use the target's cores, give the candidate \"tasks\": T (2 to "
-              f"{MAX_TASKS}): then the function takes int64_t task, int64_t tasks before the arrays and computes its "
-              "share of the output, called for task = 0 .. T-1 in parallel on the compiler's thread pool; each output "
-              "element must be written by one task alone (its tasks are also run concurrently, in order and in "
-              "reverse order, and must give one output)"),
+              f"{MAX_TASKS}): then the function takes int64_t task, int64_t tasks before its other arguments and "
+              "computes its share of the output, called for task = 0 .. T-1 in parallel on the compiler's thread pool; "
+              "each output element must be written by one task alone (its tasks are also run concurrently, in order "
+              "and in reverse order, and must give one output)"),
         "tvmscript": (f"TVMScript of one T.prim_func (T is tvm.script.tirx) with buffers {arrays} in that order, "
-                      f"dtype {sig.dtype}, as PrimFunc.script() prints it, no Python imports; give it "
+                      f"dtype {sig.dtype} unless given, as PrimFunc.script() prints it, no Python imports; "
+                      + ("rows a T.int64() variable of T.match_buffer'd x and out; " if rows else "") + "give it "
                       'T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True}) when it is scheduled'
                       + ("" if spec_for(target).is_cpu else
                          "; for this GPU target, bind its loops with T.thread_binding to blockIdx.x/threadIdx.x "
@@ -218,7 +268,8 @@ def _gemm(sig: OpSignature) -> dict[str, int]:
 
 
 SIZES = {"matmul": ("gemm", _gemm), "conv2d": ("conv2d", _conv2d), "attention": ("attention", _attention),
-         "layer_norm": ("layer_norm", _norm), "rms_norm": ("rms_norm", _norm)}
+         "layer_norm": ("layer_norm", _norm), "rms_norm": ("rms_norm", _norm),
+         "dequant_gemv": ("dequant_gemv", _dequant_gemv)}
 """Where the task's group states each op's sizes and attributes, and what it says there."""
 
 
@@ -239,6 +290,8 @@ def task(sig: OpSignature, target: tvm.target.Target, round_: int, rounds: int,
              "weight": sig.weight}
     field, sizes = SIZES[sig.op]
     group[field] = sizes(sig)
+    if len(set(sig.operand_dtypes)) > 1:  # each operand's dtype, where they differ
+        group["dtypes"] = list(sig.operand_dtypes)
     return {
         "protocol": PROTOCOL, "round": round_, "rounds": rounds, "group": group,
         "reference": {"tvmscript": sig.module().script(), "numpy": numpy_expression(sig)},

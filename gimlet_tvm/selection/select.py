@@ -61,7 +61,7 @@ def op_signatures(mod: tvm.IRModule, target: tvm.target.Target) -> dict[OpSignat
     counts: dict[OpSignature, int] = {}
 
     def visit(expr: relax.Expr) -> None:
-        sig = OpSignature.of_call(expr)
+        sig = OpSignature.of_call(expr, mod)
         if sig is not None:
             counts[sig] = counts.get(sig, 0) + 1
 

@@ -2,7 +2,8 @@
 
 The child builds the candidate alone (the op group, epilogue included, rewritten into it, then
 the target's whole pipeline), runs it on random and edge-value inputs (epilogue addends too)
-at the group's shapes and, for shape-generic candidates, at the edge-case shape (no
+at the group's shapes (a rows-generic op's at two row counts: `OpSignature.variants`) and, for
+shape-generic candidates, at the edge-case shape (no
 dimension a multiple of any tile), checks every output against the reference group (the op
 and its epilogue in float64 numpy), and only then times the whole group on the device, caches
 cold (`_time`). The device is this machine's, or with a `remote` in the request the target's
@@ -278,8 +279,8 @@ def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, Outco
             return executable, failure
     vm = machine.load(executable)
     for label, operands in sig.input_sets(np.random.default_rng(0)).items():
-        got = machine.run(vm, machine.tensors([x.astype(sig.dtype) for x in operands])).astype(np.float64)
-        want = sig.reference(*[x.astype(sig.dtype) for x in operands])
+        got = machine.run(vm, machine.tensors(sig.cast(operands))).astype(np.float64)
+        want = sig.reference(*sig.cast(operands))
         if got.shape != want.shape:
             return executable, Outcome(False, f"wrong shape at {sig.key}: {got.shape}, expected {want.shape}",
                                        verdict="wrong result")
@@ -293,20 +294,21 @@ def _check(sig, candidate, machine: _Machine, target, tuned) -> tuple[Any, Outco
 
 def _special_operands(sig) -> list[np.ndarray]:
     """Random operands with a NaN as the first operand's first element and an Inf as its last."""
-    operands = [x.astype(sig.dtype) for x in sig.input_sets(np.random.default_rng(2))["random"]]
+    operands = sig.cast(sig.input_sets(np.random.default_rng(2))["random"])
     operands[0].flat[0], operands[0].flat[-1] = np.nan, np.inf
     return operands
 
 
 def _propagates(sig, machine: _Machine, vm) -> Outcome | None:
     """None when the output has NaN and each infinity exactly where the reference does (after
-    a ReLU a NaN may also be 0: LLVM's max, as the compiler's own ReLU, returns the number)."""
+    a ReLU a NaN may also be 0: LLVM's max, as the compiler's own ReLU, returns the number; where
+    the op says so, an infinity may also be NaN: `OpKind.inf_may_be_nan`)."""
     operands = _special_operands(sig)
     got = machine.run(vm, machine.tensors(operands)).astype(np.float64)
     want = sig.reference(*operands)
     nan_may_vanish = any(kind == "relu" for kind, _ in sig.epilogue)
     lost_nan = np.isnan(want) & ~np.isnan(got) & ~(nan_may_vanish & (got == 0))
-    infinite = np.isinf(want) & (got != want)
+    infinite = np.isinf(want) & (got != want) & ~(sig.kind.inf_may_be_nan & np.isnan(got))
     wrong = (np.isnan(got) & ~np.isnan(want)) | lost_nan | infinite
     if wrong.any():
         where = tuple(int(i) for i in np.argwhere(wrong)[0])
@@ -321,6 +323,15 @@ def _guard_pages_run(job: dict[str, Any]) -> subprocess.CompletedProcess:
                           capture_output=True, check=False)
 
 
+def _guard_pages_job(sig, c_source: CSource, target) -> dict[str, Any]:
+    """What `guard_pages` needs to call the C kernel: its library and function, the shapes and
+    dtypes of `OpSignature.kernel_operands`, its scalars (a rows-generic op's row count) and
+    tasks."""
+    return {"library": str(shared_library(c_source.path, target)), "function": c_source.function,
+            "shapes": [list(shape) for _, shape in sig.kernel_operands()], "dtypes": sig.kernel_dtypes(),
+            "scalars": [sig.shapes[0][0]] if sig.kind.rows_generic else [], "tasks": c_source.tasks}
+
+
 def _last_line(text: str) -> str:
     return (text.strip().splitlines() or [""])[-1][:200]
 
@@ -331,14 +342,12 @@ def out_of_bounds(sig, c_source: CSource, target) -> Outcome | None:
     otherwise an "out-of-bounds access", naming the operand found by protecting each alone, or
     a "crash" where it also fails on ordinary arrays (a stray access far from every operand)
     or fails otherwise."""
-    library = str(shared_library(c_source.path, target))
     operands = sig.kernel_operands()
-    shapes = [list(shape) for _, shape in operands]
     every = list(range(len(operands)))
 
     def run(placement: str, protect: list[int]) -> tuple[int, str]:
-        done = _guard_pages_run({"library": library, "function": c_source.function, "shapes": shapes,
-                                 "tasks": c_source.tasks, "placement": placement, "protect": protect})
+        done = _guard_pages_run({**_guard_pages_job(sig, c_source, target), "placement": placement,
+                                 "protect": protect})
         return done.returncode, _last_line(done.stderr)
 
     for placement, where in (("end", "past the end of"), ("start", "before the start of")):
@@ -364,9 +373,7 @@ def task_orders(sig, c_source: CSource, target) -> Outcome | None:
     concurrently, in order and in reverse order (`guard_pages`); otherwise a "race"."""
     if c_source.tasks == 1:
         return None
-    done = _guard_pages_run({"library": str(shared_library(c_source.path, target)), "function": c_source.function,
-                             "shapes": [list(shape) for _, shape in sig.kernel_operands()],
-                             "tasks": c_source.tasks, "orders": True})
+    done = _guard_pages_run({**_guard_pages_job(sig, c_source, target), "orders": True})
     if done.returncode != 0:
         how = FAULTS.get(done.returncode, f"exit status {done.returncode}")
         return Outcome(False, f"crashed ({how}) at {sig.key} running its {c_source.tasks} tasks: "
@@ -385,7 +392,8 @@ def _alone(sig, candidate, machine: _Machine, target, tuned):
     `OpSignature.kernel_operands` as given (the output last; read it with
     `_Machine.run_in_place`)."""
     shapes = [shape for _, shape in sig.kernel_operands()]
-    params = [relax.Var(f"arg{i}", relax.TensorType(shape, sig.dtype)) for i, shape in enumerate(shapes)]
+    params = [relax.Var(f"arg{i}", relax.TensorType(shape, dtype))
+              for i, (shape, dtype) in enumerate(zip(shapes, sig.kernel_dtypes()))]
     bb = relax.BlockBuilder()
     with bb.function("main", params):
         func = candidate.kernel(sig).with_attr("op_pattern", 8).without_attr("global_symbol")
@@ -403,15 +411,16 @@ def _guard_pages(sig, machine: _Machine, alone) -> None:
     child: `_spawn` reads it as an out-of-bounds access by the stage announced here, after one
     run on ordinary arrays (a crash there is a crash, not an out-of-bounds access)."""
     rng = np.random.default_rng(4)
-    shapes = [shape for _, shape in sig.kernel_operands()]
-    machine.run_in_place(alone, machine.tensors([*(rng.standard_normal(s).astype(sig.dtype) for s in shapes[:-1]),
-                                                 np.zeros(shapes[-1], sig.dtype)]))
+    shapes, dtypes = [shape for _, shape in sig.kernel_operands()], sig.kernel_dtypes()
+    inputs = [rng.standard_normal(s).astype(d) for s, d in zip(shapes[:-1], dtypes)]
+    machine.run_in_place(alone, machine.tensors([*inputs, np.zeros(shapes[-1], sig.dtype)]))
     print(STAGE_PREFIX + GUARD_STAGE, flush=True)
     for at_end in (True, False):
-        operands = [guard_pages.Guarded(shape, at_end, align=64) for _, shape in sig.kernel_operands()]
+        operands = [guard_pages.Guarded(shape, at_end, align=64, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
         tensors = []
         for index, operand in enumerate(operands):
-            operand.array[...] = rng.standard_normal(operand.array.shape) if index < len(operands) - 1 else 0
+            operand.array[...] = rng.standard_normal(operand.array.shape).astype(operand.array.dtype) if index < len(
+                operands) - 1 else 0
             tensors.append(tvm.runtime.from_dlpack(operand.array))
             if index < len(operands) - 1:
                 operand.read_only()
@@ -424,7 +433,7 @@ def _poisoned(sig, machine: _Machine, alone) -> Outcome | None:
     `POISONS`, gives the same output: every element written, none read before."""
     shapes = [shape for _, shape in sig.kernel_operands()]
     inputs = [x.reshape(shape) for x, shape in zip(sig.input_sets(np.random.default_rng(3))["random"], shapes)]
-    outputs = [machine.run_in_place(alone, machine.tensors([*(x.astype(sig.dtype) for x in inputs),
+    outputs = [machine.run_in_place(alone, machine.tensors([*sig.cast(inputs),
                                                    np.full(shapes[-1], poison, sig.dtype)]))
                for poison in POISONS]
     differ = ~((outputs[0] == outputs[1]) | (np.isnan(outputs[0]) & np.isnan(outputs[1])))
@@ -445,7 +454,7 @@ class _ColdTiming:
     Otherwise `executable` (built by `build` when not given) is timed."""
 
     def __init__(self, sig, machine: _Machine, build, executable=None) -> None:
-        operands = [x.astype(sig.dtype) for x in sig.input_sets(np.random.default_rng(1))["random"]]
+        operands = sig.cast(sig.input_sets(np.random.default_rng(1))["random"])
         count = min(MAX_COPIES, -(-COLD_BYTES // sum(x.nbytes for x in operands)))
         self.machine, self.per_run = machine, 1
         if sig.weight:
@@ -470,7 +479,7 @@ def _time(executable, sig, machine: _Machine, min_repeat_ms: int, build, hopeles
     than that many seconds is the answer: the candidate cannot win, and a default-scheduled
     GEMM would take minutes to time cold."""
     if hopeless_after is not None:
-        operands = [x.astype(sig.dtype) for x in sig.input_sets(np.random.default_rng(1))["random"]]
+        operands = sig.cast(sig.input_sets(np.random.default_rng(1))["random"])
         warm, args = machine.load(executable), machine.tensors(operands)
         machine.run(warm, args)  # first touch of the tensors, thread pool
         (seconds,) = machine.seconds(warm, [args], 1, 0)
@@ -494,7 +503,7 @@ def _child(request: dict[str, Any]) -> Outcome:
 
     target, spec, sig, tuned, machine = _setup(request)
     candidate = find(request["candidate"], sig, target, request.get("external_dir"), request.get("generated_dir"))
-    checks = [sig] + ([sig.edge_case()] if candidate.shape_generic else [])
+    checks = [sig, *sig.variants()] + ([sig.edge_case()] if candidate.shape_generic else [])
     try:
         machine = machine()
         executable = None

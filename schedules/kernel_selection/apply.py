@@ -29,7 +29,7 @@ class _Rewriter(PyExprMutator):  # pylint: disable=abstract-method
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
-        sig = OpSignature.of_call(call)
+        sig = OpSignature.of_call(call, self.builder_.get())
         if sig is None or not all(_on(arg.ty, self.target) for arg in call.args):
             return call
         candidate = self.choose(sig)

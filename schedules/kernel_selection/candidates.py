@@ -1,13 +1,14 @@
 """What kernel selection chooses between: `Candidate` implementations of one `OpSignature`.
 
 An op signature is an op of `op_kinds.OP_KINDS` (matmul, attention, conv2d, layer and RMS
-norm) at static shapes and one dtype, together with the elementwise epilogue the target's
-library call absorbs (on the CPU exactly what `DispatchCPULibrary` fuses into its call, read
-back from it). A candidate rewrites that whole group into its implementation before
-legalization: generated TIR (`call_tir` of the legalized op, the epilogue left as Relax ops
-for FuseOps to fuse, scheduled later by MetaSchedule records or the target's default rules), a
-library call (left as the library pass wrote it), a hand-written or an external GEMM PrimFunc
-(`call_tir`, batch axes folded into rows, the epilogue's addends passed after the operands).
+norm, dequant_gemv) at static shapes (a rows-generic op's rows: 1) and its operands' dtypes,
+together with the elementwise epilogue the target's library call absorbs (on the CPU exactly
+what `DispatchCPULibrary` fuses into its call, read back from it). A candidate rewrites that
+whole group into its implementation before legalization: generated TIR (`call_tir` of the
+legalized op, the epilogue left as Relax ops for FuseOps to fuse, scheduled later by
+MetaSchedule records or the target's default rules), a library call (left as the library pass
+wrote it), a hand-written or an external GEMM PrimFunc (`call_tir`, batch axes folded into
+rows, the epilogue's addends passed after the operands).
 """
 
 from __future__ import annotations
@@ -30,16 +31,18 @@ Rewrite = Callable[[relax.BlockBuilder, relax.Call], relax.Expr]
 ACTIVATIONS = {"relu": relax.op.nn.relu, "gelu": relax.op.nn.gelu}
 
 
-def group_operands(call: relax.Expr) -> Group | None:
-    """The op group `call` is (a plain op, or a library call with its absorbed epilogue)."""
-    found = find_group(call)
+def group_operands(call: relax.Expr, mod: tvm.IRModule | None = None) -> Group | None:
+    """The op group `call` (in `mod`) is (a plain op, or a library call with its absorbed epilogue)."""
+    found = find_group(call, mod)
     return None if found is None else found[1]
 
 
 @dataclasses.dataclass(frozen=True)
 class OpSignature:
-    """An op group at static shapes: `shapes` of the op's tensor operands, all of `dtype`, its
-    attributes (`attrs`, e.g. attention's scale), then its `epilogue` steps in order;
+    """An op group at static shapes: `shapes` of the op's tensor operands, of `dtype` (the
+    first operand's, the output's and the addends'; the others' as the kind says:
+    `operand_dtypes`), its attributes (`attrs`, e.g. attention's scale), then its `epilogue`
+    steps in order;
     `weight`: the second operand is a constant (a model weight), so a kernel may take it in
     its own layout, converted at build time."""
 
@@ -51,24 +54,24 @@ class OpSignature:
     attrs: Attrs = ()
 
     @classmethod
-    def of_call(cls, call: relax.Expr) -> OpSignature | None:
-        """The signature of `call`, or None when selection does not handle it."""
-        found = find_group(call)
+    def of_call(cls, call: relax.Expr, mod: tvm.IRModule | None = None) -> OpSignature | None:
+        """The signature of `call` (in `mod`: see `find_group`), or None when selection does
+        not handle it."""
+        found = find_group(call, mod)
         if found is None:
             return None
         kind, group = found
-        shapes, dtypes = [], set()
-        for arg in (*group.operands, *group.addends):
-            shape = static_shape(arg)
-            if shape is None:
-                return None
-            shapes.append(shape)
-            dtypes.add(str(arg.ty.dtype))
+        shapes = [*kind.shapes_of(group.operands), *(static_shape(arg) for arg in group.addends)]
+        if None in shapes:
+            return None
         operands = tuple(shapes[:len(group.operands)])
-        if len(dtypes) != 1 or not kind.valid(operands):
+        dtype = str(group.operands[0].ty.dtype)
+        expected = (*kind.operand_dtypes(dtype, group.attrs, len(operands)), *(dtype,) * len(group.addends))
+        dtypes = tuple(str(arg.ty.dtype) for arg in (*group.operands, *group.addends))
+        if dtypes != expected or not kind.valid(operands):
             return None
         weight = len(operands) > 1 and isinstance(group.operands[1], tvm.ir.expr.Constant)
-        return cls(kind.name, operands, dtypes.pop(), tuple(group.steps), weight, group.attrs)
+        return cls(kind.name, operands, dtype, tuple(group.steps), weight, group.attrs)
 
     @property
     def kind(self) -> OpKind:
@@ -85,6 +88,21 @@ class OpSignature:
     @property
     def out_shape(self) -> tuple[int, ...]:
         return self.kind.out_shape(self.shapes, self.attrs)
+
+    @property
+    def operand_dtypes(self) -> tuple[str, ...]:
+        """The dtype of each tensor operand (then of each addend: `dtype`)."""
+        return (*self.kind.operand_dtypes(self.dtype, self.attrs, len(self.shapes)),
+                *(self.dtype,) * len(self.addend_shapes))
+
+    def cast(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Operands then addends (as `input_sets` gives them) in their dtypes."""
+        return [x.astype(dtype) for x, dtype in zip(arrays, self.operand_dtypes)]
+
+    def variants(self) -> list[OpSignature]:
+        """The same group at the other shapes every candidate is checked at (a rows-generic
+        op's other row count)."""
+        return [dataclasses.replace(self, shapes=shapes) for shapes in self.kind.variants(self.shapes)]
 
     @property
     def gemm(self) -> tuple[int, int, int]:
@@ -120,7 +138,9 @@ class OpSignature:
         `weight`, each addend at the output's rank (leading 1s), NCHW `out`; an attention's
         BSNH `q`, `k`, `v`, its `bias` (B or 1, N or 1, S or 1, T) if it has one, BSNH `out`;
         a layer norm's `x[rows, size]` (the normalized axes folded into size, the others into
-        rows), `gamma[size]`, `beta[size]`, `out[rows, size]` (an RMS norm's without beta)."""
+        rows), `gamma[size]`, `beta[size]`, `out[rows, size]` (an RMS norm's without beta); a
+        dequant_gemv's `x[rows, 1, k]`, `scales`, (`mins`,) `quants`, (`bias`,) `out[rows, 1, n]`
+        (`kernel_dtypes` gives each one's dtype)."""
         aligned = [(1,) * (len(self.out_shape) - len(shape)) + shape for shape in self.addend_shapes]
         if self.op == "matmul":
             m, n, k = self.gemm
@@ -133,6 +153,21 @@ class OpSignature:
             return self.kind.kernel_operands(self.shapes, self.attrs)
         addends = [(f"addend{i}", shape) for i, shape in enumerate(aligned)]
         return [*zip(names[:2], operands), *addends, (names[2], out)]
+
+    def kernel_dtypes(self) -> list[str]:
+        """The dtype of each array of `kernel_operands` (the output's: `dtype`)."""
+        return [*self.operand_dtypes, self.dtype]
+
+    def kernel_buffers(self) -> tuple[list[tvm.tirx.Var], list[tvm.tirx.Buffer]]:
+        """The arrays of `kernel_operands` as TIR buffers of their dtypes, and the scalars a
+        kernel takes before them: for a rows-generic op its row count, a variable `rows` that
+        is the leading dimension of the first operand and of the output."""
+        operands, dtypes = self.kernel_operands(), self.kernel_dtypes()
+        rows = [tvm.tirx.Var("rows", "int64")] if self.kind.rows_generic else []
+        generic = {0, len(operands) - 1} if rows else set()
+        buffers = [tvm.tirx.decl_buffer((*rows, *shape[1:]) if i in generic else shape, dtype, name)
+                   for i, ((name, shape), dtype) in enumerate(zip(operands, dtypes))]
+        return rows, buffers
 
     def edge_case(self) -> OpSignature:
         """The same op group at small shapes that are no multiple of any tile (tails everywhere)."""
@@ -154,7 +189,8 @@ class OpSignature:
         """`main(operands..., addends...)` computing the op group as plain Relax ops. With
         `weights`, the second operand is no parameter: `main` runs the group once with each of
         them as a constant (as a model's weights reach its kernels) and returns a tuple."""
-        operands = [relax.Var(f"arg{i}", relax.TensorType(shape, self.dtype)) for i, shape in enumerate(self.shapes)]
+        operands = [relax.Var(f"arg{i}", relax.TensorType(shape, dtype))
+                    for i, (shape, dtype) in enumerate(zip(self.shapes, self.operand_dtypes))]
         addends = [relax.Var(f"addend{i}", relax.TensorType(shape, self.dtype))
                    for i, shape in enumerate(self.addend_shapes)]
         variants = [[operands[0], relax.const(w.astype(self.dtype)), *operands[2:]] for w in weights] or [operands]
@@ -171,7 +207,11 @@ class OpSignature:
     def input_sets(self, rng: np.random.Generator) -> dict[str, list[np.ndarray]]:
         """Operands (then epilogue addends) to check with: random normal, small integers
         (exact sums), large values (where the op's float32 result is meaningful), zeros in
-        the first operand, then the op kind's own (`OpKind.own_input_sets`)."""
+        the first operand, then the op kind's own (`OpKind.own_input_sets`); or, for a kind
+        that makes all of its sets itself (`OpKind.input_sets`), those."""
+        own = self.kind.input_sets(self.shapes, self.attrs, rng)
+        if own is not None:
+            return own
         shapes = [*self.shapes, *self.addend_shapes]
         normal = [rng.standard_normal(s) for s in shapes]
         return {
@@ -185,7 +225,7 @@ class OpSignature:
     def error_scale(self, operands: Sequence[np.ndarray]) -> float:
         """The magnitude an output's float32 rounding is relative to (at least 1)."""
         addends = operands[len(self.shapes):]
-        return max(1.0, self.kind.error_scale(list(operands[:len(self.shapes)])),
+        return max(1.0, self.kind.error_scale_of(list(operands[:len(self.shapes)]), self.attrs),
                    *(float(np.abs(x).max(initial=0)) for x in addends))
 
     def reference(self, *operands: np.ndarray) -> np.ndarray:
@@ -291,17 +331,20 @@ def call_prim_func(bb: relax.BlockBuilder, call: relax.Call, func: tvm.tirx.Prim
     `OpSignature.kernel_operands`: for a matmul a 2-D GEMM `(a[M, K], b, addends..., c[M, N])`,
     b being B[K, N] or, with `packed_b`, `pack_panels(B)`, batch axes of the first operand
     folded into M and unfolded after; for a conv2d `(data, weight, addends..., out)`; for an
-    attention `(q, k, v[, bias], out)`; for a norm `(x, gamma[, beta], out)`. Each operand and
-    addend is reshaped to its shape there, and the output back to the op's."""
-    group = group_operands(call)
+    attention `(q, k, v[, bias], out)`; for a norm `(x, gamma[, beta], out)`; for a dequant_gemv
+    `(x, scales, [mins,] quants, [bias,] out)` (its rows any). Each operand and addend is
+    reshaped to its shape there, and the output back to the op's."""
+    group = group_operands(call, bb.get())
     operands, addends = list(group.operands), group.addends
-    sig = OpSignature.of_call(call)
+    sig = OpSignature.of_call(call, bb.get())
     arrays = sig.kernel_operands()
     # Opaque: FuseOps must not fuse into a scheduled kernel; no symbol of its own, so that
     # several shapes of one kernel in a model each get theirs from their GlobalVar.
     func = func.with_attr("op_pattern", 8).without_attr("global_symbol")
     gvar = bb.add_func(func, name)
     flat = [bb.emit(relax.op.reshape(x, shape)) for x, (_, shape) in zip(addends, arrays[len(operands):-1])]
+    if sig.op != "matmul" and sig.kind.rows_generic:  # its output the call's own (rows symbolic, maybe)
+        return relax.call_tir(gvar, [*operands, *flat], call.ty)
     if sig.op != "matmul":
         args = [x if static_shape(x) == shape else bb.emit(relax.op.reshape(x, shape))
                 for x, (_, shape) in zip(operands, arrays)]

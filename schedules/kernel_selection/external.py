@@ -14,8 +14,11 @@
   (an RMS norm's without beta), whose `"attrs"` give its epsilon;
 - "c" (CPU targets): C11 source defining `void FUNCTION(...)` taking a pointer to each of the
   same arrays, compact row-major, the output last (a matmul's `(const float *a, const float
-  *b, float *c)`), FUNCTION being the entry's `"function"` (default: its name). It is
-  compiled with `$CC` (gcc) `C_FLAGS` for the target's CPU (`-march` = its `mcpu`; native when
+  *b, float *c)`; an array of another dtype by its C type, e.g. a dequant_gemv's `const
+  uint16_t *scales` (float16 bits), `const int8_t *quants`; a rows-generic op's kernel takes
+  `int64_t rows` first: `OpSignature.kernel_buffers`), FUNCTION being the entry's `"function"`
+  (default: its name). It is compiled with `$CC` (gcc) `C_FLAGS` for the target's CPU
+  (`-march` = its `mcpu`; native when
   that is this machine's CPU or none) to an object file that the build links into the model
   (so exported models carry it); the function is renamed to a symbol unique to the source and
   every other global symbol of the source made local, so that kernels linked into one model
@@ -30,7 +33,7 @@ An optional `"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kern
 group (`OpSignature.epilogue`): it takes each addend after the operands, as
 `OpSignature.kernel_operands` shapes it, and applies the steps in order. An entry is a
 candidate only for its op, shapes, epilogue, attributes, dtype and target kind; only matmul,
-conv2d, attention and the norms are taken for now (`OPS`), an entry of another op is listed as unavailable. The
+conv2d, attention, the norms and dequant_gemv are taken for now (`OPS`), an entry of another op is listed as unavailable. The
 source is parsed only when the candidate is built (in the verification subprocess, or by a build after it was
 verified, when its digest must still match).
 
@@ -58,7 +61,7 @@ from .candidates import MAX_TASKS, Candidate, CSource, OpSignature, call_prim_fu
 
 MANIFEST = "kernels.json"
 FORMATS = ("tvmscript", "c")
-OPS = ("matmul", "conv2d", "attention", "layer_norm", "rms_norm")
+OPS = ("matmul", "conv2d", "attention", "layer_norm", "rms_norm", "dequant_gemv")
 """The ops kernels from outside the compiler are taken for (`OpSignature.kernel_operands`)."""
 C_COMPILER = os.environ.get("CC", "gcc")
 C_FLAGS = ("-std=c11", "-O3", "-ffp-contract=fast", "-fPIC")
@@ -125,13 +128,13 @@ def _c_prim_func(c: CSource, sig: OpSignature, target: tvm.target.Target) -> tvm
     undefined = subprocess.run(["nm", "-u", "--format=just-symbols", str(obj)], capture_output=True, text=True,
                                check=True).stdout.split()
     _refuse_calls(c.path, undefined)
-    buffers = [tvm.tirx.decl_buffer(shape, sig.dtype, name) for name, shape in sig.kernel_operands()]
-    arrays = [b.data for b in buffers]
+    scalars, buffers = sig.kernel_buffers()
+    args = [*scalars, *(b.data for b in buffers)]
     if c.tasks == 1:
-        body = tvm.tirx.Evaluate(tvm.tirx.call_extern("void", symbol, *arrays))
+        body = tvm.tirx.Evaluate(tvm.tirx.call_extern("void", symbol, *args))
     else:
         task = tvm.tirx.Var("task", "int64")
-        call = tvm.tirx.call_extern("void", symbol, task, tvm.tirx.IntImm("int64", c.tasks), *arrays)
+        call = tvm.tirx.call_extern("void", symbol, task, tvm.tirx.IntImm("int64", c.tasks), *args)
         body = tvm.tirx.For(task, tvm.tirx.IntImm("int64", 0), tvm.tirx.IntImm("int64", c.tasks),
                             tvm.tirx.ForKind.PARALLEL, tvm.tirx.Evaluate(call))
     func = tvm.tirx.PrimFunc(buffers, body)
@@ -249,7 +252,7 @@ def external_candidates(directory: str, sig: OpSignature, target: tvm.target.Tar
             return _c_prim_func(c, sig, target) if c is not None else _load_prim_func(path)
 
         def rewrite(bb, call, name=entry["name"], kernel=kernel):
-            return call_prim_func(bb, call, kernel(OpSignature.of_call(call)), f"{source}_{name}")
+            return call_prim_func(bb, call, kernel(OpSignature.of_call(call, bb.get())), f"{source}_{name}")
 
         found.append(Candidate(source, entry["name"], path, rewrite, shape_generic=False,
                                digest=digest(path) if unavailable is None else "", kernel=kernel,

@@ -11,7 +11,13 @@ at besides its own and the inputs it is checked on.
   dilation and groups), with the epilogue `DispatchCPULibrary` absorbs;
 - layer_norm, rms_norm: `R.nn.layer_norm` (x, gamma, beta) and `R.nn.rms_norm` (x, gamma) over
   the last k axes of x, k being gamma's rank (what the ONNX importer and `FuseNormalization`
-  emit for LayerNormalization, RMSNormalization and their written-out chains); no epilogue.
+  emit for LayerNormalization, RMSNormalization and their written-out chains); no epilogue;
+- dequant_gemv: the LLM's decode GEMV over a weight in a GGUF block format, a `call_tir` of
+  the kernel `targets.kernels.dequant_gemv` marks (found by that mark, which needs the module:
+  `find_in`); rows-generic (`OpKind.rows_generic`).
+
+Operands may differ in dtype (`OpKind.operand_dtypes`; the signature's dtype is the first
+operand's and the output's).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from tvm import relax
 
 from ...relax_passes.dispatch_cpu_library import library_attention, library_conv2d, library_matmul
 from ...targets.kernels import Shape, Step
+from ...targets.kernels.dequant_gemv import BLOCK, BLOCK_FORMAT, DEQUANT_GEMV, HALF, LAYOUTS, OP_GROUP, dequant_gemv
 
 Attrs = tuple[tuple[str, float], ...]
 
@@ -72,13 +79,46 @@ def _is_op(call: relax.Expr, *names: str) -> bool:
 
 
 class OpKind:
-    """One op. `find` reads its groups; the rest works on static shapes."""
+    """One op. `find` reads its groups; the rest works on static shapes.
+
+    `rows_generic`: the op's first operand and its output lead with a row axis of any length
+    (symbolic in a model): a signature has 1 row there, and a kernel from outside takes the
+    row count as its first argument (`int64_t rows`); verification also runs it at
+    `variants`. `baseline`: where the op is itself a shipped TIR kernel (a `call_tir`), that
+    kernel's file: the "generated" candidate keeps the call. `inf_may_be_nan`: an output the
+    reference has infinite may be NaN (a kernel that factors its sum may meet Inf - Inf)."""
 
     name = ""
+    rows_generic = False
+    baseline: str | None = None
+    inf_may_be_nan = False
 
     def find(self, call: relax.Expr) -> Group | None:
         """The op group `call` is, or None."""
         raise NotImplementedError
+
+    def find_in(self, call: relax.Expr, mod: tvm.IRModule | None) -> Group | None:
+        """The op group `call` is, or None, where the call's module is `mod` (None: unknown):
+        for a kind whose calls are found by the function they call."""
+        return self.find(call)
+
+    def shapes_of(self, operands: list[relax.Expr]) -> list[Shape | None]:
+        """The operands' shapes in a signature (None: not static)."""
+        return [static_shape(x) for x in operands]
+
+    def operand_dtypes(self, dtype: str, attrs: Attrs, count: int) -> tuple[str, ...]:
+        """The dtype of each of `count` operands of a group of `dtype` (all of it, by default)."""
+        return (dtype,) * count
+
+    def input_sets(self, shapes: tuple[Shape, ...], attrs: Attrs,
+                   rng: np.random.Generator) -> dict[str, list[np.ndarray]] | None:
+        """The op's own input sets (float64 arrays, exact in the operands' dtypes), or None for
+        `OpSignature.input_sets`' generic ones."""
+        return None
+
+    def variants(self, shapes: tuple[Shape, ...]) -> list[tuple[Shape, ...]]:
+        """Other operand shapes every candidate is checked at (a rows-generic op's row counts)."""
+        return []
 
     def valid(self, shapes: tuple[Shape, ...]) -> bool:
         """Whether selection handles the op at these operand shapes."""
@@ -124,6 +164,10 @@ class OpKind:
         """The name and shape of each array an outside kernel takes (`OpSignature.kernel_operands`),
         for an op whose kind says so."""
         raise ValueError(f"no kernel from outside the compiler is taken for {self.name}")
+
+    def error_scale_of(self, operands: list[np.ndarray], attrs: Attrs) -> float:
+        """`error_scale` for a kind whose operands need the group's attributes to read."""
+        return self.error_scale(operands)
 
 
 class Matmul(OpKind):
@@ -427,13 +471,159 @@ class RMSNorm(LayerNorm):
         return x / np.sqrt((x * x).mean(axis=axes, keepdims=True) + epsilon)
 
 
-OP_KINDS: dict[str, OpKind] = {kind.name: kind for kind in (Matmul(), Attention(), Conv2d(), LayerNorm(), RMSNorm())}
+
+class DequantGemv(OpKind):
+    """x[rows, 1, k] @ W^T (+ bias[n]) -> out[rows, 1, n], W[n, k] given in a block format
+    (`targets.kernels.dequant_gemv`): operands x (float32), scales (float16 [n, k / 32]),
+    mins (Q4_1 only, likewise), quants (Q8_0: int8 [n, k]; Q4_1: uint8 [n, k / 2]), bias
+    (float32 [n], if any). Attributes: `bits` (8: Q8_0, 4: Q4_1) and `bias` (1 or 0)."""
+
+    name = DEQUANT_GEMV
+    rows_generic = True
+    baseline = "targets/kernels/dequant_gemv.py"
+    inf_may_be_nan = True
+    FORMATS = {8: "q8_0", 4: "q4_1"}  # by `bits`
+    ODD_ROWS = 7  # the other row count checked: a tile of 4 rows and 3 left over
+    EDGE = (37, 96)  # output features (no multiple of a task's rows), input features (3 blocks)
+
+    def find(self, call: relax.Expr) -> Group | None:
+        return None  # the mark is on the called PrimFunc: `find_in`
+
+    def find_in(self, call: relax.Expr, mod: tvm.IRModule | None) -> Group | None:
+        if mod is None or not _is_op(call, "relax.call_tir") or not isinstance(call.args[0], tvm.ir.GlobalVar):
+            return None
+        func = mod.functions.get(call.args[0])
+        attrs = func.attrs if isinstance(func, tvm.tirx.PrimFunc) else None
+        if attrs is None or attrs.get(OP_GROUP) != DEQUANT_GEMV:
+            return None
+        layout = LAYOUTS[str(attrs[BLOCK_FORMAT])]
+        operands = list(call.args[1].fields)
+        bits = next(b for b, name in self.FORMATS.items() if name == layout.name)
+        bias = len(operands) == (4 if layout.has_mins else 3) + 1
+        return Group(operands, (("bits", float(bits)), ("bias", float(bias))), [], [])
+
+    @classmethod
+    def layout(cls, attrs: Attrs):
+        return LAYOUTS[cls.FORMATS[int(dict(attrs)["bits"])]]
+
+    def shapes_of(self, operands: list[relax.Expr]) -> list[Shape | None]:
+        ty = operands[0].ty
+        x = ty.shape.values if isinstance(ty, relax.TensorType) and hasattr(ty.shape, "values") else None
+        rest = [static_shape(w) for w in operands[1:]]
+        if x is None or len(x) != 3 or not all(isinstance(d, tvm.tirx.IntImm) for d in x[1:]):
+            return [None, *rest]
+        return [(1, *(int(d) for d in x[1:])), *rest]
+
+    def operand_dtypes(self, dtype: str, attrs: Attrs, count: int) -> tuple[str, ...]:
+        layout = self.layout(attrs)
+        scales = ("float16", "float16") if layout.has_mins else ("float16",)
+        return (dtype, *scales, layout.quants_dtype, *((dtype,) if dict(attrs)["bias"] else ()))
+
+    def valid(self, shapes: tuple[Shape, ...]) -> bool:
+        x, scales = shapes[:2]
+        return (len(x) == 3 and x[:2] == (1, 1) and x[2] % BLOCK == 0 and len(scales) == 2
+                and scales[1] == x[2] // BLOCK)
+
+    def emit(self, operands: list[relax.Expr], attrs: Attrs) -> relax.Call:
+        """A `call_tir` of the shipped kernel, added to the current BlockBuilder's module."""
+        layout, shapes = self.layout(attrs), self.shapes_of(operands)
+        n, k = shapes[1][0], shapes[0][2]
+        func = dequant_gemv(layout, n, k, bool(dict(attrs)["bias"]))
+        gvar = relax.BlockBuilder.current().add_func(func, f"gemv_{layout.name}")
+        rows = operands[0].ty.shape.values[0]
+        return relax.call_tir(gvar, operands, relax.TensorType((rows, 1, n), operands[0].ty.dtype))
+
+    def out_shape(self, shapes: tuple[Shape, ...], attrs: Attrs) -> Shape:
+        return (shapes[0][0], 1, shapes[1][0])
+
+    def weights(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
+        """W[n, k] (float64) from the block arrays."""
+        layout = self.layout(attrs)
+        scales, quants = operands[1], operands[-2] if dict(attrs)["bias"] else operands[-1]
+        n, blocks = scales.shape
+        if layout.per_byte == 2:  # byte b * 16 + i: element b * 32 + i low, b * 32 + 16 + i high
+            q = quants.astype(np.int64).reshape(n, blocks, HALF)
+            q = np.concatenate([q & 15, q >> 4], axis=2).astype(np.float64)
+        else:
+            q = quants.astype(np.float64).reshape(n, blocks, BLOCK)
+        w = scales[:, :, None] * q
+        if layout.has_mins:
+            w = w + operands[2][:, :, None]
+        return w.reshape(n, blocks * BLOCK)
+
+    def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
+        out = operands[0][:, 0, :] @ self.weights(operands, attrs).T
+        if dict(attrs)["bias"]:
+            out = out + operands[-1]
+        return out[:, None, :]
+
+    def edge_shapes(self, shapes: tuple[Shape, ...], attrs: Attrs) -> tuple[Shape, ...]:
+        n, k = self.EDGE
+        layout = self.layout(attrs)
+        blocks = (n, k // BLOCK)
+        return ((self.ODD_ROWS, 1, k), blocks, *([blocks] if layout.has_mins else []), (n, k // layout.per_byte),
+                *([(n,)] if dict(attrs)["bias"] else []))
+
+    def variants(self, shapes: tuple[Shape, ...]) -> list[tuple[Shape, ...]]:
+        return [((self.ODD_ROWS, *shapes[0][1:]), *shapes[1:])]
+
+    def describe(self, shapes: tuple[Shape, ...], weight: bool) -> str:
+        (_, _, k), (n, _) = shapes[:2]
+        return f"rowsx1x{k} @ {n}x{k}^T"
+
+    def describe_attrs(self, attrs: Attrs) -> list[str]:
+        return [self.layout(attrs).name, *(["+bias"] if dict(attrs)["bias"] else [])]
+
+    def input_sets(self, shapes: tuple[Shape, ...], attrs: Attrs,
+                   rng: np.random.Generator) -> dict[str, list[np.ndarray]]:
+        """Quants over their dtype's whole range; scales (and mins) of ordinary size with a zero
+        and a negative one, tiny (float16 subnormals), large; x random, small integers (with
+        scales powers of two: exact sums), zero."""
+        layout = self.layout(attrs)
+        info = np.iinfo(layout.quants_dtype)
+        has_bias = bool(dict(attrs)["bias"])
+        blocks = shapes[1]
+        quants = rng.integers(info.min, info.max + 1, shapes[-2 if has_bias else -1]).astype(np.float64)
+        bias = [rng.standard_normal(shapes[-1])] if has_bias else []
+
+        def scale_arrays(size: float) -> list[np.ndarray]:
+            arrays = [rng.standard_normal(blocks) * size for _ in range(2 if layout.has_mins else 1)]
+            for a in arrays:
+                a.flat[0], a.flat[-1] = 0.0, -abs(a.flat[-1])
+            return [a.astype(np.float16).astype(np.float64) for a in arrays]
+
+        def sets(x: np.ndarray, scales: list[np.ndarray]) -> list[np.ndarray]:
+            return [x, *scales, quants, *bias]
+
+        x = rng.standard_normal(shapes[0])
+        powers = [2.0 ** rng.integers(-6, 3, blocks) * rng.choice([-1.0, 1.0], blocks)
+                  for _ in range(2 if layout.has_mins else 1)]
+        return {
+            "random": sets(x, scale_arrays(0.02)),
+            "tiny scales": sets(x, scale_arrays(1e-6)),
+            "large scales": sets(x, scale_arrays(1e3)),
+            "integers": sets(rng.integers(-4, 5, shapes[0]).astype(np.float64), powers),
+            "zeros": sets(np.zeros(shapes[0]), scale_arrays(0.02)),
+        }
+
+    def error_scale_of(self, operands: list[np.ndarray], attrs: Attrs) -> float:
+        return float((np.abs(operands[0][:, 0, :]) @ np.abs(self.weights(operands, attrs)).T).max(initial=0))
+
+    def kernel_operands(self, shapes: tuple[Shape, ...], attrs: Attrs) -> list[tuple[str, Shape]]:
+        layout = self.layout(attrs)
+        names = ("x", "scales", *(("mins",) if layout.has_mins else ()), "quants", "bias")
+        return [*zip(names, shapes), ("out", self.out_shape(shapes, attrs))]
 
 
-def find_group(call: relax.Expr) -> tuple[OpKind, Group] | None:
-    """The op kind and group `call` is, or None."""
+OP_KINDS: dict[str, OpKind] = {kind.name: kind for kind in (Matmul(), Attention(), Conv2d(), LayerNorm(), RMSNorm(),
+                                                             DequantGemv())}
+
+
+def find_group(call: relax.Expr, mod: tvm.IRModule | None = None) -> tuple[OpKind, Group] | None:
+    """The op kind and group `call` is, or None; `mod`: the module it is in (without it, kinds
+    found by the function they call are not)."""
     for kind in OP_KINDS.values():
-        group = kind.find(call)
+        group = kind.find_in(call, mod)
         if group is not None:
             return kind, group
     return None

@@ -1,7 +1,8 @@
 """Where candidates come from: one function per source in `SOURCES`, each listing the
 candidates it has for an op signature on a target (unavailable ones too, with the reason).
 
-- generated: the op legalized to TIR; with an epilogue, the group fused into one TIR kernel on
+- generated: the op legalized to TIR (an op that is itself a shipped TIR kernel, the
+  dequant_gemv, keeps that kernel: `OpKind.baseline`); with an epilogue, the group fused into one TIR kernel on
   its own (FuseOps in the model could fuse it otherwise, e.g. a residual add of two
   convolutions into the other one, and then neither the kernel measured nor its tuning
   records would be the one that runs);
@@ -50,6 +51,10 @@ class KernelDirs:
 
 
 def generated(sig: OpSignature, target: tvm.target.Target, dirs: KernelDirs) -> list[Candidate]:
+    if sig.kind.baseline is not None:
+        return [Candidate("generated", "tir", f"the shipped TIR kernel ({sig.kind.baseline}); MetaSchedule "
+                          "records do not reschedule it", _keep)]
+
     def rewrite(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         kind, group = find_group(call)
         call_sig = OpSignature.of_call(call)
