@@ -16,7 +16,10 @@ OpenBLAS-backed CPU library.
      output channels (`pack_conv_weight`), which FoldConstant computes at build time for a
      constant weight. The block is this CPU's vector width (`direct_conv_block`, which
      `$GIMLET_CPU_CONV_BLOCK` overrides: 8 forces the AVX2 kernel, 0 turns the direct
-     kernel off), or 8 where that makes two blocks of a 16-channel conv;
+     kernel off), or 8 where that makes two blocks of a 16-channel conv; with `groups` 1,
+     a kernel larger than 1x1 and fewer than 32 multiply-adds per output (`row_conv_for`:
+     3-channel stems), into the row-vectorized kernel `R.call_dps_packed(
+     "gimlet.cpu.conv2d_nchw_rows", (data, weight, strides, pads, dilations, lanes))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
@@ -63,11 +66,13 @@ from .graph_fusion import graph_fusion_enabled
 MATMUL_FUNC = f"{CPU_LIBRARY.name}.matmul"
 CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw"
 DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct"
+ROW_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_rows"
 DIRECT_CONV_BLOCK_ENV = "GIMLET_CPU_CONV_BLOCK"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
-# weight, 6 params, groups); after (data, packed weight, 6 params).
-_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8}
+# weight, 6 params, groups); after (data, packed weight, 6 params); after (data, weight, 6
+# params, lanes).
+_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8, ROW_CONV2D_FUNC: 9}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
 ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU = 0, 1, 2, 3, 4
@@ -134,6 +139,17 @@ def direct_conv_block_for(out_c: int, in_c: int, kernel: tuple[int, int], cpu_bl
         if 0 < block <= cpu_block and out_c >= 2 * block:
             return block
     return 0
+
+
+def row_conv_for(in_c: int, kernel: tuple[int, int], cpu_block: int) -> bool:
+    """Whether a groups-1 conv2d of that shape runs on the row-vectorized kernel
+    (`gimlet.cpu.conv2d_nchw_rows`): one with a kernel larger than 1x1 and fewer than 32
+    multiply-adds per output (3-channel stems), where the direct kernel's per-tile scatter into
+    NCHW and im2col's column matrix cost more than the multiply-adds, on a CPU with a direct
+    kernel (`cpu_block` not 0). The call asks for vectors of `cpu_block` lanes (16: AVX-512, 8:
+    AVX2); where it runs, a CPU without AVX-512 uses 8.
+    benchmarks/README.md, "The direct convolution kernel", has the measurements."""
+    return cpu_block > 0 and tuple(kernel) != (1, 1) and in_c * kernel[0] * kernel[1] < 32
 
 
 def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list] | None:
@@ -281,7 +297,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if not (
             isinstance(bound, relax.Call)
             and bound.op == tvm.ir.Op.get("relax.call_dps_packed")
-            and bound.args[0].global_symbol in (MATMUL_FUNC, CONV2D_FUNC, DIRECT_CONV2D_FUNC)
+            and bound.args[0].global_symbol in _EPILOGUE_START
         ):
             return None
         func = bound.args[0].global_symbol
@@ -412,5 +428,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
                 packed = self.builder_.emit(relax.op.layout_transform(
                     weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
                 return relax.call_dps_packed(DIRECT_CONV2D_FUNC, [data, packed, *params_args], call.ty)
+            if row_conv_for(in_c, tuple(kernel), self.direct_block):
+                lanes = relax.prim_value(self.direct_block)
+                return relax.call_dps_packed(ROW_CONV2D_FUNC, [data, weight, *params_args, lanes], call.ty)
         args = [data, weight, *params_args, relax.prim_value(groups)]
         return relax.call_dps_packed(CONV2D_FUNC, args, call.ty)
