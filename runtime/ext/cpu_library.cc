@@ -693,10 +693,11 @@ struct VectorOf<16> {
  * (the blocks' weights `w_stride` floats apart) of the image `x`, into `tile` as [NB][P][L].
  * Pixels past n repeat the last one (computed, not stored).
  */
-template <int L, int P, int NB>
+template <int L, int P, int NB, int KW>
 __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, const float* x,
                                                       const float* w, int64_t w_stride,
                                                       int64_t pixel0, int64_t n, float* tile) {
+  const int64_t kernel_w = KW ? KW : t.kernel_w;
   using V = typename VectorOf<L>::Type;
   static_assert(sizeof(V) == L * sizeof(float));
   const Conv2DParams& p = t.p;
@@ -715,8 +716,8 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
   for (int64_t c = 0; c < t.in_c; ++c) {
     for (int64_t kh = 0; kh < t.kernel_h; ++kh) {
       const float* row = x + (c * t.height + kh * p.dilation_h) * t.width;
-      const float* wk = w + (c * t.kernel_h + kh) * t.kernel_w * L;
-      for (int64_t kw = 0; kw < t.kernel_w; ++kw) {
+      const float* wk = w + (c * t.kernel_h + kh) * kernel_w * L;
+      for (int64_t kw = 0; kw < kernel_w; ++kw) {
         V wv[NB];
         for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], wk + kw * L + j * w_stride, sizeof(V));
         const float* tap = row + kw * p.dilation_w;
@@ -733,7 +734,7 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
 
 /*! \brief Output pixels [pixel0, pixel1) of channel blocks [b0, b0 + NB) of one image, P at a
  * time, then the epilogue on them. */
-template <int L, int P, int NB>
+template <int L, int P, int NB, int KW>
 __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, const float* x,
                                                        int64_t b0, int64_t pixel0, int64_t pixel1,
                                                        float* y_img) {
@@ -745,7 +746,7 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
   float* y = y_img + ch0 * spatial;
   for (int64_t pixel = pixel0; pixel < pixel1; pixel += P) {
     const int64_t n = std::min<int64_t>(P, pixel1 - pixel);
-    DirectTile<L, P, NB>(t, x, w, w_stride, pixel, n, tile);
+    DirectTile<L, P, NB, KW>(t, x, w, w_stride, pixel, n, tile);
     for (int64_t ch = 0; ch < channels; ++ch) {
       const float* lane = tile + ch / L * P * L + ch % L;
       float* out = y + ch * spatial + pixel;
@@ -770,10 +771,15 @@ __attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, 
     float* y_img = t.y + img * t.out_c * spatial;
     const int64_t b0 = pair * kBlocks;
     const int64_t pixel0 = chunk * t.chunk, pixel1 = std::min(spatial, pixel0 + t.chunk);
+    // 3-wide kernels (most) get their taps unrolled.
     if (b0 + kBlocks <= t.blocks) {
-      DirectChunk<L, kPixels, kBlocks>(t, x, b0, pixel0, pixel1, y_img);
+      if (t.kernel_w == 3) {
+        DirectChunk<L, kPixels, kBlocks, 3>(t, x, b0, pixel0, pixel1, y_img);
+      } else {
+        DirectChunk<L, kPixels, kBlocks, 0>(t, x, b0, pixel0, pixel1, y_img);
+      }
     } else {
-      DirectChunk<L, kPixels * kBlocks, 1>(t, x, b0, pixel0, pixel1, y_img);
+      DirectChunk<L, kPixels * kBlocks, 1, 0>(t, x, b0, pixel0, pixel1, y_img);
     }
   }
 }
