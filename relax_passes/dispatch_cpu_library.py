@@ -166,14 +166,17 @@ def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list
 
 
 def library_conv2d(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, list[int], list] | None:
-    """`(data, weight, params, epilogue)` of a `gimlet.cpu.conv2d_nchw` call this pass wrote,
-    None for any other expression. `params`: strides (h, w), top and left padding, dilations
-    (h, w) and groups; `epilogue` as `library_matmul`'s (None with a clip step, too)."""
-    if not _calls(call, CONV2D_FUNC):
+    """`(data, weight, params, epilogue)` of a `gimlet.cpu.conv2d_nchw` or
+    `gimlet.cpu.conv2d_nchw_rows` call this pass wrote (both take the OIHW weight), None for
+    any other expression. `params`: strides (h, w), top and left padding, dilations (h, w) and
+    groups (1 for the row kernel); `epilogue` as `library_matmul`'s (None with a clip step,
+    too)."""
+    if not (_calls(call, CONV2D_FUNC) or _calls(call, ROW_CONV2D_FUNC)):
         return None
     data, weight, *args = call.args[1].fields
+    params = [int(p.value) for p in args[:6]] + ([int(args[6].value)] if _calls(call, CONV2D_FUNC) else [1])
     steps = _epilogue_steps(args[7:])
-    return None if _has_clip(steps) else (data, weight, [int(p.value) for p in args[:7]], steps)
+    return None if _has_clip(steps) else (data, weight, params, steps)
 
 
 def _has_clip(steps: list) -> bool:
