@@ -16,15 +16,19 @@ OpenBLAS-backed CPU library.
      output channels (`pack_conv_weight`), which FoldConstant computes at build time for a
      constant weight. The block is this CPU's vector width (`direct_conv_block`, which
      `$GIMLET_CPU_CONV_BLOCK` overrides: 8 forces the AVX2 kernel, 0 turns the direct
-     kernel off), or 8 where that makes two blocks of a 16-channel conv;
+     kernel off), or 8 where that makes two blocks of a 16-channel conv; with `groups` 1,
+     a kernel larger than 1x1 and fewer than 32 multiply-adds per output (`row_conv_for`:
+     3-channel stems), into the row-vectorized kernel `R.call_dps_packed(
+     "gimlet.cpu.conv2d_nchw_rows", (data, weight, strides, pads, dilations, lanes))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
    - epilogues of those matmul and conv2d calls (both conv2d kernels), into the same call: an
      `R.add` of a tensor of the output's shape (residual) or of a tensor broadcast along one
-     axis (bias, any scalar), `R.nn.relu` and `R.nn.gelu`, in any order and number, when the
-     call's result has no other use. The library applies them to each output block right
-     after computing it.
+     axis (bias, any scalar), `R.nn.relu`, `R.nn.gelu`, and `R.maximum` / `R.minimum` with a
+     scalar constant (a clip step; a maximum followed by a minimum, as the ONNX importer
+     writes Clip and ReLU6, is one), in any order and number, when the call's result has no
+     other use. The library applies them to each output block right after computing it.
    Epilogues are not fused within `graph_fusion.graph_fusion_disabled()`.
    Only calls on the host are rewritten: tensors without a virtual device, or with one whose
    target's spec lists the CPU library.
@@ -33,9 +37,8 @@ OpenBLAS-backed CPU library.
    channel reads one input channel: that stays in TIR, where FuseOps can fuse its epilogue;
    a first library kernel, vectors of output pixels per zero-padded plane, made mobilenet_cnn
    1.8x slower), and operands or results whose shape is unknown; epilogue adds that broadcast
-   the output or whose vector axis is followed by symbolic axes; other activations (clip,
-   which the ONNX importer already writes as TIR, sigmoid, ...). Those ops stay as they
-   were, and FuseOps fuses the elementwise ones with each other.
+   the output or whose vector axis is followed by symbolic axes; other activations (sigmoid,
+   ...). Those ops stay as they were, and FuseOps fuses the elementwise ones with each other.
 
 The packed functions come from `runtime/ext/cpu_library.cc`. The pass loads that extension
 (building it on first use), so the functions exist when the module is built and run in this
@@ -63,11 +66,16 @@ from .graph_fusion import graph_fusion_enabled
 MATMUL_FUNC = f"{CPU_LIBRARY.name}.matmul"
 CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw"
 DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct"
+ROW_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_rows"
 DIRECT_CONV_BLOCK_ENV = "GIMLET_CPU_CONV_BLOCK"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
+# Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
+# weight, 6 params, groups); after (data, packed weight, 6 params); after (data, weight, 6
+# params, lanes).
+_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8, ROW_CONV2D_FUNC: 9}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
-ADD_VECTOR, ADD_TENSOR, RELU, GELU = 0, 1, 2, 4
+ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU = 0, 1, 2, 3, 4
 ACTIVATIONS = {"relax.nn.relu": RELU, "relax.nn.gelu": GELU}
 
 
@@ -133,25 +141,46 @@ def direct_conv_block_for(out_c: int, in_c: int, kernel: tuple[int, int], cpu_bl
     return 0
 
 
+def row_conv_for(in_c: int, kernel: tuple[int, int], cpu_block: int) -> bool:
+    """Whether a groups-1 conv2d of that shape runs on the row-vectorized kernel
+    (`gimlet.cpu.conv2d_nchw_rows`): one with a kernel larger than 1x1 and fewer than 32
+    multiply-adds per output (3-channel stems), where the direct kernel's per-tile scatter into
+    NCHW and im2col's column matrix cost more than the multiply-adds, on a CPU with a direct
+    kernel (`cpu_block` not 0). The call asks for vectors of `cpu_block` lanes (16: AVX-512, 8:
+    AVX2); where it runs, a CPU without AVX-512 uses 8.
+    benchmarks/README.md, "The direct convolution kernel", has the measurements."""
+    return cpu_block > 0 and tuple(kernel) != (1, 1) and in_c * kernel[0] * kernel[1] < 32
+
+
 def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list] | None:
     """`(a, b, transpose_b, epilogue)` of a `gimlet.cpu.matmul` call this pass wrote, None for
     any other expression. `epilogue`: its steps in order, `("add", addend, divisor)` (an
     addend broadcast along the output, one element per `divisor` consecutive outputs for a
-    vector, divisor 1 for an output-shaped tensor), `("relu",)` or `("gelu",)`."""
+    vector, divisor 1 for an output-shaped tensor), `("relu",)` or `("gelu",)`. A call with a
+    clip step gives None too: kernel selection, which reads these, has no clip step yet."""
     if not _calls(call, MATMUL_FUNC):
         return None
     a, b, transpose, *epilogue = call.args[1].fields
-    return a, b, bool(int(transpose.value)), _epilogue_steps(epilogue)
+    steps = _epilogue_steps(epilogue)
+    return None if _has_clip(steps) else (a, b, bool(int(transpose.value)), steps)
 
 
 def library_conv2d(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, list[int], list] | None:
-    """`(data, weight, params, epilogue)` of a `gimlet.cpu.conv2d_nchw` call this pass wrote,
-    None for any other expression. `params`: strides (h, w), top and left padding, dilations
-    (h, w) and groups; `epilogue` as `library_matmul`'s."""
-    if not _calls(call, CONV2D_FUNC):
+    """`(data, weight, params, epilogue)` of a `gimlet.cpu.conv2d_nchw` or
+    `gimlet.cpu.conv2d_nchw_rows` call this pass wrote (both take the OIHW weight), None for
+    any other expression. `params`: strides (h, w), top and left padding, dilations (h, w) and
+    groups (1 for the row kernel); `epilogue` as `library_matmul`'s (None with a clip step,
+    too)."""
+    if not (_calls(call, CONV2D_FUNC) or _calls(call, ROW_CONV2D_FUNC)):
         return None
     data, weight, *args = call.args[1].fields
-    return data, weight, [int(p.value) for p in args[:7]], _epilogue_steps(args[7:])
+    params = [int(p.value) for p in args[:6]] + ([int(args[6].value)] if _calls(call, CONV2D_FUNC) else [1])
+    steps = _epilogue_steps(args[7:])
+    return None if _has_clip(steps) else (data, weight, params, steps)
+
+
+def _has_clip(steps: list) -> bool:
+    return any(step[0] == "clip" for step in steps)
 
 
 def _calls(call: relax.Expr, func: str) -> bool:
@@ -161,7 +190,8 @@ def _calls(call: relax.Expr, func: str) -> bool:
 
 
 def _epilogue_steps(args: list[relax.Expr]) -> list:
-    """A library call's epilogue arguments as steps (see `library_matmul`)."""
+    """A library call's epilogue arguments as steps (see `library_matmul`; a clip step is
+    `("clip", lo, hi)`)."""
     names = {code: name for name, code in ACTIVATIONS.items()}
     steps, index = [], 0
     while index < len(args):
@@ -172,6 +202,9 @@ def _epilogue_steps(args: list[relax.Expr]) -> list:
         elif kind == ADD_TENSOR:
             steps.append(("add", args[index + 1], 1))
             index += 2
+        elif kind == CLIP:
+            steps.append(("clip", float(args[index + 1].value), float(args[index + 2].value)))
+            index += 3
         else:
             steps.append((names[kind].rsplit(".", 1)[1],))
             index += 1
@@ -212,6 +245,16 @@ def _is_float32_tensor(ty: relax.Type, min_ndim: int) -> bool:
     )
 
 
+def _scalar_constant(expr: relax.Expr) -> float | None:
+    """The value of a float32 constant of one element that is not NaN, else None."""
+    if not isinstance(expr, tvm.ir.GenericConst) or expr.ty.dtype != "float32":
+        return None
+    value = expr.value.numpy()
+    if value.size != 1 or np.isnan(value).any():
+        return None
+    return float(value.reshape(()))
+
+
 def _static_ints(values) -> list[int] | None:
     """The values as Python ints, or None when one of them is symbolic."""
     if not all(isinstance(v, (int, tvm.tirx.IntImm)) for v in values):
@@ -242,6 +285,10 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             rewritten = self._with_added(*call.args)
             if rewritten is None:
                 rewritten = self._with_added(*call.args[::-1])
+        elif call.op.name in ("relax.maximum", "relax.minimum"):
+            rewritten = self._with_clipped(call.op.name == "relax.maximum", *call.args)
+            if rewritten is None:
+                rewritten = self._with_clipped(call.op.name == "relax.maximum", *call.args[::-1])
         return call if rewritten is None else rewritten
 
     def _with_epilogue(self, result: relax.Expr, steps: list[relax.Expr]) -> relax.Expr | None:
@@ -253,11 +300,30 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if not (
             isinstance(bound, relax.Call)
             and bound.op == tvm.ir.Op.get("relax.call_dps_packed")
-            and bound.args[0].global_symbol in (MATMUL_FUNC, CONV2D_FUNC, DIRECT_CONV2D_FUNC)
+            and bound.args[0].global_symbol in _EPILOGUE_START
         ):
             return None
         func = bound.args[0].global_symbol
         return relax.call_dps_packed(func, [*bound.args[1].fields, *steps], bound.ty)
+
+    def _with_clipped(self, lower: bool, result: relax.Expr, bound: relax.Expr) -> relax.Expr | None:
+        """`maximum(result, bound)` (`lower`) or `minimum(result, bound)` as a clip step of the
+        library call `result` is bound to, for a float32 scalar constant `bound` that is not
+        NaN; an upper bound right after a step with only a lower one tightens that step."""
+        value = _scalar_constant(bound)
+        if value is None or not _is_float32_tensor(result.ty, 1):
+            return None
+        lo, hi = (value, math.inf) if lower else (-math.inf, value)
+        fused = self._with_epilogue(result, [relax.prim_value(CLIP), relax.prim_value(lo), relax.prim_value(hi)])
+        if fused is None or lower:
+            return fused
+        func, args = fused.args[0], list(fused.args[1].fields)
+        steps = _epilogue_steps(args[_EPILOGUE_START[func.global_symbol]:-3])
+        if steps and steps[-1][0] == "clip" and steps[-1][2] == math.inf:
+            args = args[:-3]  # without the new step; the previous one gets its upper bound
+            args[-1] = relax.prim_value(hi)
+            return relax.call_dps_packed(func, args, result.ty)
+        return fused
 
     def _with_added(self, result: relax.Expr, addend: relax.Expr) -> relax.Expr | None:
         """`result + addend` as an epilogue step of the library call `result` is bound to."""
@@ -365,5 +431,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
                 packed = self.builder_.emit(relax.op.layout_transform(
                     weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
                 return relax.call_dps_packed(DIRECT_CONV2D_FUNC, [data, packed, *params_args], call.ty)
+            if row_conv_for(in_c, tuple(kernel), self.direct_block):
+                lanes = relax.prim_value(self.direct_block)
+                return relax.call_dps_packed(ROW_CONV2D_FUNC, [data, weight, *params_args, lanes], call.ty)
         args = [data, weight, *params_args, relax.prim_value(groups)]
         return relax.call_dps_packed(CONV2D_FUNC, args, call.ty)

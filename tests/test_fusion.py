@@ -272,6 +272,45 @@ def test_matmul_bias_gelu_is_one_library_call() -> None:
     check(model, {"x": rand(3, 7, 24)})
 
 
+@pytest.mark.parametrize("channels, bounds, launches", [
+    (8, (0.0, 6.0), 1),  # ReLU6 after the direct kernel (3x3, two channel blocks of 8)
+    (3, (-1.0, 0.5), 1),  # after im2col + OpenBLAS (3 input channels)
+    (8, (0.25, None), 1),  # a lower bound only
+    (8, (None, -0.5), 1),  # an upper bound only
+    (8, (1.0, -1.0), 1),  # lo > hi: every output is hi (ONNX: min(max(x, lo), hi))
+    (8, (float("nan"), 2.0), 1),  # a NaN bound is no bound
+])
+def test_conv_bias_clip_is_one_library_call(channels: int, bounds: tuple, launches: int) -> None:
+    lo, hi = bounds
+    clip_inputs = ["c", "lo" if lo is not None else "", "hi" if hi is not None else ""]
+    nodes = [node("Conv", ["x", "w", "b"], "c", pads=[1, 1, 1, 1]), node("Clip", clip_inputs, "y")]
+    init = {"w": rand(16, channels, 3, 3, seed=1), "b": rand(16, seed=2)}
+    init |= {name: scalar(v) for name, v in (("lo", lo), ("hi", hi)) if v is not None}
+    model = onnx_model(nodes, [("x", ["n", channels, 12, 12])], ("y", ["n", 16, 12, 12]), init)
+    assert kernel_counts(model)[1] == launches
+    check(model, {"x": rand(2, channels, 12, 12)})
+
+
+def test_clip_attributes_and_nan_inputs() -> None:
+    """Clip-6 (bounds as attributes) fused into a matmul; NaN inputs stay NaN (ONNX's
+    reference and onnxruntime)."""
+    nodes = [node("MatMul", ["x", "w"], "m"), node("Clip", ["m"], "y", min=-0.5, max=0.5)]
+    model = onnx_model(nodes, [("x", [4, 16])], ("y", [4, 8]), {"w": rand(16, 8, seed=1)})
+    model.opset_import[0].version = 6
+    assert kernel_counts(model)[1] == 1
+    x = rand(4, 16)
+    x[1, 3] = np.nan
+    check(model, {"x": x})
+
+
+def test_clip_with_another_use_is_not_fused() -> None:
+    nodes = [node("Conv", ["x", "w"], "c", pads=[1, 1, 1, 1]), node("Clip", ["c", "lo", "hi"], "r"),
+             node("Add", ["c", "r"], "y")]
+    init = {"w": rand(16, 8, 3, 3, seed=1), "lo": scalar(0.0), "hi": scalar(6.0)}
+    model = onnx_model(nodes, [("x", [2, 8, 10, 10])], ("y", [2, 16, 10, 10]), init)
+    check(model, {"x": rand(2, 8, 10, 10)})
+
+
 def test_epilogue_with_another_use_is_not_fused() -> None:
     nodes = [node("MatMul", ["x", "w"], "m"), node("Relu", ["m"], "r"), node("Add", ["m", "r"], "y")]
     model = onnx_model(nodes, [("x", [5, 16])], ("y", [5, 16]), {"w": rand(16, 16, seed=1)})

@@ -1,4 +1,5 @@
-"""Elementwise ops TVM converts wrongly or not at all: Elu, Celu, IsInf, Pow, Mod, Dropout.
+"""Elementwise ops TVM converts wrongly or not at all: Elu, Celu, IsInf, Pow, Mod, Dropout;
+and Clip, which TVM converts into TIR kernels at import.
 
 Each follows ONNX's reference implementation (numpy) including its dtype rules and its
 NaN/inf/signed-zero edge cases.
@@ -144,3 +145,39 @@ class Dropout(OnnxOpConverter):
                 if ratio_value is None or ratio_value != 0:
                     raise reject(cls.__name__, "training_mode=1 and a nonzero ratio (random)")
         return cls._outputs(inputs[0], attr)
+
+
+def _clip_bound(bb: relax.BlockBuilder, bound: relax.Expr, unbounded: float) -> relax.Expr:
+    """A Clip bound with NaN read as no bound (ONNX, onnxruntime): a constant is replaced
+    at import, a run-time bound through `where`."""
+    if not _is_float(dtype_of(bound)):
+        return bound
+    value = const_value(bound)
+    if value is None:
+        return bb.emit(_op.where(_op.isnan(bound), scalar(unbounded, dtype_of(bound)), bound))
+    return relax.const(np.where(np.isnan(value), unbounded, value).astype(value.dtype), dtype_of(bound))
+
+
+class Clip(OnnxOpConverter):
+    """Clip as Relax `maximum` with the lower bound, then `minimum` with the upper one: the
+    same kernels as TVM's converter, which writes them as TIR at import (`emit_te`), where the
+    CPU library's epilogue fusion (`relax_passes.dispatch_cpu_library`) cannot see them."""
+
+    @staticmethod
+    def _clip(bb: relax.BlockBuilder, x: relax.Expr, lo: relax.Expr | None,
+              hi: relax.Expr | None) -> relax.Expr:
+        if lo is not None:
+            x = bb.emit(_op.maximum(x, _clip_bound(bb, lo, -np.inf)))
+        if hi is not None:
+            x = _op.minimum(x, _clip_bound(bb, hi, np.inf))
+        return x
+
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        dtype = dtype_of(inputs[0])
+        bounds = [scalar(float(attr[name]), dtype) if name in attr else None for name in ("min", "max")]
+        return cls._clip(bb, inputs[0], *bounds)
+
+    @classmethod
+    def _impl_v11(cls, bb, inputs, attr, params):
+        return cls._clip(bb, inputs[0], optional_input(inputs, 1), optional_input(inputs, 2))

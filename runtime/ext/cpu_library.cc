@@ -693,10 +693,11 @@ struct VectorOf<16> {
  * (the blocks' weights `w_stride` floats apart) of the image `x`, into `tile` as [NB][P][L].
  * Pixels past n repeat the last one (computed, not stored).
  */
-template <int L, int P, int NB>
+template <int L, int P, int NB, int KW>
 __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, const float* x,
                                                       const float* w, int64_t w_stride,
                                                       int64_t pixel0, int64_t n, float* tile) {
+  const int64_t kernel_w = KW ? KW : t.kernel_w;
   using V = typename VectorOf<L>::Type;
   static_assert(sizeof(V) == L * sizeof(float));
   const Conv2DParams& p = t.p;
@@ -715,8 +716,8 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
   for (int64_t c = 0; c < t.in_c; ++c) {
     for (int64_t kh = 0; kh < t.kernel_h; ++kh) {
       const float* row = x + (c * t.height + kh * p.dilation_h) * t.width;
-      const float* wk = w + (c * t.kernel_h + kh) * t.kernel_w * L;
-      for (int64_t kw = 0; kw < t.kernel_w; ++kw) {
+      const float* wk = w + (c * t.kernel_h + kh) * kernel_w * L;
+      for (int64_t kw = 0; kw < kernel_w; ++kw) {
         V wv[NB];
         for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], wk + kw * L + j * w_stride, sizeof(V));
         const float* tap = row + kw * p.dilation_w;
@@ -733,7 +734,7 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
 
 /*! \brief Output pixels [pixel0, pixel1) of channel blocks [b0, b0 + NB) of one image, P at a
  * time, then the epilogue on them. */
-template <int L, int P, int NB>
+template <int L, int P, int NB, int KW>
 __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, const float* x,
                                                        int64_t b0, int64_t pixel0, int64_t pixel1,
                                                        float* y_img) {
@@ -745,7 +746,7 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
   float* y = y_img + ch0 * spatial;
   for (int64_t pixel = pixel0; pixel < pixel1; pixel += P) {
     const int64_t n = std::min<int64_t>(P, pixel1 - pixel);
-    DirectTile<L, P, NB>(t, x, w, w_stride, pixel, n, tile);
+    DirectTile<L, P, NB, KW>(t, x, w, w_stride, pixel, n, tile);
     for (int64_t ch = 0; ch < channels; ++ch) {
       const float* lane = tile + ch / L * P * L + ch % L;
       float* out = y + ch * spatial + pixel;
@@ -770,10 +771,15 @@ __attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, 
     float* y_img = t.y + img * t.out_c * spatial;
     const int64_t b0 = pair * kBlocks;
     const int64_t pixel0 = chunk * t.chunk, pixel1 = std::min(spatial, pixel0 + t.chunk);
+    // 3-wide kernels (most) get their taps unrolled.
     if (b0 + kBlocks <= t.blocks) {
-      DirectChunk<L, kPixels, kBlocks>(t, x, b0, pixel0, pixel1, y_img);
+      if (t.kernel_w == 3) {
+        DirectChunk<L, kPixels, kBlocks, 3>(t, x, b0, pixel0, pixel1, y_img);
+      } else {
+        DirectChunk<L, kPixels, kBlocks, 0>(t, x, b0, pixel0, pixel1, y_img);
+      }
     } else {
-      DirectChunk<L, kPixels * kBlocks, 1>(t, x, b0, pixel0, pixel1, y_img);
+      DirectChunk<L, kPixels * kBlocks, 1, 0>(t, x, b0, pixel0, pixel1, y_img);
     }
   }
 }
@@ -924,6 +930,219 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
 }
 
 // ---------------------------------------------------------------------------------------------
+// conv2d, row-vectorized: for convs with a short reduction (a network's 3-channel stem), where a
+// channel-block tile spends more time scattering its lanes into NCHW rows than multiplying.
+// Here a vector holds L consecutive output pixels of one row, multiplied per tap with T
+// broadcast weights (T output channels), and stored straight into the NCHW output. The data is
+// first copied into zero-padded phase planes, one per (row, column) phase of the stride, so that
+// consecutive outputs read consecutive inputs at every tap, whatever the stride and dilation.
+
+/*! \brief One row-vectorized conv2d call (groups 1): units of one output row of T channels. */
+struct RowConvWork {
+  const float* phases;  // [N, C, SH, SW, PH, PW]: phase (a, b) at [i, j] = padded x[i*SH + a, j*SW + b]
+  const float* w;       // [ceil(O / T), C, KH, KW, T], zero past O
+  const int64_t* taps;  // [C * KH * KW]: where each tap reads in an image's planes, for output (0, 0)
+  int64_t num_taps;
+  float* y;             // [N, O, OH, OW]
+  const Epilogue* epilogue;
+  int64_t in_c, out_c, kernel_h, kernel_w, out_h, out_w;
+  Conv2DParams p;
+  int64_t height, width;     // of the unpadded data
+  int64_t phase_h, phase_w;  // PH, PW
+  int64_t lanes;             // L: 16 (AVX-512) or 8 (AVX2)
+  int64_t channel_groups;    // ceil(O / T)
+  int64_t num_units;         // N * channel_groups * OH
+};
+
+/*! \brief NV vectors of output pixels [ox, ox + NV * L) (the last one cut at `n` pixels) of T
+ * channels, their first at `y`, the row's input at `x`. */
+template <int L, int T, int NV>
+__attribute__((always_inline)) inline void RowVectors(const RowConvWork& t, const float* x,
+                                                      const float* w, int64_t channels, int64_t n,
+                                                      float* y) {
+  using V = typename VectorOf<L>::Type;
+  const int64_t spatial = t.out_h * t.out_w;
+  V acc[T][NV];
+  for (int j = 0; j < T; ++j)
+    for (int k = 0; k < NV; ++k) acc[j][k] = V{};
+  for (int64_t tap = 0; tap < t.num_taps; ++tap, w += T) {
+    V v[NV];
+    for (int k = 0; k < NV; ++k) std::memcpy(&v[k], x + t.taps[tap] + k * L, sizeof(V));
+    for (int j = 0; j < T; ++j)
+      for (int k = 0; k < NV; ++k) acc[j][k] += v[k] * w[j];
+  }
+  for (int j = 0; j < channels; ++j) {
+    for (int k = 0; k + 1 < NV; ++k) std::memcpy(y + j * spatial + k * L, &acc[j][k], sizeof(V));
+    std::memcpy(y + j * spatial + (NV - 1) * L, &acc[j][NV - 1], n * sizeof(float));
+  }
+}
+
+/*! \brief Output channels [group * T, group * T + T) of row `oy` of one image (`phases`: its
+ * planes, `y_img`: its output), kVectors vectors of L pixels at a time, then one at a time,
+ * then the epilogue; channels past O are computed (zero weights) but not stored. */
+template <int L, int T>
+__attribute__((always_inline)) inline void RowTile(const RowConvWork& t, const float* phases,
+                                                   int64_t group, int64_t oy, float* y_img) {
+  constexpr int kVectors = 2;  // each broadcast weight multiplies two input vectors
+  const int64_t spatial = t.out_h * t.out_w;
+  const int64_t o0 = group * T, channels = std::min<int64_t>(T, t.out_c - o0);
+  const float* w = t.w + group * t.num_taps * T;
+  const float* x = phases + oy * t.phase_w;
+  float* y = y_img + o0 * spatial + oy * t.out_w;
+  int64_t ox = 0;
+  for (; ox + kVectors * L <= t.out_w; ox += kVectors * L) {
+    RowVectors<L, T, kVectors>(t, x + ox, w, channels, L, y + ox);
+  }
+  for (; ox < t.out_w; ox += L) {
+    RowVectors<L, T, 1>(t, x + ox, w, channels, std::min<int64_t>(L, t.out_w - ox), y + ox);
+  }
+  if (!t.epilogue->empty()) ApplyEpilogue(*t.epilogue, y, y - t.y, channels, t.out_w, spatial);
+}
+
+/*! \brief Units [begin, end): unit = (image * channel_groups + group) * OH + row. */
+template <int L, int T>
+__attribute__((always_inline)) inline void RowUnits(const RowConvWork& t, int64_t begin, int64_t end) {
+  const int64_t phases_per_image = t.in_c * t.p.stride_h * t.p.stride_w * t.phase_h * t.phase_w;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t oy = unit % t.out_h, group = unit / t.out_h % t.channel_groups;
+    const int64_t img = unit / t.out_h / t.channel_groups;
+    RowTile<L, T>(t, t.phases + img * phases_per_image, group, oy,
+                  t.y + img * t.out_c * t.out_h * t.out_w);
+  }
+}
+
+// Output channels per tile: 2 x T accumulators of L lanes (AVX-512: 16 of its 32 registers;
+// AVX2: 12 of 16), each tap two input vectors and T broadcast weights.
+constexpr int kRowChannelsAvx512 = 8, kRowChannelsAvx2 = 6;
+
+GIMLET_TARGET("avx2,fma")
+void RowUnitsAvx2(const RowConvWork& t, int64_t begin, int64_t end) {
+  RowUnits<8, kRowChannelsAvx2>(t, begin, end);
+}
+GIMLET_TARGET("avx512f,avx2,fma")
+void RowUnitsAvx512(const RowConvWork& t, int64_t begin, int64_t end) {
+  RowUnits<16, kRowChannelsAvx512>(t, begin, end);
+}
+
+int RunRowConvUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const RowConvWork*>(cdata);
+  const auto [begin, end] = TaskRange(task_id, penv, t.num_units);
+  if (t.lanes == 16) {
+    RowUnitsAvx512(t, begin, end);
+  } else {
+    RowUnitsAvx2(t, begin, end);
+  }
+  return 0;
+}
+
+/*! \brief Phase planes of N * C data planes (see RowConvWork), zero where the padding is. */
+struct PhasePlanes {
+  const float* x;
+  float* phases;
+  int64_t planes, height, width, stride_h, stride_w, phase_h, phase_w, top, left;
+
+  void Copy(int64_t plane, float* dst) const {
+    const float* src = x + plane * height * width;
+    for (int64_t a = 0; a < stride_h; ++a) {
+      for (int64_t b = 0; b < stride_w; ++b, dst += phase_h * phase_w) {
+        // Columns j with 0 <= j * stride_w + b - left < width come from the data.
+        const int64_t j0 = std::min(phase_w, (std::max<int64_t>(left - b, 0) + stride_w - 1) / stride_w);
+        const int64_t j1 = std::clamp<int64_t>((width + left - b + stride_w - 1) / stride_w, j0, phase_w);
+        for (int64_t i = 0; i < phase_h; ++i) {
+          const int64_t row = i * stride_h + a - top;
+          float* out = dst + i * phase_w;
+          if (row < 0 || row >= height) {
+            std::fill(out, out + phase_w, 0.0f);
+            continue;
+          }
+          const float* in = src + row * width + j0 * stride_w + b - left;
+          std::fill(out, out + j0, 0.0f);
+          for (int64_t j = j0; j < j1; ++j) out[j] = in[(j - j0) * stride_w];
+          std::fill(out + j1, out + phase_w, 0.0f);
+        }
+      }
+    }
+  }
+};
+
+int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const PhasePlanes*>(cdata);
+  const auto [begin, end] = TaskRange(task_id, penv, t.planes);
+  const int64_t per_plane = t.stride_h * t.stride_w * t.phase_h * t.phase_w;
+  for (int64_t plane = begin; plane < end; ++plane) t.Copy(plane, t.phases + plane * per_plane);
+  return 0;
+}
+
+/*!
+ * \brief NCHW conv2d (groups 1), OIHW weights as they are, output vectorized along its rows
+ * (see RowConvWork), `lanes` (16 or 8) at a time: 16 on a CPU with AVX-512, else 8 (AVX2).
+ */
+void RowConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t lanes,
+               const Epilogue& epilogue, DLTensor* out) {
+  CheckCompactFloat32(data, "data");
+  CheckCompactFloat32(weight, "weight");
+  CheckCompactFloat32(out, "out");
+  TVM_FFI_ICHECK(data->ndim == 4 && weight->ndim == 4 && out->ndim == 4)
+      << "gimlet.cpu.conv2d_nchw_rows: data, weight and out must be 4-D";
+  TVM_FFI_ICHECK(lanes == 8 || lanes == 16) << "gimlet.cpu.conv2d_nchw_rows: " << lanes << " lanes";
+  TVM_FFI_ICHECK(DirectConvBlock() != 0) << "gimlet.cpu.conv2d_nchw_rows needs a CPU with AVX2 and FMA";
+  lanes = std::min(lanes, DirectConvBlock());
+  const int64_t batch = data->shape[0];
+  RowConvWork t{nullptr, Data(weight), nullptr, 0, Data(out), &epilogue, data->shape[1], out->shape[1],
+                weight->shape[2], weight->shape[3], out->shape[2], out->shape[3], p,
+                data->shape[2], data->shape[3]};
+  TVM_FFI_ICHECK(weight->shape[0] == t.out_c && weight->shape[1] == t.in_c && out->shape[0] == batch)
+      << "gimlet.cpu.conv2d_nchw_rows: shapes differ";
+  TVM_FFI_ICHECK(p.stride_h > 0 && p.stride_w > 0 && p.dilation_h > 0 && p.dilation_w > 0 &&
+                 p.pad_top >= 0 && p.pad_left >= 0);
+  if (batch == 0 || t.out_c == 0 || t.out_h * t.out_w == 0) return;
+  t.lanes = lanes;
+  // Rows reach the last output's last tap; columns also the last vector's last lane.
+  t.phase_h = t.out_h + (t.kernel_h - 1) * p.dilation_h / p.stride_h;
+  t.phase_w = (t.out_w + lanes - 1) / lanes * lanes + (t.kernel_w - 1) * p.dilation_w / p.stride_w;
+  thread_local std::vector<float> phases;
+  PhasePlanes copy{Data(data), nullptr, batch * t.in_c, t.height, t.width, p.stride_h, p.stride_w,
+                   t.phase_h, t.phase_w, p.pad_top, p.pad_left};
+  phases.resize(copy.planes * p.stride_h * p.stride_w * t.phase_h * t.phase_w);
+  copy.phases = phases.data();
+  Launch(RunPhasePlanes, &copy, phases.size() >= kMinParallelGemm);
+  t.phases = phases.data();
+  const int64_t channels = lanes == 16 ? kRowChannelsAvx512 : kRowChannelsAvx2;
+  t.channel_groups = (t.out_c + channels - 1) / channels;
+  // The weights as [ceil(O / T), C * KH * KW, T]: a tap's T weights are adjacent (small: these
+  // convs have fewer than 32 taps per output channel).
+  const int64_t taps = t.in_c * t.kernel_h * t.kernel_w;
+  thread_local std::vector<float> packed;
+  packed.assign(t.channel_groups * taps * channels, 0.0f);
+  const float* w = Data(weight);
+  for (int64_t o = 0; o < t.out_c; ++o) {
+    for (int64_t tap = 0; tap < taps; ++tap) {
+      packed[(o / channels * taps + tap) * channels + o % channels] = w[o * taps + tap];
+    }
+  }
+  t.w = packed.data();
+  // Tap (c, kh, kw) of output (oy, ox) reads phase (kh * DH % SH, kw * DW % SW) of channel c at
+  // row oy + kh * DH / SH, column ox + kw * DW / SW.
+  thread_local std::vector<int64_t> offsets;
+  offsets.resize(taps);
+  const int64_t plane = t.phase_h * t.phase_w;
+  for (int64_t c = 0, tap = 0; c < t.in_c; ++c) {
+    for (int64_t kh = 0; kh < t.kernel_h; ++kh) {
+      for (int64_t kw = 0; kw < t.kernel_w; ++kw, ++tap) {
+        const int64_t a = kh * p.dilation_h % p.stride_h, b = kw * p.dilation_w % p.stride_w;
+        offsets[tap] = ((c * p.stride_h + a) * p.stride_w + b) * plane +
+                       kh * p.dilation_h / p.stride_h * t.phase_w + kw * p.dilation_w / p.stride_w;
+      }
+    }
+  }
+  t.taps = offsets.data();
+  t.num_taps = taps;
+  t.num_units = batch * t.channel_groups * t.out_h;
+  const int64_t work = batch * t.out_c * t.out_h * t.out_w * t.in_c * t.kernel_h * t.kernel_w;
+  Launch(RunRowConvUnits, &t, work >= kMinParallelGemm);
+}
+
+// ---------------------------------------------------------------------------------------------
 // attention
 
 /*! \brief One attention call, cut into units of a few query rows of one (batch, head). */
@@ -1062,6 +1281,15 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                     DirectConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
                                  Conv2DParamsOf(args),
                                  ParseEpilogue(args, 8, args.size() - 1, out), out);
+                  })
+      .def_packed("gimlet.cpu.conv2d_nchw_rows",
+                  [](PackedArgs args, tvm::ffi::Any*) {
+                    // (data, weight, stride_h, stride_w, pad_top, pad_left, dilation_h,
+                    //  dilation_w, lanes, epilogue steps..., out)
+                    DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
+                    RowConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
+                              Conv2DParamsOf(args), args[8].cast<int64_t>(),
+                              ParseEpilogue(args, 9, args.size() - 1, out), out);
                   })
       .def("gimlet.cpu.conv2d_direct_block", [] { return DirectConvBlock(); })
       .def_packed("gimlet.cpu.attention", [](PackedArgs args, tvm::ffi::Any*) {
