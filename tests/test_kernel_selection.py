@@ -313,6 +313,7 @@ C_EXTERNAL = {"c_good": ("0.0f", ""), "c_wrong": ("1.0f", ""),
               "c_crash": ("0.0f", "c[(size_t)1 << 41] = 1.0f;"), "c_broken": ("0.0f", "return 1 +;")}
 
 
+@pytest.mark.slow  # ~110 s in CI: CI ran 60 minutes; C kernels are built and linked by the generator tests too
 def test_external_c_kernels_are_checked_linked_and_exported(cli, tmp_path):
     """External kernels given as C source: the good one is verified and, chosen, compiled into
     the model (and into its exported artifact); the wrong, crashing and non-compiling ones are

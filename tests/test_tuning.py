@@ -92,6 +92,7 @@ def linear_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+@pytest.mark.slow  # ~100 s in CI: CI ran 60 minutes; selection alone is tested in test_kernel_selection.py
 def test_tuning_also_selects_each_op_groups_kernel(tmp_path):
     """After MetaSchedule, `tune` chooses the matmul group's kernel by measurement and stores
     it beside the records; the tuned build applies both; a rerun with nothing new to tune
