@@ -528,6 +528,31 @@ def _linear_relu_model(m: int, k: int, n: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def _search_improves_and_builds(proto: onnx.ModelProto, sig: OpSignature, target, directory: str,
+                                rounds: int) -> gimlet_tvm.CompiledModel:
+    """`rounds` rounds of the bundled search on the model's op group `sig`: nothing proposed
+    twice, every kernel verified, the later rounds' fastest faster than the first's; the model
+    built with the winner (its kernel in the module)."""
+    request = dict(_request(target), signature=sig.to_json(), generated_dir=directory)
+    tried = []
+    done = generate(sig, target, Generator.named("search", rounds=rounds, seconds=60), directory,
+                    lambda cid: run_candidate(dict(request, candidate=cid), 120), tried, lambda line: None)
+    assert not any(r.failure for r in done), done
+    outcomes = {t.id: t for t in tried}
+    names = [cid for r in done for cid in r.candidates]
+    assert len(names) == len(set(names)) == len(tried)  # nothing proposed twice
+    assert all(t.verified for t in tried), [(t.id, t.reason) for t in tried if not t.verified]
+    first = min(outcomes[cid].seconds for cid in done[0].candidates)
+    later = min(outcomes[cid].seconds for r in done[1:] for cid in r.candidates)
+    assert later < first, (first, later)
+    winner = min(tried, key=lambda t: t.seconds)
+    selection = KernelSelection(target_key(target), {sig.key: OpChoice(sig, tried, winner.id)},
+                                generated_dir=directory)
+    model = gimlet_tvm.build(proto, "llvm", selection=selection)
+    assert f"generator_{winner.id.split(':')[1]}" in model._module.as_text()  # pylint: disable=protected-access
+    return model
+
+
 @pytest.mark.slow  # about 100 s on 2 shared cores: five kernels verified and timed, one model built
 def test_search_generator_improves_on_its_first_round_and_its_winner_builds(tmp_path):
     """The bundled search over the C GEMM template, on a linear layer + ReLU: its later rounds
@@ -539,25 +564,7 @@ def test_search_generator_improves_on_its_first_round_and_its_winner_builds(tmp_
     mod, _ = import_model(proto, {})
     (sig,) = op_signatures(mod, target)
     assert [kind for kind, _ in sig.epilogue] == ["add", "relu"]
-    directory = str(tmp_path / "kernels")
-    request = dict(_request(target), signature=sig.to_json(), generated_dir=directory)
-    tried = []
-    rounds = generate(sig, target, Generator.named("search", rounds=2, seconds=60), directory,
-                      lambda cid: run_candidate(dict(request, candidate=cid), 120), tried, lambda line: None)
-    assert not any(r.failure for r in rounds), rounds
-    outcomes = {t.id: t for t in tried}
-    names = [cid for r in rounds for cid in r.candidates]
-    assert len(names) == len(set(names)) == len(tried)  # nothing proposed twice
-    assert all(t.verified for t in tried), [(t.id, t.reason) for t in tried if not t.verified]
-    first = min(outcomes[cid].seconds for cid in rounds[0].candidates)
-    later = min(outcomes[cid].seconds for r in rounds[1:] for cid in r.candidates)
-    assert later < first, (first, later)
-
-    winner = min(tried, key=lambda t: t.seconds)
-    selection = KernelSelection(target_key(target), {sig.key: OpChoice(sig, tried, winner.id)},
-                                generated_dir=directory)
-    model = gimlet_tvm.build(proto, "llvm", selection=selection)
-    assert f"generator_{winner.id.split(':')[1]}" in model._module.as_text()  # pylint: disable=protected-access
+    model = _search_improves_and_builds(proto, sig, target, str(tmp_path / "kernels"), rounds=2)
     x = np.random.default_rng(10).standard_normal((m, k)).astype(np.float32)
     w, bias = (onnx.numpy_helper.to_array(init) for init in proto.graph.initializer)
     np.testing.assert_allclose(model(x)[0], np.maximum(x @ w + bias, 0), rtol=1e-4, atol=1e-4)
@@ -582,22 +589,7 @@ def test_search_generator_improves_on_its_first_round_for_a_conv_and_its_winner_
     mod, _ = import_model(proto, {})
     (sig,) = op_signatures(mod, target)
     assert sig.op == "conv2d" and [kind for kind, _ in sig.epilogue] == ["add", "relu"], sig.key
-    directory = str(tmp_path / "kernels")
-    request = dict(_request(target), signature=sig.to_json(), generated_dir=directory)
-    tried = []
-    rounds = generate(sig, target, Generator.named("search", rounds=3, seconds=60), directory,
-                      lambda cid: run_candidate(dict(request, candidate=cid), 120), tried, lambda line: None)
-    assert not any(r.failure for r in rounds) and all(t.verified for t in tried), (rounds, tried)
-    outcomes = {t.id: t for t in tried}
-    first = min(outcomes[cid].seconds for cid in rounds[0].candidates)
-    later = min(outcomes[cid].seconds for r in rounds[1:] for cid in r.candidates)
-    assert later < first, (first, later)
-
-    winner = min(tried, key=lambda t: t.seconds)
-    selection = KernelSelection(target_key(target), {sig.key: OpChoice(sig, tried, winner.id)},
-                                generated_dir=directory)
-    model = gimlet_tvm.build(proto, "llvm", selection=selection)
-    assert f"generator_{winner.id.split(':')[1]}" in model._module.as_text()  # pylint: disable=protected-access
+    model = _search_improves_and_builds(proto, sig, target, str(tmp_path / "kernels"), rounds=3)
     ok, diff = check_against_onnxruntime(proto, model, {"x": rng.standard_normal((1, 16, 28, 28)).astype(np.float32)},
                                          tolerance=1e-4)
     assert ok, diff
