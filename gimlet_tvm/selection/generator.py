@@ -29,11 +29,11 @@ import tvm
 from ..errors import GimletError
 from ..schedules.kernel_selection.candidates import MAX_TASKS, OpSignature
 from ..schedules.kernel_selection.choices import GeneratorRound, Tried
-from ..schedules.kernel_selection.external import C_FUNCTION, OPS, add_kernel
-from ..targets.kernels.dequant_gemv import BLOCK
+from ..schedules.kernel_selection.external import C_FLAGS, C_FUNCTION, OPS, add_kernel
 from ..schedules.kernel_selection.sources import find
 from ..targets import spec_for
 from ..targets.cpu import cpu_features
+from ..targets.kernels.dequant_gemv import BLOCK
 from . import openai_generator, search_generator
 from .accepted import AcceptedKernels, content_hash
 from .json_schema import protocol_errors
@@ -245,8 +245,8 @@ def _interface(sig: OpSignature, target: tvm.target.Target, formats: tuple[str, 
                  f"{', '.join(str(v.shapes[0][0]) for v in (sig, *sig.variants()))}); " if rows else "")
               + f"arrays {arrays}, compact row-major "
               f"{SEMANTICS[sig.op]}; each addend broadcasts over {out} (a dimension of 1 repeats); write every "
-              f"element of {out}; compiled with gcc -O3 -ffp-contract=fast -march=<the target's CPU>; libc and libm only, no threads, "
-              "processes, files or network. To use the target's cores, give the candidate \"tasks\": T (2 to "
+              f"element of {out}; compiled with gcc {' '.join(C_FLAGS)} -march=<the target's CPU>; libc and libm "
+              "only, no threads, processes, files or network. To use the target's cores, give the candidate \"tasks\": T (2 to "
               f"{MAX_TASKS}): then the function takes int64_t task, int64_t tasks before its other arguments and "
               "computes its share of the output, called for task = 0 .. T-1 in parallel on the compiler's thread pool; "
               "each output element must be written by one task alone (its tasks are also run concurrently, in order "

@@ -26,10 +26,10 @@ operand named); a TVMScript kernel here, after one run on ordinary arrays and be
 poisoned runs, whose results a read past an operand's end could change (`_guard_pages`: DLPack
 wants 64-byte aligned data, so an array may end up to 60 bytes short of its page), the fault ending
 this child, which `_spawn` reads by the stage the child announced (the guard pages are this
-machine's host memory: for a remote device or a GPU they are skipped, the rest runs there). A C kernel split
-into tasks (`CSource`) also runs its tasks concurrently, in order and in reverse order
-(`task_orders`): an output that differs between those is a "race" (tasks writing one element,
-or reading what another writes). The child runs in a
+machine's host memory: for a remote device or a GPU they are skipped, the rest runs there). A
+C kernel split into tasks (`CSource`) also runs its tasks concurrently, in order and in
+reverse order (`task_orders`): an output that differs between those is a "race" (tasks
+writing one element, or reading what another writes). The child runs in a
 session of its own under resource limits (`_limit`: CPU time, address space), and its whole
 process group is killed when it runs past its time ("timeout").
 

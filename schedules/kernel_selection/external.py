@@ -33,9 +33,10 @@ An optional `"epilogue"`, e.g. `[["add", [256]], ["relu", []]]`, makes it a kern
 group (`OpSignature.epilogue`): it takes each addend after the operands, as
 `OpSignature.kernel_operands` shapes it, and applies the steps in order. An entry is a
 candidate only for its op, shapes, epilogue, attributes, dtype and target kind; only matmul,
-conv2d, attention, the norms and dequant_gemv are taken for now (`OPS`), an entry of another op is listed as unavailable. The
-source is parsed only when the candidate is built (in the verification subprocess, or by a build after it was
-verified, when its digest must still match).
+conv2d, attention, the norms and dequant_gemv are taken for now (`OPS`), an entry of another
+op is listed as unavailable. The source is parsed only when the candidate is built (in the
+verification subprocess, or by a build after it was verified, when its digest must still
+match).
 
 Kernel generators' candidates (`gimlet_tvm.selection.generator`) are kept in a directory of
 the same form (`add_kernel` writes it), listed as source "generator" instead of "external".
