@@ -45,10 +45,11 @@ def target_of(name: str, arch: str, cpu: str) -> str | dict:
 
 
 def prepare(out: Path, targets: list[str], models: list[str], arch: str,
-            cpu: str = "x86-64-v3") -> list[dict]:
-    """Write the bundle, artifacts, inputs, reference outputs, manifest.json and check.py to
-    `out`; returns the manifest's entries. Fails if `out` would exceed 64 MiB."""
-    make_bundle(out / "runtime")
+            cpu: str = "x86-64-v3", python_versions: tuple[str, ...] = ()) -> list[dict]:
+    """Write the bundle (with extensions for `python_versions` too), artifacts, the ONNX models
+    (onnxruntime is the peer where the device has it), inputs, reference outputs, manifest.json
+    and check.py to `out`; returns the manifest's entries. Fails if `out` would exceed 64 MiB."""
+    make_bundle(out / "runtime", python_versions)
     (out / "artifacts").mkdir()
     (out / "data").mkdir()
     entries = []
@@ -59,11 +60,13 @@ def prepare(out: Path, targets: list[str], models: list[str], arch: str,
         reference = dict(zip(names, onnxruntime_session(proto, threads=1).run(None, inputs)))
         np.savez(out / "data" / f"{name}.npz", **inputs)
         np.savez(out / "data" / f"{name}.reference.npz", **reference)
+        (out / "data" / f"{name}.onnx").write_bytes(proto.SerializeToString())
         for target in targets:
             artifact = f"artifacts/{name}-{target}.so"
             gimlet_tvm.build(proto, target_of(target, arch, cpu)).export(out / artifact)
             entries.append({"model": name, "target": target, "batch": BATCH.get(name, 1),
-                            "artifact": artifact, "inputs": f"data/{name}.npz",
+                            "artifact": artifact, "onnx": f"data/{name}.onnx",
+                            "inputs": f"data/{name}.npz",
                             "reference": f"data/{name}.reference.npz",
                             "tolerance": TOLERANCE.get(target, 1e-3)})
             if size_of(out) > MAX_BYTES:
@@ -85,11 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--arch", default="sm_90", help="CUDA arch of the device (H100/H200: sm_90)")
     prep.add_argument("--cpu", default="x86-64-v3",
                       help="LLVM CPU of the device's host for the CPU part (default: any AVX2 CPU)")
+    prep.add_argument("--python-version", nargs="*", default=["3.12"], metavar="X.Y",
+                      help="the device's CPython versions besides this one's (default: 3.12, the "
+                           "H200 machines' Python)")
     args = parser.parse_args(argv)
     if args.out_dir.exists():
         parser.error(f"{args.out_dir} exists: give a new folder")
     try:
-        entries = prepare(args.out_dir, args.targets, args.models, args.arch, args.cpu)
+        entries = prepare(args.out_dir, args.targets, args.models, args.arch, args.cpu,
+                          tuple(args.python_version))
     except GimletError as err:
         print(f"gpu_bundle: error: {err}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """The runtime bundle: one folder with what a device needs to run exported artifacts and serve
-TVM RPC, on a machine with Python 3.11, numpy and the device driver but no TVM installed.
+TVM RPC, on a machine with Python 3.11 (or the versions named to `make_bundle`), numpy and the
+device driver but no TVM installed.
 
 Layout (`make_bundle`):
 
@@ -8,7 +9,8 @@ Layout (`make_bundle`):
                              imports, its RPC server, lib/libtvm_runtime.so (+
                              libtvm_runtime_cuda.so) and the runtime headers; no
                              libtvm_compiler.so
-    python/tvm_ffi/          tvm-ffi: Python, its extension, libtvm_ffi.so and headers
+    python/tvm_ffi/          tvm-ffi: Python, its extension (one a Python version), libtvm_ffi.so
+                             and headers
     python/gimlet_tvm/       the base modules and gimlet_tvm.runtime with its C++ extension
                              sources (compiled with g++ on the device on first use) and the
                              CPU library prebuilt for a baseline CPU, for devices without g++
@@ -20,6 +22,7 @@ Layout (`make_bundle`):
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -27,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import tvm
@@ -37,8 +41,9 @@ from .errors import GimletError
 from .runtime.cuda_runtime import CUDART, find_cudart
 from .runtime.extensions import COMPILER, CPU_LIBRARY_SOURCES, PREBUILT_CPU_LIBRARY, include_args
 
-MAX_BYTES = 40 * 2**20
-"""The bundle's size limit: device machines take 64 MiB of files per call, artifacts included."""
+MAX_BYTES = 44 * 2**20
+"""The bundle's size limit: device machines take 64 MiB of files per call, artifacts included
+(38.9 MiB for this Python, 2.9 MiB more for another's extensions)."""
 
 TVM_PACKAGES = ("exec", "rpc", "runtime", "support")
 """TVM's Python subpackages shipped whole (the RPC server and its workers import from them
@@ -54,6 +59,13 @@ TVM_LIBRARIES = ("libtvm_runtime.so", "libtvm_runtime_cuda.so")
 BASE_MODULES = ("__init__.py", "errors.py", "files.py", "io_spec.py", "carriers.py", "resources.py")
 DEPENDENCIES = ("ml_dtypes", "typing_extensions", "scipy_openblas32", "cloudpickle", "psutil")
 """Python packages the runtime needs on a device that has only numpy."""
+
+VERSIONED_EXTENSIONS = {"tvm_ffi": "apache-tvm-ffi", "ml_dtypes": "ml-dtypes"}
+"""Bundled packages (and their distributions) whose extension modules are built for one Python
+version (`*.cpython-3XY-*.so`); psutil's is `abi3` and loads in any version."""
+
+MANYLINUX = [f"manylinux_2_{minor}" for minor in range(17, 36)] + ["manylinux2014"]
+"""The platform tags a wheel for another Python version may carry (pip matches them exactly)."""
 
 _SKIPPED = shutil.ignore_patterns("__pycache__", "*.pyc")
 
@@ -166,14 +178,46 @@ def _copy_dependencies(python: Path) -> None:
         shutil.copy2(cudart, python / "nvidia" / "cu13" / "lib" / CUDART)
 
 
+def add_python_version(python: Path, version: str) -> None:
+    """Add the extension modules of `VERSIONED_EXTENSIONS` for CPython `version` (such as
+    "3.12") to the bundle's `python` folder, from the wheels of the installed releases (`pip
+    download`): Python loads the file tagged with its own version, so one bundle serves a device
+    whose Python differs from this machine's (the H200 machines run 3.12)."""
+    tag = f".cpython-{version.replace('.', '')}-"
+    for package, distribution in VERSIONED_EXTENSIONS.items():
+        pin = f"{distribution}=={importlib.metadata.version(distribution)}"
+        with tempfile.TemporaryDirectory(prefix="gimlet-wheels-") as wheels:
+            command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                       "--only-binary=:all:", "--python-version", version, "--implementation",
+                       "cp", "--dest", wheels, pin]
+            for platform_tag in MANYLINUX:
+                command += ["--platform", f"{platform_tag}_{platform.machine()}"]
+            try:
+                subprocess.run(command, capture_output=True, text=True, check=True, timeout=600)
+            except (OSError, subprocess.SubprocessError) as err:
+                raise GimletError(f"cannot fetch {pin} for Python {version}: "
+                                  f"{getattr(err, 'stderr', '') or err}") from None
+            found = 0
+            for wheel in Path(wheels).glob("*.whl"):
+                with zipfile.ZipFile(wheel) as archive:
+                    for member in archive.namelist():
+                        if member.startswith(f"{package}/") and tag in member:
+                            (python / member).parent.mkdir(parents=True, exist_ok=True)
+                            (python / member).write_bytes(archive.read(member))
+                            found += 1
+        if not found:
+            raise GimletError(f"the wheel of {pin} for Python {version} has no extension for it")
+
+
 def size_of(folder: Path) -> int:
     """Bytes of the files under `folder`."""
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
-def make_bundle(out_dir: str | os.PathLike) -> int:
+def make_bundle(out_dir: str | os.PathLike, python_versions: tuple[str, ...] = ()) -> int:
     """Write the runtime bundle to `out_dir` (which must not exist, or be empty) and return its
-    size in bytes. It is assembled in a temporary folder beside `out_dir` and renamed into
+    size in bytes; `python_versions` adds extension modules for those CPython versions besides
+    this interpreter's (`add_python_version`). It is assembled in a temporary folder beside `out_dir` and renamed into
     place, so a failure leaves nothing at `out_dir`."""
     out = Path(out_dir).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -187,6 +231,8 @@ def make_bundle(out_dir: str | os.PathLike) -> int:
         _copy_tvm_ffi(python)
         _copy_gimlet(python)
         _copy_dependencies(python)
+        for version in python_versions:
+            add_python_version(python, version)
         _prebuild_cpu_library(python)
         for name, (doc, main) in LAUNCHERS.items():
             (staging / name).write_text(LAUNCHER.format(doc=doc, main=main))

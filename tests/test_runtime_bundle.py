@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gimlet_tvm.errors import GimletError
 from gimlet_tvm.models import SUITE
 from gimlet_tvm.runtime.remote import RemoteDevice
-from gimlet_tvm.runtime_bundle import MAX_BYTES, make_bundle, size_of
+from gimlet_tvm.runtime_bundle import MAX_BYTES, add_python_version, make_bundle, size_of
 
 from .conftest import assert_matches, compiled_suite_model, onnxruntime_outputs, suite_model
 
@@ -142,3 +143,9 @@ def test_rpc_server_py_runs_a_model_for_our_client(bundle: Path, numpy_python: P
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def test_extensions_for_a_python_that_has_no_wheel_are_an_error(tmp_path) -> None:
+    with pytest.raises(GimletError, match="for Python 2.9"):
+        add_python_version(tmp_path, "2.9")
+    assert not any(tmp_path.iterdir())

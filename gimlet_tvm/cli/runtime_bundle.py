@@ -12,11 +12,14 @@ def add_parser(sub) -> None:
         help="write a folder that runs artifacts and serves RPC without TVM installed",
     )
     parser.add_argument("out_dir", help="folder to create (must not exist, or be empty)")
+    parser.add_argument("--python-version", nargs="+", default=[], metavar="X.Y",
+                        help="also carry extension modules for these CPython versions (the "
+                             "device's Python, where it differs from this one's)")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    size = make_bundle(args.out_dir)
+    size = make_bundle(args.out_dir, tuple(args.python_version))
     print(f"runtime bundle written to {args.out_dir}: {size / 2**20:.1f} MiB "
           f"(limit {MAX_BYTES / 2**20:.0f} MiB)")
     print(f"  python {args.out_dir}/run.py ARTIFACT --inputs in.npz --outputs out.npz")
