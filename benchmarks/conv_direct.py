@@ -7,6 +7,10 @@ GFLOP/s counted as the direct convolution's (2 * 9 * C multiply-adds per output)
 
     .venv/bin/python benchmarks/conv_direct.py --threads 1 [--repeat 30] [--block 8]
     .venv/bin/python benchmarks/conv_direct.py --threads 1 --winograd
+    .venv/bin/python benchmarks/conv_direct.py --threads 1 --models resnet_cnn resnet18_like
+
+With --models, whole suite models instead: built with Winograd (the default rule) and without
+(`$GIMLET_CPU_WINOGRAD=0`) and run by onnxruntime, one call each per interleaved round.
 
 Calls alternate between the kernels (interleaved rounds), so a load change on the machine
 hits both; each row is the median and p10-p90 in ms, and new/old is the ratio of medians.
@@ -18,6 +22,7 @@ CPU's), and the last column says which kernel the default build uses for the sha
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -65,6 +70,41 @@ def interleaved(calls: dict, repeat: int) -> dict[str, list[float]]:
     return times
 
 
+def compare_models(names: list[str], batch: int, threads: int, repeat: int) -> None:
+    """Whole models with and without Winograd convs, and onnxruntime, through
+    `time_interleaved` (balanced orders, settling calls: each engine's workers spin after a call)."""
+    # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
+    import gimlet_tvm
+    from gimlet_tvm.models import SUITE
+    from gimlet_tvm.peers import PairedRatio, max_abs_diff, onnxruntime_session, time_interleaved
+    from gimlet_tvm.relax_passes.dispatch_cpu_library import WINOGRAD_ENV
+
+    print(f"threads {threads}, batch {batch}, {repeat} interleaved rounds; ms median (p10-p90); "
+          "ratios: per-round median [p10-p90] (95% interval of the median)")
+    print("| model | Winograd ms | without ms | onnxruntime ms | Winograd/without | Winograd/ort |\n"
+          "|---|---|---|---|---|---|")
+    for name in names:
+        proto = SUITE[name].build()
+        inputs = SUITE[name].example_inputs(batch=batch)
+        builds = {}
+        for key, setting in (("winograd", ""), ("without", "0")):
+            os.environ[WINOGRAD_ENV] = setting
+            builds[key] = gimlet_tvm.build(proto, "llvm")
+        os.environ.pop(WINOGRAD_ENV)
+        session = onnxruntime_session(proto, threads)
+        reference = session.run(None, inputs)
+        scale = max(np.abs(r).max() for r in reference)
+        for key, compiled in builds.items():
+            error = max_abs_diff(compiled(*inputs.values()), reference) / scale
+            assert error < 1e-3, f"{name} {key}: max error {error:.2e} of the largest output"
+        calls = {key: functools.partial(compiled, *inputs.values()) for key, compiled in builds.items()}
+        calls["ort"] = functools.partial(session.run, None, inputs)
+        results = time_interleaved(calls, repeat=repeat)
+        cells = " | ".join(cell(r.samples_ms) for r in results.values())
+        print(f"| {name} | {cells} | {PairedRatio.of(results['winograd'], results['without'])} | "
+              f"{PairedRatio.of(results['winograd'], results['ort'])} |", flush=True)
+
+
 def cell(t: list[float]) -> str:
     return f"{np.median(t):.3f} ({np.percentile(t, 10):.3f}-{np.percentile(t, 90):.3f})"
 
@@ -76,8 +116,14 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=0, help="channel block (8 or 16; 0: this CPU's)")
     parser.add_argument("--winograd", action="store_true",
                         help="direct kernel vs Winograd F(2x2) and F(4x4) on the 3x3 stride-1 shapes")
+    parser.add_argument("--models", nargs="+", default=[],
+                        help="suite models: Winograd vs none vs onnxruntime (batch: --batch)")
+    parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    if args.models:
+        compare_models(args.models, args.batch, args.threads, args.repeat)
+        return
     import tvm  # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
 
     from gimlet_tvm.relax_passes.dispatch_cpu_library import (  # pylint: disable=import-outside-toplevel
