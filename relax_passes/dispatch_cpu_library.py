@@ -176,15 +176,14 @@ def winograd_tile_for(out_c: int, in_c: int, kernel: tuple[int, int], out_hw: tu
     kernel; 0 where it does not (and on a CPU without the direct kernel, `cpu_block` 0, where
     it was not measured).
 
-    benchmarks/conv_direct.py --winograd on Zen 4 (AVX-512, 1 and 2 threads; benchmarks/
-    README.md, "Winograd convolutions"): F(4x4) ran ResNet-18's 64-channel 56x56 conv in
-    0.68x the direct kernel's time and its 128-channel 28x28 one in 0.64-0.66x (F(2x2): 0.92-0.94x
-    and 0.74-0.75x); on the 256-channel 14x14 conv F(2x2) took 0.84x and F(4x4) 1.13x (4x4
-    tiles cut at 14 waste 23% of the work). Both lost on the 512-channel 7x7 conv at batch 1
-    (1.4x and 2.3x), where the transformed weight (alpha^2 / 9 times the kernel's: 1.8x for
-    F(2x2), 4x for F(4x4)) is read for a few tiles per GEMM, and on resnet_cnn's 16 to 64
-    channel convs at 8x8 to 32x32 (1.1-1.8x), whose GEMMs are too short for the transforms to
-    pay off.
+    benchmarks/conv_direct.py --winograd on Zen 4 (AVX-512, 1 thread; benchmarks/README.md,
+    "Winograd convolutions"): F(4x4) ran ResNet-18's 64-channel 56x56 and 128-channel 28x28
+    convs in 0.47-0.48x the direct kernel's time (F(2x2): 0.68-0.88x); on the 256-channel 14x14
+    conv F(2x2) took 0.80x and F(4x4) 1.06x (4x4 tiles cut at 14 waste 23% of the work). Both
+    lost on the 512-channel 7x7 conv at batch 1 (1.3x and 2.2x), where the transformed weight
+    (alpha^2 / 9 times the kernel's: 1.8x for F(2x2), 4x for F(4x4)) is read for a few tiles
+    per GEMM, and tied or lost on resnet_cnn's 16 to 64 channel convs at 8x8 to 32x32
+    (0.94-1.31x), whose GEMMs are too short for the transforms to pay off.
     `$GIMLET_CPU_WINOGRAD` (0, 2 or 4) overrides the rule: 0 turns
     Winograd off, 2 or 4 sends every such conv to that tile size."""
     override = os.environ.get(WINOGRAD_ENV, "").strip()
