@@ -98,6 +98,7 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
         rewriter = _LibraryCallRewriter(mod)
         rewriter.fuse_epilogues = graph_fusion_enabled()
         rewriter.direct_block = direct_conv_block()
+        rewriter.winograd = winograd_override()
         for g_var, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 rewriter.use_counts = _use_counts(func)
@@ -169,6 +170,18 @@ def winograd_weight(weight: np.ndarray, tile: int) -> np.ndarray:
     return np.ascontiguousarray(u.reshape(-1, *weight.shape[:2]).astype(np.float32))
 
 
+def winograd_override() -> int | None:
+    """The Winograd tile `$GIMLET_CPU_WINOGRAD` sets for every 3x3 stride-1 dilation-1 groups-1
+    conv2d with a constant weight (2 or 4; 0: Winograd off), for A/B measurements; None where it
+    is unset (`winograd_tile_for` decides)."""
+    override = os.environ.get(WINOGRAD_ENV, "").strip()
+    if not override:
+        return None
+    if override not in ("0", "2", "4"):
+        raise CompileError(f"${WINOGRAD_ENV} must be 0, 2 or 4, not {override!r}")
+    return int(override)
+
+
 def winograd_tile_for(out_c: int, in_c: int, kernel: tuple[int, int], out_hw: tuple[int, int],
                       cpu_block: int) -> int:
     """The output tile m (2 or 4) of the Winograd F(m x m, 3 x 3) kernel for a 3x3 conv2d that
@@ -183,14 +196,8 @@ def winograd_tile_for(out_c: int, in_c: int, kernel: tuple[int, int], out_hw: tu
     lost on the 512-channel 7x7 conv at batch 1 (1.3x and 2.2x), where the transformed weight
     (alpha^2 / 9 times the kernel's: 1.8x for F(2x2), 4x for F(4x4)) is read for a few tiles
     per GEMM, and tied or lost on resnet_cnn's 16 to 64 channel convs at 8x8 to 32x32
-    (0.94-1.31x), whose GEMMs are too short for the transforms to pay off.
-    `$GIMLET_CPU_WINOGRAD` (0, 2 or 4) overrides the rule: 0 turns
-    Winograd off, 2 or 4 sends every such conv to that tile size."""
-    override = os.environ.get(WINOGRAD_ENV, "").strip()
-    if override:
-        if override not in ("0", "2", "4"):
-            raise CompileError(f"${WINOGRAD_ENV} must be 0, 2 or 4, not {override!r}")
-        return int(override) if tuple(kernel) == (3, 3) else 0
+    (0.94-1.31x), whose GEMMs are too short for the transforms to pay off. At 2 threads only
+    a loaded machine was measured (the README has it)."""
     if tuple(kernel) != (3, 3) or cpu_block == 0:
         return 0
     channels, pixels = min(in_c, out_c), out_hw[0] * out_hw[1]
@@ -325,6 +332,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     use_counts: collections.Counter = collections.Counter()
     fuse_epilogues = True
     direct_block = 0  # this CPU's channel block for the direct conv2d kernel; 0: not used
+    winograd: int | None = None  # `$GIMLET_CPU_WINOGRAD`'s Winograd tile (0: none); None: the rule
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
@@ -461,6 +469,21 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         args = [a, b, relax.prim_value(0)] if weight is None else [a, weight, relax.prim_value(1)]
         return relax.call_dps_packed(MATMUL_FUNC, args, call.ty)
 
+    def _winograd_tile(self, call: relax.Call, weight: relax.Expr, params: list[int]) -> int:
+        """The Winograd tile (2 or 4) for a groups-1 conv2d with these params (strides, top and
+        left padding, dilations), 0 for none: it needs a 3x3 constant weight (transformed here),
+        stride 1, dilation 1 and a static output size."""
+        out_hw = _static_ints([call.ty.shape[2], call.ty.shape[3]])
+        if not (isinstance(weight, tvm.ir.GenericConst) and out_hw is not None
+                and params[0:2] == [1, 1] and params[4:6] == [1, 1]):
+            return 0
+        out_c, in_c, *kernel = (int(d) for d in weight.ty.shape)
+        if tuple(kernel) != (3, 3):
+            return 0
+        if self.winograd is not None:
+            return self.winograd
+        return winograd_tile_for(out_c, in_c, tuple(kernel), tuple(out_hw), self.direct_block)
+
     def _rewrite_conv2d(self, call: relax.Call) -> relax.Expr | None:
         data, weight = call.args
         attrs = call.attrs
@@ -484,11 +507,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         shape = _static_ints(weight.ty.shape)
         if groups == 1 and shape is not None:
             out_c, in_c, *kernel = shape
-            out_hw = _static_ints([call.ty.shape[2], call.ty.shape[3]])
-            tile = 0
-            if isinstance(weight, tvm.ir.GenericConst) and out_hw is not None and params[0:2] == [1, 1] \
-                    and params[4:6] == [1, 1]:
-                tile = winograd_tile_for(out_c, in_c, tuple(kernel), tuple(out_hw), self.direct_block)
+            tile = self._winograd_tile(call, weight, params)
             if tile:
                 transformed = relax.const(winograd_weight(weight.value.numpy(), tile))
                 return relax.call_dps_packed(WINOGRAD_CONV2D_FUNC, [data, transformed, *params_args], call.ty)

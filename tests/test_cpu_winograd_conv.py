@@ -22,7 +22,7 @@ from tvm.relax.frontend.onnx import from_onnx
 from gimlet_tvm.errors import CompileError
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
     CONV2D_FUNC, DIRECT_CONV2D_FUNC, DIRECT_CONV_BLOCK_ENV, WINOGRAD_CONV2D_FUNC, WINOGRAD_ENV,
-    DispatchCPULibrary, winograd_tile_for, winograd_weight)
+    DispatchCPULibrary, winograd_override, winograd_tile_for, winograd_weight)
 from gimlet_tvm.runtime.extensions import load_extensions
 
 from .test_cpu_direct_conv import reference_conv
@@ -156,6 +156,12 @@ def test_winograd_dispatch_rule(winograd_env, in_c, out_c, size, stride, dilatio
 
 
 def test_winograd_override(monkeypatch) -> None:
+    monkeypatch.delenv(WINOGRAD_ENV, raising=False)
+    assert winograd_override() is None
+    assert winograd_tile_for(64, 64, (3, 3), (56, 56), 16) == 4
+    assert winograd_tile_for(64, 64, (3, 3), (56, 56), 0) == 0  # no direct kernel: not measured
+    monkeypatch.setenv(WINOGRAD_ENV, "2")
+    assert winograd_override() == 2
     monkeypatch.setenv(WINOGRAD_ENV, "3")
     with pytest.raises(CompileError, match="GIMLET_CPU_WINOGRAD must be 0, 2 or 4"):
-        winograd_tile_for(64, 64, (3, 3), (56, 56), 16)
+        winograd_override()
