@@ -1156,8 +1156,8 @@ void RowConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t 
 // of a row of tiles, which they read (write) through m phases of the rows (element j of phase
 // b: row element j * m + b), so each of the patch's elements is a plain vector load (store).
 // Per-call costs that mattered (64 channels at 56x56, F(4x4), 1 thread): single-lane stores of
-// a row's last vector of tiles and libc calls to zero each phase row's padding made the input
-// transform 2x slower, and the output transform's per-element interleave 1.8x.
+// a row's last vector of tiles made the input transform 2x slower, and the output transform's
+// per-element interleave (an index division per element) 1.8x.
 
 /*! \brief The transform matrices of F(M x M, 3 x 3): B^T (alpha x alpha) and A^T (M x alpha);
  * G is applied at build time (winograd_weight). Points 0, 1, -1 (and 2, -2 for M = 4), infinity. */
@@ -1228,7 +1228,7 @@ void WinogradInputPlane(const WinogradWork& t, int64_t plane, float* phases) {
   const int64_t img = plane / t.in_c, c = plane % t.in_c, tiles = t.Tiles();
   const int64_t rows = t.tiles_h * M + 2;  // row r: input row r - pad_top
   const float* x = t.x + plane * t.height * t.width;
-  // One fill for the padding (small fills per row cost a libc call each), then the data.
+  // One fill for the padding, then the data.
   std::fill(phases, phases + M * rows * t.phase_len, 0.0f);
   const int64_t r0 = std::min(rows, t.pad_top), r1 = std::min(rows, t.pad_top + t.height);
   for (int b = 0; b < M; ++b) {
