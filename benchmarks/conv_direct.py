@@ -1,9 +1,16 @@
 """Per-shape times of the CPU library's two fp32 conv2d kernels: im2col + OpenBLAS
 (`gimlet.cpu.conv2d_nchw`) and the direct blocked kernel (`gimlet.cpu.conv2d_nchw_direct`),
 on the conv layers of ResNet-18 (batch 1, 224x224), the suite's resnet_cnn and
-mobilenet_cnn (batch 8, 64x64).
+mobilenet_cnn (batch 8, 64x64); with --winograd, the direct kernel against Winograd
+F(2x2, 3x3) and F(4x4, 3x3) (`gimlet.cpu.conv2d_nchw_winograd`) on the 3x3 stride-1 shapes,
+GFLOP/s counted as the direct convolution's (2 * 9 * C multiply-adds per output).
 
     .venv/bin/python benchmarks/conv_direct.py --threads 1 [--repeat 30] [--block 8]
+    .venv/bin/python benchmarks/conv_direct.py --threads 1 --winograd
+    .venv/bin/python benchmarks/conv_direct.py --threads 1 --models resnet_cnn resnet18_like
+
+With --models, whole suite models instead: built with Winograd (the default rule) and without
+(`$GIMLET_CPU_WINOGRAD=0`) and run by onnxruntime, one call each per interleaved round.
 
 Calls alternate between the kernels (interleaved rounds), so a load change on the machine
 hits both; each row is the median and p10-p90 in ms, and new/old is the ratio of medians.
@@ -15,6 +22,7 @@ CPU's), and the last column says which kernel the default build uses for the sha
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -48,28 +56,97 @@ SHAPES = [
 ]
 
 
+def interleaved(calls: dict, repeat: int) -> dict[str, list[float]]:
+    """Milliseconds per call of each of `calls`, in `repeat` interleaved rounds after 3 warm-up rounds."""
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(3):
+        for call in calls.values():
+            call()
+    for _ in range(repeat):
+        for key, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[key].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def compare_models(names: list[str], batch: int, threads: int, repeat: int) -> None:
+    """Whole models with and without Winograd convs, and onnxruntime, through
+    `time_interleaved` (balanced orders, settling calls: each engine's workers spin after a call)."""
+    # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
+    import gimlet_tvm
+    from gimlet_tvm.models import SUITE
+    from gimlet_tvm.peers import PairedRatio, max_abs_diff, onnxruntime_session, time_interleaved
+    from gimlet_tvm.relax_passes.dispatch_cpu_library import WINOGRAD_ENV
+
+    print(f"threads {threads}, batch {batch}, {repeat} interleaved rounds; ms median (p10-p90); "
+          "ratios: per-round median [p10-p90] (95% interval of the median)")
+    print("| model | Winograd ms | without ms | onnxruntime ms | Winograd/without | Winograd/ort |\n"
+          "|---|---|---|---|---|---|")
+    for name in names:
+        proto = SUITE[name].build()
+        inputs = SUITE[name].example_inputs(batch=batch)
+        builds = {}
+        for key, setting in (("winograd", ""), ("without", "0")):
+            os.environ[WINOGRAD_ENV] = setting
+            builds[key] = gimlet_tvm.build(proto, "llvm")
+        os.environ.pop(WINOGRAD_ENV)
+        session = onnxruntime_session(proto, threads)
+        reference = session.run(None, inputs)
+        scale = max(np.abs(r).max() for r in reference)
+        for key, compiled in builds.items():
+            error = max_abs_diff(compiled(*inputs.values()), reference) / scale
+            assert error < 1e-3, f"{name} {key}: max error {error:.2e} of the largest output"
+        calls = {key: functools.partial(compiled, *inputs.values()) for key, compiled in builds.items()}
+        calls["ort"] = functools.partial(session.run, None, inputs)
+        results = time_interleaved(calls, repeat=repeat)
+        cells = " | ".join(cell(r.samples_ms) for r in results.values())
+        print(f"| {name} | {cells} | {PairedRatio.of(results['winograd'], results['without'])} | "
+              f"{PairedRatio.of(results['winograd'], results['ort'])} |", flush=True)
+
+
+def cell(t: list[float]) -> str:
+    return f"{np.median(t):.3f} ({np.percentile(t, 10):.3f}-{np.percentile(t, 90):.3f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--block", type=int, default=0, help="channel block (8 or 16; 0: this CPU's)")
+    parser.add_argument("--winograd", action="store_true",
+                        help="direct kernel vs Winograd F(2x2) and F(4x4) on the 3x3 stride-1 shapes")
+    parser.add_argument("--models", nargs="+", default=[],
+                        help="suite models: Winograd vs none vs onnxruntime (batch: --batch)")
+    parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    if args.models:
+        compare_models(args.models, args.batch, args.threads, args.repeat)
+        return
     import tvm  # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
 
     from gimlet_tvm.relax_passes.dispatch_cpu_library import (  # pylint: disable=import-outside-toplevel
-        CONV2D_FUNC, DIRECT_CONV2D_FUNC, direct_conv_block, direct_conv_block_for, pack_conv_weight)
+        CONV2D_FUNC, DIRECT_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC, direct_conv_block, direct_conv_block_for,
+        pack_conv_weight, winograd_tile_for, winograd_weight)
     from gimlet_tvm.runtime.extensions import load_extensions  # pylint: disable=import-outside-toplevel
 
     load_extensions()
 
     cpu_block = direct_conv_block()
     old, new = tvm.get_global_func(CONV2D_FUNC), tvm.get_global_func(DIRECT_CONV2D_FUNC)
+    winograd = tvm.get_global_func(WINOGRAD_CONV2D_FUNC)
     rng = np.random.default_rng(0)
     print(f"threads {args.threads}, this CPU's block {cpu_block}, {args.repeat} interleaved rounds; "
           "ms median (p10-p90)")
-    print("| shape | block | old ms | new ms | new/old | default build |\n|---|---|---|---|---|---|")
+    if args.winograd:
+        print("| shape | direct ms | F(2x2) ms | F(4x4) ms | GFLOP/s direct / F2 / F4 | F2/direct | "
+              "F4/direct | default build |\n|---|---|---|---|---|---|---|---|")
+    else:
+        print("| shape | block | old ms | new ms | new/old | default build |\n|---|---|---|---|---|---|")
     for name, batch, in_c, size, out_c, kernel, stride in SHAPES:
+        if args.winograd and (kernel, stride) != (3, 1):
+            continue
         chosen = direct_conv_block_for(out_c, in_c, (kernel, kernel), cpu_block)
         block = args.block or chosen or cpu_block
         pad = kernel // 2
@@ -80,24 +157,31 @@ def main() -> None:
         w_old, w_new = tvm.runtime.tensor(w), tvm.runtime.tensor(pack_conv_weight(w, block))
         y = tvm.runtime.tensor(np.zeros((batch, out_c, out_size, out_size), np.float32))
         epilogue = (0, bias, out_size * out_size, 2)
-        calls = {
-            "old": lambda: old(x, w_old, stride, stride, pad, pad, 1, 1, 1, *epilogue, y),
-            "new": lambda: new(x, w_new, stride, stride, pad, pad, 1, 1, *epilogue, y),
-        }
-        times: dict[str, list[float]] = {k: [] for k in calls}
-        for _ in range(3):
-            for call in calls.values():
-                call()
-        for _ in range(args.repeat):
-            for key, call in calls.items():
-                start = time.perf_counter()
-                call()
-                times[key].append((time.perf_counter() - start) * 1e3)
-        cells = [f"{np.median(t):.3f} ({np.percentile(t, 10):.3f}-{np.percentile(t, 90):.3f})"
-                 for t in times.values()]
+        params = (stride, stride, pad, pad, 1, 1)
+        if args.winograd:
+            w2, w4 = (tvm.runtime.tensor(winograd_weight(w, tile)) for tile in (2, 4))
+            calls = {
+                "direct": lambda: new(x, w_new, *params, *epilogue, y),
+                "f2": lambda: winograd(x, w2, *params, *epilogue, y),
+                "f4": lambda: winograd(x, w4, *params, *epilogue, y),
+            }
+            times = interleaved(calls, args.repeat)
+            flops = 2 * batch * out_c * out_size * out_size * in_c * kernel * kernel
+            rates = " / ".join(f"{flops / np.median(t) / 1e6:.0f}" for t in times.values())
+            ratios = [np.median(times[k]) / np.median(times["direct"]) for k in ("f2", "f4")]
+            tile = winograd_tile_for(out_c, in_c, (kernel, kernel), (out_size, out_size), cpu_block)
+            used = f"Winograd F({tile}x{tile})" if tile else f"direct, block {chosen}" if chosen else "im2col"
+            print(f"| {name} | {' | '.join(cell(t) for t in times.values())} | {rates} | "
+                  f"{ratios[0]:.2f} | {ratios[1]:.2f} | {used} |", flush=True)
+            continue
+        times = interleaved({
+            "old": lambda: old(x, w_old, *params, 1, *epilogue, y),
+            "new": lambda: new(x, w_new, *params, *epilogue, y),
+        }, args.repeat)
         ratio = np.median(times["new"]) / np.median(times["old"])
         used = f"direct, block {chosen}" if chosen else "im2col"
-        print(f"| {name} | {block} | {cells[0]} | {cells[1]} | {ratio:.2f} | {used} |", flush=True)
+        print(f"| {name} | {block} | {cell(times['old'])} | {cell(times['new'])} | {ratio:.2f} | {used} |",
+              flush=True)
 
 
 if __name__ == "__main__":

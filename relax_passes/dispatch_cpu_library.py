@@ -16,14 +16,19 @@ OpenBLAS-backed CPU library.
      output channels (`pack_conv_weight`), which FoldConstant computes at build time for a
      constant weight. The block is this CPU's vector width (`direct_conv_block`, which
      `$GIMLET_CPU_CONV_BLOCK` overrides: 8 forces the AVX2 kernel, 0 turns the direct
-     kernel off), or 8 where that makes two blocks of a 16-channel conv; with `groups` 1,
+     kernel off), or 8 where that makes two blocks of a 16-channel conv; with `groups` 1, a
+     3x3 kernel, stride 1, dilation 1 and a constant weight, where `winograd_tile_for` says so,
+     into the Winograd kernel `R.call_dps_packed("gimlet.cpu.conv2d_nchw_winograd", (data, u,
+     strides, pads, dilations))`, `u` the weight transformed for F(m x m, 3 x 3) by numpy in
+     the pass (`winograd_weight`: once, at build time; `$GIMLET_CPU_WINOGRAD` overrides the
+     rule); with `groups` 1,
      a kernel larger than 1x1 and fewer than 32 multiply-adds per output (`row_conv_for`:
      3-channel stems), into the row-vectorized kernel `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchw_rows", (data, weight, strides, pads, dilations, lanes))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
-   - epilogues of those matmul and conv2d calls (both conv2d kernels), into the same call: an
+   - epilogues of those matmul and conv2d calls (all conv2d kernels), into the same call: an
      `R.add` of a tensor of the output's shape (residual) or of a tensor broadcast along one
      axis (bias, any scalar), `R.nn.relu`, `R.nn.gelu`, and `R.maximum` / `R.minimum` with a
      scalar constant (a clip step; a maximum followed by a minimum, as the ONNX importer
@@ -68,11 +73,14 @@ CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw"
 DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct"
 ROW_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_rows"
 DIRECT_CONV_BLOCK_ENV = "GIMLET_CPU_CONV_BLOCK"
+WINOGRAD_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_winograd"
+WINOGRAD_ENV = "GIMLET_CPU_WINOGRAD"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
 # weight, 6 params, groups); after (data, packed weight, 6 params); after (data, weight, 6
-# params, lanes).
-_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8, ROW_CONV2D_FUNC: 9}
+# params, lanes); after (data, transformed weight, 6 params).
+_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8, ROW_CONV2D_FUNC: 9,
+                   WINOGRAD_CONV2D_FUNC: 8}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
 ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU = 0, 1, 2, 3, 4
@@ -90,6 +98,7 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
         rewriter = _LibraryCallRewriter(mod)
         rewriter.fuse_epilogues = graph_fusion_enabled()
         rewriter.direct_block = direct_conv_block()
+        rewriter.winograd = winograd_override()
         for g_var, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 rewriter.use_counts = _use_counts(func)
@@ -139,6 +148,62 @@ def direct_conv_block_for(out_c: int, in_c: int, kernel: tuple[int, int], cpu_bl
         if 0 < block <= cpu_block and out_c >= 2 * block:
             return block
     return 0
+
+
+# G of Winograd F(m x m, 3 x 3) per tile size m (the points of the kernel's B^T and A^T: 0,
+# 1, -1, infinity, and 2, -2 for m = 4).
+_WINOGRAD_G = {
+    2: np.array([[1, 0, 0], [1 / 2, 1 / 2, 1 / 2], [1 / 2, -1 / 2, 1 / 2], [0, 0, 1]]),
+    4: np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
+                 [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]]),
+}
+
+
+def winograd_weight(weight: np.ndarray, tile: int) -> np.ndarray:
+    """An OIHW 3x3 weight transformed for `gimlet.cpu.conv2d_nchw_winograd` with m x m output
+    tiles (`tile` 2 or 4): U = G g G^T per (output, input) channel pair, in float64, as float32
+    [alpha^2, O, I] (alpha = tile + 2)."""
+    if tile not in _WINOGRAD_G or weight.shape[2:] != (3, 3):
+        raise CompileError(f"no Winograd transform for tile {tile} and kernel {weight.shape[2:]}")
+    g = _WINOGRAD_G[tile]
+    u = np.einsum("ak,oikl,bl->aboi", g, weight.astype(np.float64), g)
+    return np.ascontiguousarray(u.reshape(-1, *weight.shape[:2]).astype(np.float32))
+
+
+def winograd_override() -> int | None:
+    """The Winograd tile `$GIMLET_CPU_WINOGRAD` sets for every 3x3 stride-1 dilation-1 groups-1
+    conv2d with a constant weight (2 or 4; 0: Winograd off), for A/B measurements; None where it
+    is unset (`winograd_tile_for` decides)."""
+    override = os.environ.get(WINOGRAD_ENV, "").strip()
+    if not override:
+        return None
+    if override not in ("0", "2", "4"):
+        raise CompileError(f"${WINOGRAD_ENV} must be 0, 2 or 4, not {override!r}")
+    return int(override)
+
+
+def winograd_tile_for(out_c: int, in_c: int, kernel: tuple[int, int], out_hw: tuple[int, int],
+                      cpu_block: int) -> int:
+    """The output tile m (2 or 4) of the Winograd F(m x m, 3 x 3) kernel for a 3x3 conv2d that
+    is stride 1, dilation 1 and groups 1 (the caller checks those), where it beats the direct
+    kernel; 0 where it does not (and on a CPU without the direct kernel, `cpu_block` 0, where
+    it was not measured).
+
+    benchmarks/conv_direct.py --winograd on Zen 4 (AVX-512, 1 thread; benchmarks/README.md,
+    "Winograd convolutions"): F(4x4) ran ResNet-18's 64-channel 56x56 and 128-channel 28x28
+    convs in 0.47-0.48x the direct kernel's time (F(2x2): 0.68-0.88x); on the 256-channel 14x14
+    conv F(2x2) took 0.80x and F(4x4) 1.06x (4x4 tiles cut at 14 waste 23% of the work). Both
+    lost on the 512-channel 7x7 conv at batch 1 (1.3x and 2.2x), where the transformed weight
+    (alpha^2 / 9 times the kernel's: 1.8x for F(2x2), 4x for F(4x4)) is read for a few tiles
+    per GEMM, and tied or lost on resnet_cnn's 16 to 64 channel convs at 8x8 to 32x32
+    (0.94-1.31x), whose GEMMs are too short for the transforms to pay off. At 2 threads only
+    a loaded machine was measured (the README has it)."""
+    if tuple(kernel) != (3, 3) or cpu_block == 0:
+        return 0
+    channels, pixels = min(in_c, out_c), out_hw[0] * out_hw[1]
+    if channels >= 64 and pixels >= 28 * 28:
+        return 4
+    return 2 if channels >= 128 and pixels >= 14 * 14 else 0
 
 
 def row_conv_for(in_c: int, kernel: tuple[int, int], cpu_block: int) -> bool:
@@ -267,6 +332,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     use_counts: collections.Counter = collections.Counter()
     fuse_epilogues = True
     direct_block = 0  # this CPU's channel block for the direct conv2d kernel; 0: not used
+    winograd: int | None = None  # `$GIMLET_CPU_WINOGRAD`'s Winograd tile (0: none); None: the rule
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
@@ -403,6 +469,21 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         args = [a, b, relax.prim_value(0)] if weight is None else [a, weight, relax.prim_value(1)]
         return relax.call_dps_packed(MATMUL_FUNC, args, call.ty)
 
+    def _winograd_tile(self, call: relax.Call, weight: relax.Expr, params: list[int]) -> int:
+        """The Winograd tile (2 or 4) for a groups-1 conv2d with these params (strides, top and
+        left padding, dilations), 0 for none: it needs a 3x3 constant weight (transformed here),
+        stride 1, dilation 1 and a static output size."""
+        out_hw = _static_ints([call.ty.shape[2], call.ty.shape[3]])
+        if not (isinstance(weight, tvm.ir.GenericConst) and out_hw is not None
+                and params[0:2] == [1, 1] and params[4:6] == [1, 1]):
+            return 0
+        out_c, in_c, *kernel = (int(d) for d in weight.ty.shape)
+        if tuple(kernel) != (3, 3):
+            return 0
+        if self.winograd is not None:
+            return self.winograd
+        return winograd_tile_for(out_c, in_c, tuple(kernel), tuple(out_hw), self.direct_block)
+
     def _rewrite_conv2d(self, call: relax.Call) -> relax.Expr | None:
         data, weight = call.args
         attrs = call.attrs
@@ -426,6 +507,10 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         shape = _static_ints(weight.ty.shape)
         if groups == 1 and shape is not None:
             out_c, in_c, *kernel = shape
+            tile = self._winograd_tile(call, weight, params)
+            if tile:
+                transformed = relax.const(winograd_weight(weight.value.numpy(), tile))
+                return relax.call_dps_packed(WINOGRAD_CONV2D_FUNC, [data, transformed, *params_args], call.ty)
             block = direct_conv_block_for(out_c, in_c, tuple(kernel), self.direct_block)
             if block:
                 packed = self.builder_.emit(relax.op.layout_transform(
