@@ -134,31 +134,25 @@ def build_extensions() -> Path:
     )
 
 
-def configure_tvm_thread_pool() -> None:
-    """Size TVM's thread pools to the cores this process may run on and leave their threads
-    unpinned, unless the user chose (`TVM_NUM_THREADS`, `TVM_BIND_THREADS`).
+def use_all_cores_in_tvm_thread_pool() -> None:
+    """Size TVM's thread pools to the cores this process may run on, unless the user chose.
 
     On x86 TVM assumes two hyper-threads per core and starts half as many threads as there
     are CPUs: on a 2-core machine without SMT, every parallel kernel (and OpenBLAS, which
-    runs on that pool) would use one core. TVM also pins each pool thread to a core; where
-    another process holds that core, the pinned thread cannot move, and every parallel call,
-    which waits for all its threads' shares, waits for it (resnet_cnn beside a one-core busy
-    loop: medians 0.54 ms pinned and 0.48 unpinned, the worst of six runs 12.1 ms pinned and
-    0.52 unpinned; benchmarks/README.md, "Unpinned pool threads"). TVM reads both variables
-    when a thread first creates its pool, so this must run before any parallel kernel.
+    runs on that pool) would use one core. TVM reads `TVM_NUM_THREADS` when a thread first
+    creates its pool, so this must run before any parallel kernel.
     """
     if "TVM_NUM_THREADS" not in os.environ and hasattr(os, "sched_getaffinity"):
         os.environ["TVM_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
-    os.environ.setdefault("TVM_BIND_THREADS", "0")
 
 
 def load_extensions() -> None:
     """Build (if needed) and load the extensions so their `gimlet.cpu.*` globals register,
-    after configuring TVM's thread pool (`configure_tvm_thread_pool`).
+    after sizing TVM's thread pool (`use_all_cores_in_tvm_thread_pool`).
 
     Loading again is a no-op.
     """
     global _loaded  # pylint: disable=global-statement
     if _loaded is None:
-        configure_tvm_thread_pool()
+        use_all_cores_in_tvm_thread_pool()
         _loaded = ctypes.CDLL(str(build_extensions()), mode=ctypes.RTLD_GLOBAL)
