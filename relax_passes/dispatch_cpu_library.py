@@ -9,7 +9,9 @@ OpenBLAS-backed CPU library.
      operands of rank >= 2 with any (also symbolic) batch axes that broadcast;
    - `R.nn.conv2d` with NCHW data, OIHW weights and NCHW output into
      `R.call_dps_packed("gimlet.cpu.conv2d_nchw", (data, weight, strides, pads, dilations,
-     groups))`, for float32 and any `groups` except depthwise; with `groups` 1, where
+     groups))`, for float32 and any `groups` except depthwise (with `grouping`, kernel
+     selection's run, every conv2d stays that call: one op group); else with `groups` 1, also
+     in such calls a grouping run wrote, where
      `direct_conv_block_for` says so and the CPU has AVX2 or AVX-512, into the direct kernel
      `R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed, strides, pads,
      dilations))`, `packed` being the weight as `R.layout_transform` into blocks of
@@ -90,13 +92,20 @@ ACTIVATIONS = {"relax.nn.relu": RELU, "relax.nn.gelu": GELU}
 @tvm.transform.module_pass(opt_level=0, name="DispatchCPULibrary")
 class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
     """Rewrite fp32 matmul, NCHW conv2d (with epilogues) and attention into calls of gimlet's
-    CPU library."""
+    CPU library. With `grouping`, every conv2d stays the generic `gimlet.cpu.conv2d_nchw` call
+    (OIHW weight, one op group for kernel selection, whatever kernel would run it); without,
+    groups-1 convs, also those of generic calls a grouping run wrote, go to the Winograd,
+    direct or row-vectorized kernel where it wins."""
+
+    def __init__(self, grouping: bool = False):
+        self.grouping = grouping
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
         """IRModule-level transformation."""
         load_extensions()
         rewriter = _LibraryCallRewriter(mod)
         rewriter.fuse_epilogues = graph_fusion_enabled()
+        rewriter.conv_kernels = not self.grouping
         rewriter.direct_block = direct_conv_block()
         rewriter.winograd = winograd_override()
         for g_var, func in mod.functions_items():
@@ -231,15 +240,14 @@ def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list
 
 
 def library_conv2d(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, list[int], list] | None:
-    """`(data, weight, params, epilogue)` of a `gimlet.cpu.conv2d_nchw` or
-    `gimlet.cpu.conv2d_nchw_rows` call this pass wrote (both take the OIHW weight), None for
-    any other expression. `params`: strides (h, w), top and left padding, dilations (h, w) and
-    groups (1 for the row kernel); `epilogue` as `library_matmul`'s (None with a clip step,
-    too)."""
-    if not (_calls(call, CONV2D_FUNC) or _calls(call, ROW_CONV2D_FUNC)):
+    """`(data, weight, params, epilogue)` of a `gimlet.cpu.conv2d_nchw` call this pass wrote
+    (with `grouping`, every conv2d it takes is one), None for any other expression. `params`:
+    strides (h, w), top and left padding, dilations (h, w) and groups; `epilogue` as
+    `library_matmul`'s (None with a clip step, too)."""
+    if not _calls(call, CONV2D_FUNC):
         return None
     data, weight, *args = call.args[1].fields
-    params = [int(p.value) for p in args[:6]] + ([int(args[6].value)] if _calls(call, CONV2D_FUNC) else [1])
+    params = [int(p.value) for p in args[:7]]
     steps = _epilogue_steps(args[7:])
     return None if _has_clip(steps) else (data, weight, params, steps)
 
@@ -331,6 +339,7 @@ def _static_ints(values) -> list[int] | None:
 class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     use_counts: collections.Counter = collections.Counter()
     fuse_epilogues = True
+    conv_kernels = True  # groups-1 convs on the Winograd, direct and row kernels where they win
     direct_block = 0  # this CPU's channel block for the direct conv2d kernel; 0: not used
     winograd: int | None = None  # `$GIMLET_CPU_WINOGRAD`'s Winograd tile (0: none); None: the rule
 
@@ -339,7 +348,9 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if not isinstance(call.op, tvm.ir.Op):
             return call
         rewritten = None
-        if call.op.name == "relax.matmul":
+        if self.conv_kernels and _calls(call, CONV2D_FUNC):
+            rewritten = self._conv_kernel(call)  # a group kernel selection left to the library
+        elif call.op.name == "relax.matmul":
             rewritten = self._rewrite_matmul(call)
         elif call.op.name == "relax.nn.conv2d":
             rewritten = self._rewrite_conv2d(call)
@@ -473,7 +484,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         """The Winograd tile (2 or 4) for a groups-1 conv2d with these params (strides, top and
         left padding, dilations), 0 for none: it needs a 3x3 constant weight (transformed here),
         stride 1, dilation 1 and a static output size."""
-        out_hw = _static_ints([call.ty.shape[2], call.ty.shape[3]])
+        out_shape = call.ty_args[0].shape  # the call's output (it may not be normalized yet)
+        out_hw = _static_ints([out_shape[2], out_shape[3]])
         if not (isinstance(weight, tvm.ir.GenericConst) and out_hw is not None
                 and params[0:2] == [1, 1] and params[4:6] == [1, 1]):
             return 0
@@ -503,21 +515,32 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         params = _static_ints([*attrs.strides, *attrs.padding[:2], *attrs.dilation])
         if params is None:
             return None
-        params_args = [relax.prim_value(p) for p in params]
+        args = [data, weight, *(relax.prim_value(p) for p in params), relax.prim_value(groups)]
+        generic = relax.call_dps_packed(CONV2D_FUNC, args, call.ty)
+        return self._conv_kernel(generic) if self.conv_kernels else generic
+
+    def _conv_kernel(self, call: relax.Call) -> relax.Expr:
+        """A `gimlet.cpu.conv2d_nchw` call (with its epilogue) on the kernel chosen for its
+        shape: Winograd, direct or row-vectorized for groups 1 (in that order, where
+        `winograd_tile_for`, `direct_conv_block_for` or `row_conv_for` says so), else as it is."""
+        data, weight, *params_args = call.args[1].fields
+        out_ty = call.ty_args[0]
+        params = [int(p.value) for p in params_args[:6]]
+        groups, epilogue = int(params_args[6].value), params_args[7:]
         shape = _static_ints(weight.ty.shape)
-        if groups == 1 and shape is not None:
-            out_c, in_c, *kernel = shape
-            tile = self._winograd_tile(call, weight, params)
-            if tile:
-                transformed = relax.const(winograd_weight(weight.value.numpy(), tile))
-                return relax.call_dps_packed(WINOGRAD_CONV2D_FUNC, [data, transformed, *params_args], call.ty)
-            block = direct_conv_block_for(out_c, in_c, tuple(kernel), self.direct_block)
-            if block:
-                packed = self.builder_.emit(relax.op.layout_transform(
-                    weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
-                return relax.call_dps_packed(DIRECT_CONV2D_FUNC, [data, packed, *params_args], call.ty)
-            if row_conv_for(in_c, tuple(kernel), self.direct_block):
-                lanes = relax.prim_value(self.direct_block)
-                return relax.call_dps_packed(ROW_CONV2D_FUNC, [data, weight, *params_args, lanes], call.ty)
-        args = [data, weight, *params_args, relax.prim_value(groups)]
-        return relax.call_dps_packed(CONV2D_FUNC, args, call.ty)
+        if groups != 1 or shape is None:
+            return call
+        out_c, in_c, *kernel = shape
+        tile = self._winograd_tile(call, weight, params)
+        if tile:
+            transformed = relax.const(winograd_weight(weight.value.numpy(), tile))
+            return relax.call_dps_packed(WINOGRAD_CONV2D_FUNC, [data, transformed, *params_args[:6], *epilogue], out_ty)
+        block = direct_conv_block_for(out_c, in_c, tuple(kernel), self.direct_block)
+        if block:
+            packed = self.builder_.emit(relax.op.layout_transform(
+                weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
+            return relax.call_dps_packed(DIRECT_CONV2D_FUNC, [data, packed, *params_args[:6], *epilogue], out_ty)
+        if row_conv_for(in_c, tuple(kernel), self.direct_block):
+            lanes = relax.prim_value(self.direct_block)
+            return relax.call_dps_packed(ROW_CONV2D_FUNC, [data, weight, *params_args[:6], lanes, *epilogue], out_ty)
+        return call
