@@ -20,10 +20,13 @@ OpenBLAS-backed CPU library.
      a kernel larger than 1x1 and fewer than 32 multiply-adds per output (`row_conv_for`:
      3-channel stems), into the row-vectorized kernel `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchw_rows", (data, weight, strides, pads, dilations, lanes))`;
+   - depthwise `R.nn.conv2d` (one group per input channel, weight [O, 1, KH, KW]), where
+     `depthwise_conv_for` says so, into `R.call_dps_packed("gimlet.cpu.conv2d_nchw_depthwise",
+     (data, weight, strides, pads, dilations, lanes))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
-   - epilogues of those matmul and conv2d calls (both conv2d kernels), into the same call: an
+   - epilogues of those matmul and conv2d calls (all conv2d kernels), into the same call: an
      `R.add` of a tensor of the output's shape (residual) or of a tensor broadcast along one
      axis (bias, any scalar), `R.nn.relu`, `R.nn.gelu`, and `R.maximum` / `R.minimum` with a
      scalar constant (a clip step; a maximum followed by a minimum, as the ONNX importer
@@ -33,10 +36,8 @@ OpenBLAS-backed CPU library.
    Only calls on the host are rewritten: tensors without a virtual device, or with one whose
    target's spec lists the CPU library.
 3. It does not handle: other dtypes or mixed-precision `out_dtype`, rank-1 matmul operands,
-   transposes of other axes than the last two, other layouts, depthwise conv2d (each output
-   channel reads one input channel: that stays in TIR, where FuseOps can fuse its epilogue;
-   a first library kernel, vectors of output pixels per zero-padded plane, made mobilenet_cnn
-   1.8x slower), and operands or results whose shape is unknown; epilogue adds that broadcast
+   transposes of other axes than the last two, other layouts, depthwise conv2d on a CPU
+   without AVX2 (that stays in TIR, where FuseOps fuses its epilogue), and operands or results whose shape is unknown; epilogue adds that broadcast
    the output or whose vector axis is followed by symbolic axes; other activations (sigmoid,
    ...). Those ops stay as they were, and FuseOps fuses the elementwise ones with each other.
 
@@ -67,12 +68,14 @@ MATMUL_FUNC = f"{CPU_LIBRARY.name}.matmul"
 CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw"
 DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct"
 ROW_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_rows"
+DEPTHWISE_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_depthwise"
 DIRECT_CONV_BLOCK_ENV = "GIMLET_CPU_CONV_BLOCK"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
 # weight, 6 params, groups); after (data, packed weight, 6 params); after (data, weight, 6
-# params, lanes).
-_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8, ROW_CONV2D_FUNC: 9}
+# params, lanes) for the row and depthwise kernels.
+_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8, ROW_CONV2D_FUNC: 9,
+                   DEPTHWISE_CONV2D_FUNC: 9}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
 ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU = 0, 1, 2, 3, 4
@@ -152,6 +155,16 @@ def row_conv_for(in_c: int, kernel: tuple[int, int], cpu_block: int) -> bool:
     return cpu_block > 0 and tuple(kernel) != (1, 1) and in_c * kernel[0] * kernel[1] < 32
 
 
+def depthwise_conv_for(in_c: int, groups: int, cpu_block: int) -> bool:
+    """Whether a conv2d with one input channel per group runs on the depthwise kernel
+    (`gimlet.cpu.conv2d_nchw_depthwise`): one group per input channel (each output channel
+    reads one input channel; any channel multiplier), on a CPU with a direct kernel (`cpu_block`
+    not 0; the call asks for vectors of `cpu_block` lanes, as the row kernel's does). Without
+    AVX2 such convs stay in TIR, where FuseOps fuses their epilogues.
+    benchmarks/README.md, "A depthwise kernel", has the measurements: MEASUREMENTS."""
+    return cpu_block > 0 and groups == in_c
+
+
 def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list] | None:
     """`(a, b, transpose_b, epilogue)` of a `gimlet.cpu.matmul` call this pass wrote, None for
     any other expression. `epilogue`: its steps in order, `("add", addend, divisor)` (an
@@ -166,15 +179,19 @@ def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list
 
 
 def library_conv2d(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, list[int], list] | None:
-    """`(data, weight, params, epilogue)` of a `gimlet.cpu.conv2d_nchw` or
-    `gimlet.cpu.conv2d_nchw_rows` call this pass wrote (both take the OIHW weight), None for
-    any other expression. `params`: strides (h, w), top and left padding, dilations (h, w) and
-    groups (1 for the row kernel); `epilogue` as `library_matmul`'s (None with a clip step,
-    too)."""
-    if not (_calls(call, CONV2D_FUNC) or _calls(call, ROW_CONV2D_FUNC)):
+    """`(data, weight, params, epilogue)` of a `gimlet.cpu.conv2d_nchw`,
+    `gimlet.cpu.conv2d_nchw_rows` or `gimlet.cpu.conv2d_nchw_depthwise` call this pass wrote
+    (all take the OIHW weight), None for any other expression. `params`: strides (h, w), top
+    and left padding, dilations (h, w) and groups (1 for the row kernel, the data's channels
+    for the depthwise one); `epilogue` as `library_matmul`'s (None with a clip step, too)."""
+    if not any(_calls(call, func) for func in (CONV2D_FUNC, ROW_CONV2D_FUNC, DEPTHWISE_CONV2D_FUNC)):
         return None
     data, weight, *args = call.args[1].fields
-    params = [int(p.value) for p in args[:6]] + ([int(args[6].value)] if _calls(call, CONV2D_FUNC) else [1])
+    if _calls(call, CONV2D_FUNC):
+        groups = int(args[6].value)
+    else:
+        groups = int(data.ty.shape[1]) if _calls(call, DEPTHWISE_CONV2D_FUNC) else 1
+    params = [int(p.value) for p in args[:6]] + [groups]
     steps = _epilogue_steps(args[7:])
     return None if _has_clip(steps) else (data, weight, params, steps)
 
@@ -417,9 +434,13 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             return None
         groups = int(attrs.groups)
         channels_per_group = _static_ints([weight.ty.shape[1]])
-        if groups > 1 and channels_per_group == [1]:
-            return None  # depthwise
         params = _static_ints([*attrs.strides, *attrs.padding[:2], *attrs.dilation])
+        if groups > 1 and channels_per_group == [1]:  # depthwise
+            in_c = _static_ints([data.ty.shape[1]])
+            if params is None or in_c is None or not depthwise_conv_for(in_c[0], groups, self.direct_block):
+                return None
+            args = [data, weight, *(relax.prim_value(p) for p in params), relax.prim_value(self.direct_block)]
+            return relax.call_dps_packed(DEPTHWISE_CONV2D_FUNC, args, call.ty)
         if params is None:
             return None
         params_args = [relax.prim_value(p) for p in params]

@@ -1,8 +1,9 @@
 /*!
  * \file cpu_library.cc
  * \brief fp32 matmul, NCHW conv2d (both with fused elementwise epilogues) and BSNH attention on
- * OpenBLAS (scipy-openblas32), and a direct NCHW conv2d on blocks of output channels (AVX2 or
- * AVX-512, chosen at run time), as TVM packed functions.
+ * OpenBLAS (scipy-openblas32), and direct NCHW conv2d kernels (on blocks of output channels,
+ * on vectors of a row's output pixels, depthwise; AVX2 or AVX-512, chosen at run time), as TVM
+ * packed functions.
  *
  * All functions use destination-passing style: inputs first, the output tensor last.
  * Tensors must be compact row-major float32 on the CPU.
@@ -1041,15 +1042,17 @@ struct PhasePlanes {
   float* phases;
   int64_t planes, height, width, stride_h, stride_w, phase_h, phase_w, top, left;
 
-  void Copy(int64_t plane, float* dst) const {
+  /*! \brief Phase rows [row0, row0 + rows) of data plane `plane` into `dst`, as stride_h *
+   * stride_w phases of `rows` x phase_w floats. */
+  void Copy(int64_t plane, int64_t row0, int64_t rows, float* dst) const {
     const float* src = x + plane * height * width;
     for (int64_t a = 0; a < stride_h; ++a) {
-      for (int64_t b = 0; b < stride_w; ++b, dst += phase_h * phase_w) {
+      for (int64_t b = 0; b < stride_w; ++b, dst += rows * phase_w) {
         // Columns j with 0 <= j * stride_w + b - left < width come from the data.
         const int64_t j0 = std::min(phase_w, (std::max<int64_t>(left - b, 0) + stride_w - 1) / stride_w);
         const int64_t j1 = std::clamp<int64_t>((width + left - b + stride_w - 1) / stride_w, j0, phase_w);
-        for (int64_t i = 0; i < phase_h; ++i) {
-          const int64_t row = i * stride_h + a - top;
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t row = (row0 + i) * stride_h + a - top;
           float* out = dst + i * phase_w;
           if (row < 0 || row >= height) {
             std::fill(out, out + phase_w, 0.0f);
@@ -1069,7 +1072,9 @@ int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const auto& t = *static_cast<const PhasePlanes*>(cdata);
   const auto [begin, end] = TaskRange(task_id, penv, t.planes);
   const int64_t per_plane = t.stride_h * t.stride_w * t.phase_h * t.phase_w;
-  for (int64_t plane = begin; plane < end; ++plane) t.Copy(plane, t.phases + plane * per_plane);
+  for (int64_t plane = begin; plane < end; ++plane) {
+    t.Copy(plane, 0, t.phase_h, t.phases + plane * per_plane);
+  }
   return 0;
 }
 
@@ -1140,6 +1145,182 @@ void RowConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t 
   t.num_units = batch * t.channel_groups * t.out_h;
   const int64_t work = batch * t.out_c * t.out_h * t.out_w * t.in_c * t.kernel_h * t.kernel_w;
   Launch(RunRowConvUnits, &t, work >= kMinParallelGemm);
+}
+
+// ---------------------------------------------------------------------------------------------
+// conv2d, depthwise: each output channel reads one input channel (MobileNet's 3x3 and 5x5
+// layers: 9 or 25 multiply-adds per output, so the kernel is bound by loads, not by FMAs).
+// As in the row kernel, a vector holds L consecutive output pixels of a row and every tap reads
+// stride-phase planes; here each unit copies only the phase rows it reads, of one channel, into
+// a per-thread buffer that stays in L1, and each tap's weight is one broadcast.
+
+/*! \brief One depthwise conv2d call: units of a few output rows of one (image, channel). */
+struct DepthwiseWork {
+  PhasePlanes source;   // the data planes [N * C], each unit's phase rows copied from them
+  const float* w;       // [O, 1, KH, KW]: output channel o reads input channel o / multiplier
+  const int64_t* taps;  // [KH * KW]: where each tap reads in a unit's buffer, for its output (0, 0)
+  int64_t num_taps;
+  float* y;             // [N, O, OH, OW]
+  const Epilogue* epilogue;
+  int64_t in_c, out_c, multiplier, out_h, out_w;
+  int64_t lanes;          // L: 16 (AVX-512) or 8 (AVX2)
+  int64_t buffer_rows;    // phase rows per phase in a unit's buffer: rows_per_unit + the taps' reach
+  int64_t rows_per_unit, units_per_plane, num_units;  // num_units: N * O * units_per_plane
+};
+
+/*! \brief NV vectors of output pixels from `y` (the last one cut at `n` pixels), their input
+ * at `x`; the taps' weights already broadcast in `wv` (KT taps, or t.num_taps when KT is 0). */
+template <int L, int NV, int KT>
+__attribute__((always_inline)) inline void DepthwiseVectors(
+    const DepthwiseWork& t, const float* x, const typename VectorOf<L>::Type* wv, int64_t n,
+    float* y) {
+  using V = typename VectorOf<L>::Type;
+  const int64_t num_taps = KT ? KT : t.num_taps;
+  V acc[NV];
+  for (int k = 0; k < NV; ++k) acc[k] = V{};
+  for (int64_t tap = 0; tap < num_taps; ++tap) {
+    for (int k = 0; k < NV; ++k) {
+      V v;
+      std::memcpy(&v, x + t.taps[tap] + k * L, sizeof(V));
+      acc[k] += v * wv[tap];
+    }
+  }
+  for (int k = 0; k + 1 < NV; ++k) std::memcpy(y + k * L, &acc[k], sizeof(V));
+  std::memcpy(y + (NV - 1) * L, &acc[NV - 1], n * sizeof(float));
+}
+
+/*! \brief Units [begin, end): unit = (image * O + channel) * units_per_plane + row block; each
+ * copies its phase rows, runs kVectors vectors of L pixels at a time along each output row,
+ * then one at a time, then applies the epilogue to its rows. */
+template <int L, int KT>
+__attribute__((always_inline)) inline void DepthwiseUnits(const DepthwiseWork& t, int64_t begin,
+                                                          int64_t end) {
+  using V = typename VectorOf<L>::Type;
+  constexpr int kVectors = 4;  // independent accumulators per row step
+  const PhasePlanes& s = t.source;
+  thread_local std::vector<float> buffer;
+  buffer.resize(s.stride_h * s.stride_w * t.buffer_rows * s.phase_w);
+  // The channel's weights, each broadcast to a vector: in registers for an unrolled kernel.
+  V unrolled[KT ? KT : 1];
+  thread_local std::vector<V> generic;
+  generic.resize(KT ? 0 : t.num_taps);
+  V* wv = KT ? unrolled : generic.data();
+  const int64_t spatial = t.out_h * t.out_w;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t block = unit % t.units_per_plane, plane = unit / t.units_per_plane;
+    const int64_t o = plane % t.out_c, img = plane / t.out_c;
+    const int64_t oy0 = block * t.rows_per_unit, oy1 = std::min(t.out_h, oy0 + t.rows_per_unit);
+    s.Copy(img * t.in_c + o / t.multiplier, oy0, t.buffer_rows, buffer.data());
+    const float* w = t.w + o * t.num_taps;
+    for (int64_t tap = 0; tap < t.num_taps; ++tap) wv[tap] = V{} + w[tap];
+    float* y = t.y + plane * spatial + oy0 * t.out_w;
+    for (int64_t oy = oy0; oy < oy1; ++oy) {
+      const float* x = buffer.data() + (oy - oy0) * s.phase_w;
+      float* y_row = y + (oy - oy0) * t.out_w;
+      int64_t ox = 0;
+      for (; ox + kVectors * L <= t.out_w; ox += kVectors * L) {
+        DepthwiseVectors<L, kVectors, KT>(t, x + ox, wv, L, y_row + ox);
+      }
+      for (; ox < t.out_w; ox += L) {
+        DepthwiseVectors<L, 1, KT>(t, x + ox, wv, std::min<int64_t>(L, t.out_w - ox), y_row + ox);
+      }
+    }
+    if (!t.epilogue->empty()) {
+      ApplyEpilogue(*t.epilogue, y, y - t.y, 1, (oy1 - oy0) * t.out_w, spatial);
+    }
+  }
+}
+
+/*! \brief The units with 3x3 and 5x5 kernels' taps unrolled, others generic. */
+template <int L>
+__attribute__((always_inline)) inline void DepthwiseUnitsOf(const DepthwiseWork& t, int64_t begin,
+                                                            int64_t end) {
+  switch (t.num_taps) {
+    case 9: return DepthwiseUnits<L, 9>(t, begin, end);
+    case 25: return DepthwiseUnits<L, 25>(t, begin, end);
+    default: return DepthwiseUnits<L, 0>(t, begin, end);
+  }
+}
+
+GIMLET_TARGET("avx2,fma")
+void DepthwiseUnitsAvx2(const DepthwiseWork& t, int64_t begin, int64_t end) {
+  DepthwiseUnitsOf<8>(t, begin, end);
+}
+GIMLET_TARGET("avx512f,avx2,fma")
+void DepthwiseUnitsAvx512(const DepthwiseWork& t, int64_t begin, int64_t end) {
+  DepthwiseUnitsOf<16>(t, begin, end);
+}
+
+int RunDepthwiseUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const DepthwiseWork*>(cdata);
+  const auto [begin, end] = TaskRange(task_id, penv, t.num_units);
+  if (t.lanes == 16) {
+    DepthwiseUnitsAvx512(t, begin, end);
+  } else {
+    DepthwiseUnitsAvx2(t, begin, end);
+  }
+  return 0;
+}
+
+// Output pixels per unit (at most; whole rows): its buffer and output rows stay in L1.
+constexpr int64_t kDepthwisePixels = 1024;
+
+/*!
+ * \brief Depthwise NCHW conv2d: data [N, C, H, W], weight [O, 1, KH, KW] with O a multiple of
+ * C (output channel o reads input channel o / (O / C)), out [N, O, OH, OW]; vectors of `lanes`
+ * (16 or 8) output pixels along a row: 16 on a CPU with AVX-512, else 8 (AVX2).
+ */
+void DepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t lanes,
+                     const Epilogue& epilogue, DLTensor* out) {
+  CheckCompactFloat32(data, "data");
+  CheckCompactFloat32(weight, "weight");
+  CheckCompactFloat32(out, "out");
+  TVM_FFI_ICHECK(data->ndim == 4 && weight->ndim == 4 && out->ndim == 4)
+      << "gimlet.cpu.conv2d_nchw_depthwise: data, weight and out must be 4-D";
+  TVM_FFI_ICHECK(lanes == 8 || lanes == 16)
+      << "gimlet.cpu.conv2d_nchw_depthwise: " << lanes << " lanes";
+  TVM_FFI_ICHECK(DirectConvBlock() != 0)
+      << "gimlet.cpu.conv2d_nchw_depthwise needs a CPU with AVX2 and FMA";
+  const int64_t batch = data->shape[0], in_c = data->shape[1], out_c = out->shape[1];
+  TVM_FFI_ICHECK(weight->shape[0] == out_c && weight->shape[1] == 1 && out->shape[0] == batch &&
+                 in_c > 0 && out_c % in_c == 0)
+      << "gimlet.cpu.conv2d_nchw_depthwise: shapes differ (weight must be [O, 1, KH, KW], O a "
+         "multiple of the data's channels)";
+  TVM_FFI_ICHECK(p.stride_h > 0 && p.stride_w > 0 && p.dilation_h > 0 && p.dilation_w > 0 &&
+                 p.pad_top >= 0 && p.pad_left >= 0)
+      << "gimlet.cpu.conv2d_nchw_depthwise: strides and dilations must be positive, pads not negative";
+  const int64_t kernel_h = weight->shape[2], kernel_w = weight->shape[3];
+  const int64_t out_h = out->shape[2], out_w = out->shape[3];
+  if (batch == 0 || out_c == 0 || out_h * out_w == 0) return;
+  lanes = std::min(lanes, DirectConvBlock());
+  // A row's last vector reads up to its last lane; the taps reach (K - 1) * D / S further.
+  const int64_t phase_w = (out_w + lanes - 1) / lanes * lanes + (kernel_w - 1) * p.dilation_w / p.stride_w;
+  const int64_t reach = (kernel_h - 1) * p.dilation_h / p.stride_h;
+  const int64_t planes = batch * out_c;
+  const int64_t budget_rows = std::max<int64_t>(1, kDepthwisePixels / out_w);
+  // At least 4 units in all, so two threads get balanced work on a few channels.
+  const int64_t balance_rows = std::max<int64_t>(1, out_h * planes / 4);
+  const int64_t rows_per_unit = std::min({budget_rows, balance_rows, out_h});
+  const int64_t units_per_plane = (out_h + rows_per_unit - 1) / rows_per_unit;
+  DepthwiseWork t{{Data(data), nullptr, batch * in_c, data->shape[2], data->shape[3], p.stride_h,
+                   p.stride_w, 0, phase_w, p.pad_top, p.pad_left},
+                  Data(weight), nullptr, kernel_h * kernel_w, Data(out), &epilogue, in_c, out_c,
+                  out_c / in_c, out_h, out_w, lanes, rows_per_unit + reach, rows_per_unit,
+                  units_per_plane, planes * units_per_plane};
+  // Tap (kh, kw) of output (oy, ox) reads phase (kh * DH % SH, kw * DW % SW) at row
+  // oy + kh * DH / SH, column ox + kw * DW / SW.
+  thread_local std::vector<int64_t> offsets;
+  offsets.resize(t.num_taps);
+  const int64_t phase_size = t.buffer_rows * phase_w;
+  for (int64_t kh = 0, tap = 0; kh < kernel_h; ++kh) {
+    for (int64_t kw = 0; kw < kernel_w; ++kw, ++tap) {
+      const int64_t a = kh * p.dilation_h % p.stride_h, b = kw * p.dilation_w % p.stride_w;
+      offsets[tap] = (a * p.stride_w + b) * phase_size + kh * p.dilation_h / p.stride_h * phase_w +
+                     kw * p.dilation_w / p.stride_w;
+    }
+  }
+  t.taps = offsets.data();
+  Launch(RunDepthwiseUnits, &t, planes * out_h * out_w * t.num_taps >= kMinParallelGemm);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1290,6 +1471,15 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                     RowConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
                               Conv2DParamsOf(args), args[8].cast<int64_t>(),
                               ParseEpilogue(args, 9, args.size() - 1, out), out);
+                  })
+      .def_packed("gimlet.cpu.conv2d_nchw_depthwise",
+                  [](PackedArgs args, tvm::ffi::Any*) {
+                    // (data, weight, stride_h, stride_w, pad_top, pad_left, dilation_h,
+                    //  dilation_w, lanes, epilogue steps..., out)
+                    DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
+                    DepthwiseConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
+                                    Conv2DParamsOf(args), args[8].cast<int64_t>(),
+                                    ParseEpilogue(args, 9, args.size() - 1, out), out);
                   })
       .def("gimlet.cpu.conv2d_direct_block", [] { return DirectConvBlock(); })
       .def_packed("gimlet.cpu.attention", [](PackedArgs args, tvm::ffi::Any*) {
