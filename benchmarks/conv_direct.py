@@ -10,6 +10,15 @@ hits both; each row is the median and p10-p90 in ms, and new/old is the ratio of
 Each shape is run with a bias + ReLU epilogue, as in the networks. Without --block, the direct
 kernel runs with the block the default build would pick (`direct_conv_block_for`, else this
 CPU's), and the last column says which kernel the default build uses for the shape.
+
+    .venv/bin/python benchmarks/conv_direct.py --depthwise --threads 1 [--models mobilenet_cnn ...]
+
+With --depthwise: the depthwise layers of MobileNetV2 (batch 1, 224x224) and mobilenet_cnn
+(batch 8, 64x64), each as a one-conv model (Conv + bias + Clip(0, 6), as in the networks)
+built by `gimlet_tvm.build` twice, with the depthwise kernel (`gimlet.cpu.conv2d_nchw_depthwise`,
+new) and without it (`$GIMLET_CPU_CONV_BLOCK=0`: generated TIR, old), interleaved. --models
+times whole models the same way, old (the depthwise kernel's dispatch turned off, every other
+library kernel as in the default build) against new against onnxruntime.
 """
 
 from __future__ import annotations
@@ -17,8 +26,14 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
+from unittest import mock
 
 import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from torch_models import TORCH_MODELS, conv_layers  # noqa: E402  (benchmarks/ is not a package)
 
 # (name, batch, in_c, size, out_c, kernel, stride)
 SHAPES = [
@@ -48,13 +63,110 @@ SHAPES = [
 ]
 
 
+def interleaved(calls: dict[str, Callable[[], object]], repeat: int) -> dict[str, list[float]]:
+    """Each call's times in ms over `repeat` rounds that run every call once, after 3 untimed
+    rounds."""
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(3):
+        for call in calls.values():
+            call()
+    for _ in range(repeat):
+        for key, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[key].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _cell(t: list[float]) -> str:
+    return f"{np.median(t):.3f} ({np.percentile(t, 10):.3f}-{np.percentile(t, 90):.3f})"
+
+
+# mobilenet_cnn's depthwise layers at batch 8: (channels, input size, stride)
+MOBILENET_CNN_DEPTHWISE = [(16, 32, 1), (32, 32, 2), (64, 16, 1), (64, 16, 2), (128, 8, 1)]
+
+
+def _depthwise_model(batch: int, channels: int, size: int, kernel: int, stride: int) -> onnx.ModelProto:
+    """Conv (groups = channels, + bias) + Clip(0, 6), as a MobileNet block's depthwise part."""
+    rng, out = np.random.default_rng(channels * size), (size - 1) // stride + 1
+    weights = {"w": rng.standard_normal((channels, 1, kernel, kernel), dtype=np.float32),
+               "b": rng.standard_normal(channels, dtype=np.float32),
+               "lo": np.array(0.0, np.float32), "hi": np.array(6.0, np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], group=channels, strides=[stride] * 2,
+                              pads=[kernel // 2] * 4, kernel_shape=[kernel] * 2),
+             helper.make_node("Clip", ["c", "lo", "hi"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "depthwise", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, channels, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, channels, out, out])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def depthwise_layers(repeat: int) -> None:
+    """The --depthwise table: each depthwise layer, TIR (old) against the library kernel (new)."""
+    import gimlet_tvm  # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
+    from gimlet_tvm.relax_passes.dispatch_cpu_library import DIRECT_CONV_BLOCK_ENV  # pylint: disable=import-outside-toplevel
+
+    shapes = [(f"v2 {layer.input_shape[1]}ch {layer.input_shape[2]}px /{layer.stride}", 1,
+               layer.input_shape[1], layer.input_shape[2], layer.kernel, layer.stride)
+              for layer in conv_layers("mobilenetv2") if layer.groups > 1]
+    shapes += [(f"cnn {c}ch {size}px /{stride}", 8, c, size, 3, stride)
+               for c, size, stride in MOBILENET_CNN_DEPTHWISE]
+    print("| shape | old (TIR) ms | new (library) ms | new/old |\n|---|---|---|---|")
+    for name, batch, channels, size, kernel, stride in shapes:
+        model = _depthwise_model(batch, channels, size, kernel, stride)
+        with mock.patch.dict(os.environ, {DIRECT_CONV_BLOCK_ENV: "0"}):
+            old = gimlet_tvm.build(model, "llvm")
+        new = gimlet_tvm.build(model, "llvm")
+        x = np.random.default_rng(0).standard_normal((batch, channels, size, size), dtype=np.float32)
+        np.testing.assert_allclose(new(x)[0], old(x)[0], rtol=1e-4, atol=1e-4)
+        times = interleaved({"old": lambda: old(x), "new": lambda: new(x)}, repeat)
+        ratio = np.median(times["new"]) / np.median(times["old"])
+        print(f"| {name} | {_cell(times['old'])} | {_cell(times['new'])} | {ratio:.2f} |", flush=True)
+
+
+def depthwise_models(names: list[str], threads: int, repeat: int) -> None:
+    """Whole models with the depthwise kernel (new), without it (old) and onnxruntime."""
+    import gimlet_tvm  # pylint: disable=import-outside-toplevel
+    from gimlet_tvm.models import SUITE  # pylint: disable=import-outside-toplevel
+    from gimlet_tvm.peers import onnxruntime_session  # pylint: disable=import-outside-toplevel
+    from gimlet_tvm.relax_passes import dispatch_cpu_library  # pylint: disable=import-outside-toplevel
+
+    print("| model | old ms | new ms | onnxruntime ms | new/old | new/onnxruntime |\n|---|---|---|---|---|---|")
+    for name in names:
+        if name in SUITE:
+            model = SUITE[name].build()
+            inputs = SUITE[name].example_inputs(8, seed=0)
+        else:
+            model, inputs = TORCH_MODELS[name].onnx(), TORCH_MODELS[name].example_inputs(seed=0)
+        with mock.patch.object(dispatch_cpu_library, "depthwise_conv_for", lambda *_: False):
+            old = gimlet_tvm.build(model, "llvm")
+        new = gimlet_tvm.build(model, "llvm")
+        session = onnxruntime_session(model, threads)
+        values = list(inputs.values())
+        np.testing.assert_allclose(new(*values)[0], old(*values)[0], rtol=1e-3, atol=1e-3)
+        times = interleaved({"old": lambda: old(*values), "new": lambda: new(*values),
+                             "ort": lambda: session.run(None, inputs)}, repeat)
+        medians = {k: np.median(t) for k, t in times.items()}
+        print(f"| {name} | {_cell(times['old'])} | {_cell(times['new'])} | {_cell(times['ort'])} | "
+              f"{medians['new'] / medians['old']:.2f} | {medians['new'] / medians['ort']:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--block", type=int, default=0, help="channel block (8 or 16; 0: this CPU's)")
+    parser.add_argument("--depthwise", action="store_true", help="depthwise layers, TIR against the library")
+    parser.add_argument("--models", nargs="*", default=[], help="with --depthwise: whole models too")
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    if args.depthwise:
+        print(f"threads {args.threads}, {args.repeat} interleaved rounds; ms median (p10-p90)")
+        depthwise_layers(args.repeat)
+        if args.models:
+            depthwise_models(args.models, args.threads, args.repeat)
+        return
     import tvm  # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
 
     from gimlet_tvm.relax_passes.dispatch_cpu_library import (  # pylint: disable=import-outside-toplevel
@@ -84,17 +196,8 @@ def main() -> None:
             "old": lambda: old(x, w_old, stride, stride, pad, pad, 1, 1, 1, *epilogue, y),
             "new": lambda: new(x, w_new, stride, stride, pad, pad, 1, 1, *epilogue, y),
         }
-        times: dict[str, list[float]] = {k: [] for k in calls}
-        for _ in range(3):
-            for call in calls.values():
-                call()
-        for _ in range(args.repeat):
-            for key, call in calls.items():
-                start = time.perf_counter()
-                call()
-                times[key].append((time.perf_counter() - start) * 1e3)
-        cells = [f"{np.median(t):.3f} ({np.percentile(t, 10):.3f}-{np.percentile(t, 90):.3f})"
-                 for t in times.values()]
+        times = interleaved(calls, args.repeat)
+        cells = [_cell(t) for t in times.values()]
         ratio = np.median(times["new"]) / np.median(times["old"])
         used = f"direct, block {chosen}" if chosen else "im2col"
         print(f"| {name} | {block} | {cells[0]} | {cells[1]} | {ratio:.2f} | {used} |", flush=True)

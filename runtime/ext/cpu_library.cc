@@ -1043,8 +1043,9 @@ struct PhasePlanes {
   int64_t planes, height, width, stride_h, stride_w, phase_h, phase_w, top, left;
 
   /*! \brief Phase rows [row0, row0 + rows) of data plane `plane` into `dst`, as stride_h *
-   * stride_w phases of `rows` x phase_w floats. */
-  void Copy(int64_t plane, int64_t row0, int64_t rows, float* dst) const {
+   * stride_w phases of `rows` x phase_w floats; the padding columns are left as they are
+   * unless `zero_columns` (a buffer reused for the same layout keeps them zero). */
+  void Copy(int64_t plane, int64_t row0, int64_t rows, float* dst, bool zero_columns = true) const {
     const float* src = x + plane * height * width;
     for (int64_t a = 0; a < stride_h; ++a) {
       for (int64_t b = 0; b < stride_w; ++b, dst += rows * phase_w) {
@@ -1059,9 +1060,15 @@ struct PhasePlanes {
             continue;
           }
           const float* in = src + row * width + j0 * stride_w + b - left;
-          std::fill(out, out + j0, 0.0f);
-          for (int64_t j = j0; j < j1; ++j) out[j] = in[(j - j0) * stride_w];
-          std::fill(out + j1, out + phase_w, 0.0f);
+          if (stride_w == 1) {  // a plain copy (the strided loop compiles to lane inserts)
+            std::memcpy(out + j0, in, (j1 - j0) * sizeof(float));
+          } else {
+            for (int64_t j = j0; j < j1; ++j) out[j] = in[(j - j0) * stride_w];
+          }
+          if (zero_columns) {
+            std::fill(out, out + j0, 0.0f);
+            std::fill(out + j1, out + phase_w, 0.0f);
+          }
         }
       }
     }
@@ -1168,62 +1175,97 @@ struct DepthwiseWork {
   int64_t rows_per_unit, units_per_plane, num_units;  // num_units: N * O * units_per_plane
 };
 
-/*! \brief NV vectors of output pixels from `y` (the last one cut at `n` pixels), their input
- * at `x`; the taps' weights already broadcast in `wv` (KT taps, or t.num_taps when KT is 0). */
-template <int L, int NV, int KT>
-__attribute__((always_inline)) inline void DepthwiseVectors(
-    const DepthwiseWork& t, const float* x, const typename VectorOf<L>::Type* wv, int64_t n,
-    float* y) {
+/*! \brief L output pixels at `y` and at the same column of the NR - 1 rows after it (`pitch`
+ * floats apart in y, `x_pitch` in the buffer), their input at `x`; the taps' read offsets in
+ * `taps` and weights, broadcast, in `wv` (KT taps, or `num_taps` when KT is 0). The NR rows'
+ * accumulators are independent multiply-add chains. A vector is stored whole where that stays
+ * before `y_end` (into the next row, at a row shorter than a vector: the rows are stored in
+ * order, so the next one overwrites it), else cut there. */
+template <int L, int NR, int KT>
+__attribute__((always_inline)) inline void DepthwiseColumn(
+    const int64_t* taps, const typename VectorOf<L>::Type* wv, int64_t num_taps, const float* x,
+    int64_t x_pitch, float* y, int64_t pitch, const float* y_end) {
   using V = typename VectorOf<L>::Type;
-  const int64_t num_taps = KT ? KT : t.num_taps;
-  V acc[NV];
-  for (int k = 0; k < NV; ++k) acc[k] = V{};
+  if (KT) num_taps = KT;
+  V acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = V{};
   for (int64_t tap = 0; tap < num_taps; ++tap) {
-    for (int k = 0; k < NV; ++k) {
+    for (int r = 0; r < NR; ++r) {
       V v;
-      std::memcpy(&v, x + t.taps[tap] + k * L, sizeof(V));
-      acc[k] += v * wv[tap];
+      std::memcpy(&v, x + r * x_pitch + taps[tap], sizeof(V));
+      acc[r] += v * wv[tap];
     }
   }
-  for (int k = 0; k + 1 < NV; ++k) std::memcpy(y + k * L, &acc[k], sizeof(V));
-  std::memcpy(y + (NV - 1) * L, &acc[NV - 1], n * sizeof(float));
+  for (int r = 0; r < NR; ++r) {
+    float* out = y + r * pitch;
+    if (out + L <= y_end) {
+      std::memcpy(out, &acc[r], sizeof(V));
+    } else {  // a memcpy of fewer floats is a call or a byte loop
+      for (int64_t q = 0; q < y_end - out; ++q) out[q] = acc[r][q];
+    }
+  }
+}
+
+/*! \brief Output rows [oy, oy + NR) of a unit, vector by vector along the rows; a row at least
+ * a vector long ends with a vector that overlaps the one before it (recomputing a few pixels
+ * instead of storing part of a vector). */
+template <int L, int NR, int KT>
+__attribute__((always_inline)) inline void DepthwiseRows(
+    const DepthwiseWork& t, const int64_t* taps, const typename VectorOf<L>::Type* wv,
+    const float* x, float* y, const float* y_end) {
+  const int64_t last = std::max<int64_t>(t.out_w - L, 0);
+  for (int64_t ox = 0; ox < t.out_w; ox += L) {
+    const int64_t column = std::min(ox, last);
+    DepthwiseColumn<L, NR, KT>(taps, wv, t.num_taps, x + column, t.source.phase_w, y + column,
+                               t.out_w, y_end);
+  }
 }
 
 /*! \brief Units [begin, end): unit = (image * O + channel) * units_per_plane + row block; each
- * copies its phase rows, runs kVectors vectors of L pixels at a time along each output row,
- * then one at a time, then applies the epilogue to its rows. */
+ * copies its phase rows, runs kRows rows at a time (then the rest), then applies the epilogue
+ * to its rows. */
 template <int L, int KT>
 __attribute__((always_inline)) inline void DepthwiseUnits(const DepthwiseWork& t, int64_t begin,
                                                           int64_t end) {
   using V = typename VectorOf<L>::Type;
-  constexpr int kVectors = 4;  // independent accumulators per row step
+  constexpr int kRows = 4;  // independent accumulators
   const PhasePlanes& s = t.source;
   thread_local std::vector<float> buffer;
-  buffer.resize(s.stride_h * s.stride_w * t.buffer_rows * s.phase_w);
-  // The channel's weights, each broadcast to a vector: in registers for an unrolled kernel.
+  buffer.assign(s.stride_h * s.stride_w * t.buffer_rows * s.phase_w, 0.0f);  // padding columns
+  // The channel's weights, each broadcast to a vector, and the taps' offsets: in registers
+  // for an unrolled kernel.
   V unrolled[KT ? KT : 1];
+  int64_t unrolled_taps[KT ? KT : 1];
   thread_local std::vector<V> generic;
   generic.resize(KT ? 0 : t.num_taps);
   V* wv = KT ? unrolled : generic.data();
+  const int64_t* taps = t.taps;
+  if (KT) {
+    std::copy(t.taps, t.taps + KT, unrolled_taps);
+    taps = unrolled_taps;
+  }
   const int64_t spatial = t.out_h * t.out_w;
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t block = unit % t.units_per_plane, plane = unit / t.units_per_plane;
     const int64_t o = plane % t.out_c, img = plane / t.out_c;
     const int64_t oy0 = block * t.rows_per_unit, oy1 = std::min(t.out_h, oy0 + t.rows_per_unit);
-    s.Copy(img * t.in_c + o / t.multiplier, oy0, t.buffer_rows, buffer.data());
+    s.Copy(img * t.in_c + o / t.multiplier, oy0, t.buffer_rows, buffer.data(), false);
     const float* w = t.w + o * t.num_taps;
-    for (int64_t tap = 0; tap < t.num_taps; ++tap) wv[tap] = V{} + w[tap];
+    for (int64_t tap = 0; tap < (KT ? KT : t.num_taps); ++tap) wv[tap] = V{} + w[tap];
     float* y = t.y + plane * spatial + oy0 * t.out_w;
-    for (int64_t oy = oy0; oy < oy1; ++oy) {
-      const float* x = buffer.data() + (oy - oy0) * s.phase_w;
-      float* y_row = y + (oy - oy0) * t.out_w;
-      int64_t ox = 0;
-      for (; ox + kVectors * L <= t.out_w; ox += kVectors * L) {
-        DepthwiseVectors<L, kVectors, KT>(t, x + ox, wv, L, y_row + ox);
-      }
-      for (; ox < t.out_w; ox += L) {
-        DepthwiseVectors<L, 1, KT>(t, x + ox, wv, std::min<int64_t>(L, t.out_w - ox), y_row + ox);
-      }
+    const float* y_end = y + (oy1 - oy0) * t.out_w;
+    int64_t oy = oy0;
+    for (; oy + kRows <= oy1; oy += kRows) {
+      DepthwiseRows<L, kRows, KT>(t, taps, wv, buffer.data() + (oy - oy0) * s.phase_w,
+                                  y + (oy - oy0) * t.out_w, y_end);
+    }
+    const float* x = buffer.data() + (oy - oy0) * s.phase_w;
+    float* y_rows = y + (oy - oy0) * t.out_w;
+    switch (oy1 - oy) {
+      case 3: DepthwiseRows<L, 3, KT>(t, taps, wv, x, y_rows, y_end); break;
+      case 2: DepthwiseRows<L, 2, KT>(t, taps, wv, x, y_rows, y_end); break;
+      case 1: DepthwiseRows<L, 1, KT>(t, taps, wv, x, y_rows, y_end); break;
+      default: break;
     }
     if (!t.epilogue->empty()) {
       ApplyEpilogue(*t.epilogue, y, y - t.y, 1, (oy1 - oy0) * t.out_w, spatial);
