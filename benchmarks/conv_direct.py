@@ -16,9 +16,9 @@ CPU's), and the last column says which kernel the default build uses for the sha
 With --depthwise: the depthwise layers of MobileNetV2 (batch 1, 224x224) and mobilenet_cnn
 (batch 8, 64x64), each as a one-conv model (Conv + bias + Clip(0, 6), as in the networks)
 built by `gimlet_tvm.build` twice, with the depthwise kernel (`gimlet.cpu.conv2d_nchw_depthwise`,
-new) and without it (`$GIMLET_CPU_CONV_BLOCK=0`: generated TIR, old), interleaved. --models
-times whole models the same way, old (the depthwise kernel's dispatch turned off, every other
-library kernel as in the default build) against new against onnxruntime.
+`$GIMLET_CPU_DEPTHWISE=1`: new) and without it (the default: generated TIR, old), interleaved.
+--models times whole models the same way (every other library kernel as in the default build),
+against onnxruntime too.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _depthwise_model(batch: int, channels: int, size: int, kernel: int, stride: 
 def depthwise_layers(repeat: int) -> None:
     """The --depthwise table: each depthwise layer, TIR (old) against the library kernel (new)."""
     import gimlet_tvm  # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
-    from gimlet_tvm.relax_passes.dispatch_cpu_library import DIRECT_CONV_BLOCK_ENV  # pylint: disable=import-outside-toplevel
+    from gimlet_tvm.relax_passes.dispatch_cpu_library import DEPTHWISE_ENV  # pylint: disable=import-outside-toplevel
 
     shapes = [(f"v2 {layer.input_shape[1]}ch {layer.input_shape[2]}px /{layer.stride}", 1,
                layer.input_shape[1], layer.input_shape[2], layer.kernel, layer.stride)
@@ -115,9 +115,9 @@ def depthwise_layers(repeat: int) -> None:
     print("| shape | old (TIR) ms | new (library) ms | new/old |\n|---|---|---|---|")
     for name, batch, channels, size, kernel, stride in shapes:
         model = _depthwise_model(batch, channels, size, kernel, stride)
-        with mock.patch.dict(os.environ, {DIRECT_CONV_BLOCK_ENV: "0"}):
-            old = gimlet_tvm.build(model, "llvm")
-        new = gimlet_tvm.build(model, "llvm")
+        old = gimlet_tvm.build(model, "llvm")
+        with mock.patch.dict(os.environ, {DEPTHWISE_ENV: "1"}):
+            new = gimlet_tvm.build(model, "llvm")
         x = np.random.default_rng(0).standard_normal((batch, channels, size, size), dtype=np.float32)
         np.testing.assert_allclose(new(x)[0], old(x)[0], rtol=1e-4, atol=1e-4)
         times = interleaved({"old": lambda: old(x), "new": lambda: new(x)}, repeat)
@@ -130,7 +130,7 @@ def depthwise_models(names: list[str], threads: int, repeat: int) -> None:
     import gimlet_tvm  # pylint: disable=import-outside-toplevel
     from gimlet_tvm.models import SUITE  # pylint: disable=import-outside-toplevel
     from gimlet_tvm.peers import onnxruntime_session  # pylint: disable=import-outside-toplevel
-    from gimlet_tvm.relax_passes import dispatch_cpu_library  # pylint: disable=import-outside-toplevel
+    from gimlet_tvm.relax_passes.dispatch_cpu_library import DEPTHWISE_ENV  # pylint: disable=import-outside-toplevel
 
     print("| model | old ms | new ms | onnxruntime ms | new/old | new/onnxruntime |\n|---|---|---|---|---|---|")
     for name in names:
@@ -139,9 +139,9 @@ def depthwise_models(names: list[str], threads: int, repeat: int) -> None:
             inputs = SUITE[name].example_inputs(8, seed=0)
         else:
             model, inputs = TORCH_MODELS[name].onnx(), TORCH_MODELS[name].example_inputs(seed=0)
-        with mock.patch.object(dispatch_cpu_library, "depthwise_conv_for", lambda *_: False):
-            old = gimlet_tvm.build(model, "llvm")
-        new = gimlet_tvm.build(model, "llvm")
+        old = gimlet_tvm.build(model, "llvm")
+        with mock.patch.dict(os.environ, {DEPTHWISE_ENV: "1"}):
+            new = gimlet_tvm.build(model, "llvm")
         session = onnxruntime_session(model, threads)
         values = list(inputs.values())
         np.testing.assert_allclose(new(*values)[0], old(*values)[0], rtol=1e-3, atol=1e-3)

@@ -21,7 +21,7 @@ OpenBLAS-backed CPU library.
      3-channel stems), into the row-vectorized kernel `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchw_rows", (data, weight, strides, pads, dilations, lanes))`;
    - depthwise `R.nn.conv2d` (one group per input channel, weight [O, 1, KH, KW]), where
-     `depthwise_conv_for` says so, into `R.call_dps_packed("gimlet.cpu.conv2d_nchw_depthwise",
+     `depthwise_conv_for` says so (only when `$GIMLET_CPU_DEPTHWISE` is 1: it loses to TIR), into `R.call_dps_packed("gimlet.cpu.conv2d_nchw_depthwise",
      (data, weight, strides, pads, dilations, lanes))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
@@ -36,8 +36,11 @@ OpenBLAS-backed CPU library.
    Only calls on the host are rewritten: tensors without a virtual device, or with one whose
    target's spec lists the CPU library.
 3. It does not handle: other dtypes or mixed-precision `out_dtype`, rank-1 matmul operands,
-   transposes of other axes than the last two, other layouts, depthwise conv2d on a CPU
-   without AVX2 (that stays in TIR, where FuseOps fuses its epilogue), and operands or results whose shape is unknown; epilogue adds that broadcast
+   transposes of other axes than the last two, other layouts, depthwise conv2d unless
+   `$GIMLET_CPU_DEPTHWISE` asks for the library kernel on a CPU with AVX2 (it stays in TIR,
+   where FuseOps fuses its epilogue; a first library kernel, vectors of output pixels per
+   zero-padded plane, made mobilenet_cnn 1.8x slower, and the present one still loses), and
+   operands or results whose shape is unknown; epilogue adds that broadcast
    the output or whose vector axis is followed by symbolic axes; other activations (sigmoid,
    ...). Those ops stay as they were, and FuseOps fuses the elementwise ones with each other.
 
@@ -70,6 +73,7 @@ DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct"
 ROW_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_rows"
 DEPTHWISE_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_depthwise"
 DIRECT_CONV_BLOCK_ENV = "GIMLET_CPU_CONV_BLOCK"
+DEPTHWISE_ENV = "GIMLET_CPU_DEPTHWISE"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
 # weight, 6 params, groups); after (data, packed weight, 6 params); after (data, weight, 6
@@ -93,6 +97,7 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
         rewriter = _LibraryCallRewriter(mod)
         rewriter.fuse_epilogues = graph_fusion_enabled()
         rewriter.direct_block = direct_conv_block()
+        rewriter.depthwise_wanted = depthwise_kernel_wanted()
         for g_var, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 rewriter.use_counts = _use_counts(func)
@@ -155,14 +160,24 @@ def row_conv_for(in_c: int, kernel: tuple[int, int], cpu_block: int) -> bool:
     return cpu_block > 0 and tuple(kernel) != (1, 1) and in_c * kernel[0] * kernel[1] < 32
 
 
-def depthwise_conv_for(in_c: int, groups: int, cpu_block: int) -> bool:
+def depthwise_kernel_wanted() -> bool:
+    """Whether `$GIMLET_CPU_DEPTHWISE` asks for the depthwise kernel ("1"; "0" or unset: not)."""
+    value = os.environ.get(DEPTHWISE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise CompileError(f"${DEPTHWISE_ENV} must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
+def depthwise_conv_for(in_c: int, groups: int, cpu_block: int, wanted: bool) -> bool:
     """Whether a conv2d with one input channel per group runs on the depthwise kernel
     (`gimlet.cpu.conv2d_nchw_depthwise`): one group per input channel (each output channel
     reads one input channel; any channel multiplier), on a CPU with a direct kernel (`cpu_block`
-    not 0; the call asks for vectors of `cpu_block` lanes, as the row kernel's does). Without
-    AVX2 such convs stay in TIR, where FuseOps fuses their epilogues.
-    benchmarks/README.md, "A depthwise kernel", has the measurements: MEASUREMENTS."""
-    return cpu_block > 0 and groups == in_c
+    not 0; the call asks for vectors of `cpu_block` lanes, as the row kernel's does), and only
+    when `wanted` (`depthwise_kernel_wanted`, off by default): the kernel took 1.0-2.0x the
+    generated TIR's time on every MobileNetV2 and mobilenet_cnn depthwise layer measured (1 and
+    2 threads; benchmarks/README.md, "A depthwise kernel"), so depthwise convs stay in TIR,
+    where FuseOps fuses their epilogues, unless asked for."""
+    return wanted and cpu_block > 0 and groups == in_c
 
 
 def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list] | None:
@@ -284,6 +299,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     use_counts: collections.Counter = collections.Counter()
     fuse_epilogues = True
     direct_block = 0  # this CPU's channel block for the direct conv2d kernel; 0: not used
+    depthwise_wanted = False  # `$GIMLET_CPU_DEPTHWISE` asks for the depthwise kernel
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
@@ -437,7 +453,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         params = _static_ints([*attrs.strides, *attrs.padding[:2], *attrs.dilation])
         if groups > 1 and channels_per_group == [1]:  # depthwise
             in_c = _static_ints([data.ty.shape[1]])
-            if params is None or in_c is None or not depthwise_conv_for(in_c[0], groups, self.direct_block):
+            if params is None or in_c is None or not depthwise_conv_for(
+                    in_c[0], groups, self.direct_block, self.depthwise_wanted):
                 return None
             args = [data, weight, *(relax.prim_value(p) for p in params), relax.prim_value(self.direct_block)]
             return relax.call_dps_packed(DEPTHWISE_CONV2D_FUNC, args, call.ty)

@@ -1,6 +1,7 @@
 """The CPU library's depthwise conv2d kernel (`gimlet.cpu.conv2d_nchw_depthwise`: vectors of
 output pixels along a row, one input channel per output channel) against numpy and
-onnxruntime, and its dispatch.
+onnxruntime, and its dispatch (only with `$GIMLET_CPU_DEPTHWISE=1`: by default depthwise convs
+stay in TIR, where they ran faster).
 
 Asking for 8 lanes runs the AVX2 instance, 16 lanes the AVX-512 one (on a CPU without AVX-512,
 the AVX2 one again), so both are exercised here; 3x3 and 5x5 kernels run unrolled instances,
@@ -15,8 +16,10 @@ import tvm
 from onnx import helper
 from tvm.relax.frontend.onnx import from_onnx
 
+from gimlet_tvm.errors import CompileError
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
-    DEPTHWISE_CONV2D_FUNC, DIRECT_CONV_BLOCK_ENV, depthwise_conv_for)
+    DEPTHWISE_CONV2D_FUNC, DEPTHWISE_ENV, DIRECT_CONV_BLOCK_ENV, depthwise_conv_for,
+    depthwise_kernel_wanted)
 from gimlet_tvm.runtime.extensions import load_extensions
 
 from .test_cpu_direct_conv import ADD_TENSOR, ADD_VECTOR, CLIP, RELU
@@ -144,8 +147,10 @@ def _block_model(channels: int, size: int, kernel: int, stride: int, pads: list[
 )
 def test_depthwise_conv2d_in_a_model_against_onnxruntime(cpu_block, channels, size, kernel, stride,
                                                          pads, dilation, residual, monkeypatch) -> None:
-    """Depthwise convs go to the depthwise kernel, their bias, ReLU6 and residual add fused."""
+    """Asked for, depthwise convs go to the depthwise kernel, their bias, ReLU6 and residual
+    add fused."""
     monkeypatch.setenv(DIRECT_CONV_BLOCK_ENV, cpu_block)
+    monkeypatch.setenv(DEPTHWISE_ENV, "1")
     model = _block_model(channels, size, kernel, stride, pads, dilation, residual)
     assert packed_calls(from_onnx(model, keep_params_in_input=False)) == [DEPTHWISE_CONV2D_FUNC]
     for batch in (1, 2):
@@ -153,13 +158,29 @@ def test_depthwise_conv2d_in_a_model_against_onnxruntime(cpu_block, channels, si
         np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("cpu_block, expected", [("16", [DEPTHWISE_CONV2D_FUNC]), ("0", [])])
-def test_depthwise_conv2d_dispatch_rule(cpu_block, expected, monkeypatch) -> None:
-    """Without a direct kernel (no AVX2, or `$GIMLET_CPU_CONV_BLOCK` 0), depthwise convs stay
-    in TIR, and the model still matches onnxruntime."""
+@pytest.mark.parametrize(
+    "cpu_block, wanted, expected",
+    [
+        ("16", "1", [DEPTHWISE_CONV2D_FUNC]),
+        ("8", "1", [DEPTHWISE_CONV2D_FUNC]),
+        ("16", "", []),  # the default: TIR, where it ran faster
+        ("16", "0", []),
+        ("0", "1", []),  # no AVX2 (or direct kernels off)
+    ],
+)
+def test_depthwise_conv2d_dispatch_rule(cpu_block, wanted, expected, monkeypatch) -> None:
+    """The depthwise kernel runs only when asked for and on a CPU with AVX2; the model matches
+    onnxruntime either way."""
     monkeypatch.setenv(DIRECT_CONV_BLOCK_ENV, cpu_block)
+    monkeypatch.setenv(DEPTHWISE_ENV, wanted)
     model = _block_model(8, 12, 3, 1, [1, 1, 1, 1], 1, True)
     assert packed_calls(from_onnx(model, keep_params_in_input=False)) == expected
-    assert depthwise_conv_for(8, 8, int(cpu_block)) == bool(expected)
+    assert depthwise_conv_for(8, 8, int(cpu_block), wanted == "1") == bool(expected)
     ours, reference = run_both(model, {"x": rand(2, 8, 12, 12, seed=9)})
     np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_depthwise_env_rejects_other_values(monkeypatch) -> None:
+    monkeypatch.setenv(DEPTHWISE_ENV, "yes")
+    with pytest.raises(CompileError, match="GIMLET_CPU_DEPTHWISE must be 0 or 1"):
+        depthwise_kernel_wanted()
