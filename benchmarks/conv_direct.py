@@ -16,9 +16,10 @@ CPU's), and the last column says which kernel the default build uses for the sha
 With --depthwise: the depthwise layers of MobileNetV2 (batch 1, 224x224) and mobilenet_cnn
 (batch 8, 64x64), each as a one-conv model (Conv + bias + Clip(0, 6), as in the networks)
 built by `gimlet_tvm.build` twice, with the depthwise kernel (`gimlet.cpu.conv2d_nchw_depthwise`,
-`$GIMLET_CPU_DEPTHWISE=1`: new) and without it (the default: generated TIR, old), interleaved.
---models times whole models the same way (every other library kernel as in the default build),
-against onnxruntime too.
+`$GIMLET_CPU_DEPTHWISE=1`: new) and without it (`$GIMLET_CPU_DEPTHWISE=0`: generated TIR, old),
+interleaved; the last column says which one the default build uses. --models times whole
+models the same way (every other library kernel as in the default build): no depthwise
+kernel, the default build's choice, every depthwise conv on it, and onnxruntime.
 """
 
 from __future__ import annotations
@@ -63,15 +64,18 @@ SHAPES = [
 ]
 
 
-def interleaved(calls: dict[str, Callable[[], object]], repeat: int) -> dict[str, list[float]]:
-    """Each call's times in ms over `repeat` rounds that run every call once, after 3 untimed
-    rounds."""
+def interleaved(calls: dict[str, Callable[[], object]], repeat: int, settle: int = 0) -> dict[str, list[float]]:
+    """Each call's times in ms over `repeat` rounds that run every call once (after `settle`
+    untimed calls of its own, so that another engine's spinning workers have gone quiet:
+    benchmarks/README.md, Method), after 3 untimed rounds."""
     times: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(3):
         for call in calls.values():
             call()
     for _ in range(repeat):
         for key, call in calls.items():
+            for _ in range(settle):
+                call()
             start = time.perf_counter()
             call()
             times[key].append((time.perf_counter() - start) * 1e3)
@@ -105,24 +109,28 @@ def _depthwise_model(batch: int, channels: int, size: int, kernel: int, stride: 
 def depthwise_layers(repeat: int) -> None:
     """The --depthwise table: each depthwise layer, TIR (old) against the library kernel (new)."""
     import gimlet_tvm  # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
-    from gimlet_tvm.relax_passes.dispatch_cpu_library import DEPTHWISE_ENV  # pylint: disable=import-outside-toplevel
+    from gimlet_tvm.relax_passes.dispatch_cpu_library import (  # pylint: disable=import-outside-toplevel
+        DEPTHWISE_ENV, depthwise_conv_for)
 
     shapes = [(f"v2 {layer.input_shape[1]}ch {layer.input_shape[2]}px /{layer.stride}", 1,
                layer.input_shape[1], layer.input_shape[2], layer.kernel, layer.stride)
               for layer in conv_layers("mobilenetv2") if layer.groups > 1]
     shapes += [(f"cnn {c}ch {size}px /{stride}", 8, c, size, 3, stride)
                for c, size, stride in MOBILENET_CNN_DEPTHWISE]
-    print("| shape | old (TIR) ms | new (library) ms | new/old |\n|---|---|---|---|")
+    print("| shape | old (TIR) ms | new (library) ms | new/old | default build |\n|---|---|---|---|---|")
     for name, batch, channels, size, kernel, stride in shapes:
         model = _depthwise_model(batch, channels, size, kernel, stride)
-        old = gimlet_tvm.build(model, "llvm")
+        with mock.patch.dict(os.environ, {DEPTHWISE_ENV: "0"}):
+            old = gimlet_tvm.build(model, "llvm")
         with mock.patch.dict(os.environ, {DEPTHWISE_ENV: "1"}):
             new = gimlet_tvm.build(model, "llvm")
         x = np.random.default_rng(0).standard_normal((batch, channels, size, size), dtype=np.float32)
         np.testing.assert_allclose(new(x)[0], old(x)[0], rtol=1e-4, atol=1e-4)
         times = interleaved({"old": lambda: old(x), "new": lambda: new(x)}, repeat)
         ratio = np.median(times["new"]) / np.median(times["old"])
-        print(f"| {name} | {_cell(times['old'])} | {_cell(times['new'])} | {ratio:.2f} |", flush=True)
+        used = "library" if depthwise_conv_for(channels, channels, size, 16, None) else "TIR"
+        print(f"| {name} | {_cell(times['old'])} | {_cell(times['new'])} | {ratio:.2f} | {used} |",
+              flush=True)
 
 
 def depthwise_models(names: list[str], threads: int, repeat: int) -> None:
@@ -130,26 +138,30 @@ def depthwise_models(names: list[str], threads: int, repeat: int) -> None:
     import gimlet_tvm  # pylint: disable=import-outside-toplevel
     from gimlet_tvm.models import SUITE  # pylint: disable=import-outside-toplevel
     from gimlet_tvm.peers import onnxruntime_session  # pylint: disable=import-outside-toplevel
-    from gimlet_tvm.relax_passes.dispatch_cpu_library import DEPTHWISE_ENV  # pylint: disable=import-outside-toplevel
+    from gimlet_tvm.relax_passes.dispatch_cpu_library import (  # pylint: disable=import-outside-toplevel
+        DEPTHWISE_ENV, depthwise_conv_for)
 
-    print("| model | old ms | new ms | onnxruntime ms | new/old | new/onnxruntime |\n|---|---|---|---|---|---|")
+    print("| model | none ms | default ms | all ms | onnxruntime ms | default/none | all/none | "
+          "default/onnxruntime |\n|---|---|---|---|---|---|---|---|")
     for name in names:
         if name in SUITE:
             model = SUITE[name].build()
             inputs = SUITE[name].example_inputs(8, seed=0)
         else:
             model, inputs = TORCH_MODELS[name].onnx(), TORCH_MODELS[name].example_inputs(seed=0)
-        old = gimlet_tvm.build(model, "llvm")
-        with mock.patch.dict(os.environ, {DEPTHWISE_ENV: "1"}):
-            new = gimlet_tvm.build(model, "llvm")
+        builds = {}
+        for key, value in (("none", "0"), ("default", ""), ("all", "1")):
+            with mock.patch.dict(os.environ, {DEPTHWISE_ENV: value}):
+                builds[key] = gimlet_tvm.build(model, "llvm")
         session = onnxruntime_session(model, threads)
         values = list(inputs.values())
-        np.testing.assert_allclose(new(*values)[0], old(*values)[0], rtol=1e-3, atol=1e-3)
-        times = interleaved({"old": lambda: old(*values), "new": lambda: new(*values),
-                             "ort": lambda: session.run(None, inputs)}, repeat)
-        medians = {k: np.median(t) for k, t in times.items()}
-        print(f"| {name} | {_cell(times['old'])} | {_cell(times['new'])} | {_cell(times['ort'])} | "
-              f"{medians['new'] / medians['old']:.2f} | {medians['new'] / medians['ort']:.2f} |", flush=True)
+        for compiled in builds.values():
+            np.testing.assert_allclose(compiled(*values)[0], builds["none"](*values)[0], rtol=1e-3, atol=1e-3)
+        calls = {key: (lambda c=compiled: c(*values)) for key, compiled in builds.items()}
+        times = interleaved(calls | {"ort": lambda: session.run(None, inputs)}, repeat, settle=3)
+        m = {k: np.median(t) for k, t in times.items()}
+        print(f"| {name} | {' | '.join(_cell(t) for t in times.values())} | {m['default'] / m['none']:.2f} | "
+              f"{m['all'] / m['none']:.2f} | {m['default'] / m['ort']:.2f} |", flush=True)
 
 
 def main() -> None:

@@ -21,7 +21,8 @@ OpenBLAS-backed CPU library.
      3-channel stems), into the row-vectorized kernel `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchw_rows", (data, weight, strides, pads, dilations, lanes))`;
    - depthwise `R.nn.conv2d` (one group per input channel, weight [O, 1, KH, KW]), where
-     `depthwise_conv_for` says so (only when `$GIMLET_CPU_DEPTHWISE` is 1: it loses to TIR), into `R.call_dps_packed("gimlet.cpu.conv2d_nchw_depthwise",
+     `depthwise_conv_for` says so (inputs at least 112 wide; `$GIMLET_CPU_DEPTHWISE` 1 or 0:
+     all or none), into `R.call_dps_packed("gimlet.cpu.conv2d_nchw_depthwise",
      (data, weight, strides, pads, dilations, lanes))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
@@ -36,11 +37,9 @@ OpenBLAS-backed CPU library.
    Only calls on the host are rewritten: tensors without a virtual device, or with one whose
    target's spec lists the CPU library.
 3. It does not handle: other dtypes or mixed-precision `out_dtype`, rank-1 matmul operands,
-   transposes of other axes than the last two, other layouts, depthwise conv2d unless
-   `$GIMLET_CPU_DEPTHWISE` asks for the library kernel on a CPU with AVX2 (it stays in TIR,
-   where FuseOps fuses its epilogue; a first library kernel, vectors of output pixels per
-   zero-padded plane, made mobilenet_cnn 1.8x slower, and the present one still loses), and
-   operands or results whose shape is unknown; epilogue adds that broadcast
+   transposes of other axes than the last two, other layouts, depthwise conv2d on smaller
+   inputs or a CPU without AVX2 (it stays in TIR, where FuseOps fuses its epilogue: there it
+   ran faster), and operands or results whose shape is unknown; epilogue adds that broadcast
    the output or whose vector axis is followed by symbolic axes; other activations (sigmoid,
    ...). Those ops stay as they were, and FuseOps fuses the elementwise ones with each other.
 
@@ -160,24 +159,34 @@ def row_conv_for(in_c: int, kernel: tuple[int, int], cpu_block: int) -> bool:
     return cpu_block > 0 and tuple(kernel) != (1, 1) and in_c * kernel[0] * kernel[1] < 32
 
 
-def depthwise_kernel_wanted() -> bool:
-    """Whether `$GIMLET_CPU_DEPTHWISE` asks for the depthwise kernel ("1"; "0" or unset: not)."""
+def depthwise_kernel_wanted() -> bool | None:
+    """`$GIMLET_CPU_DEPTHWISE`: "1" puts every depthwise conv on the depthwise kernel, "0" none;
+    unset, None: `depthwise_conv_for`'s rule decides."""
     value = os.environ.get(DEPTHWISE_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise CompileError(f"${DEPTHWISE_ENV} must be 0 or 1, not {value!r}")
-    return value == "1"
+    return None if value == "" else value == "1"
 
 
-def depthwise_conv_for(in_c: int, groups: int, cpu_block: int, wanted: bool) -> bool:
-    """Whether a conv2d with one input channel per group runs on the depthwise kernel
-    (`gimlet.cpu.conv2d_nchw_depthwise`): one group per input channel (each output channel
-    reads one input channel; any channel multiplier), on a CPU with a direct kernel (`cpu_block`
-    not 0; the call asks for vectors of `cpu_block` lanes, as the row kernel's does), and only
-    when `wanted` (`depthwise_kernel_wanted`, off by default): the kernel took 1.0-2.0x the
-    generated TIR's time on every MobileNetV2 and mobilenet_cnn depthwise layer measured (1 and
-    2 threads; benchmarks/README.md, "A depthwise kernel"), so depthwise convs stay in TIR,
-    where FuseOps fuses their epilogues, unless asked for."""
-    return wanted and cpu_block > 0 and groups == in_c
+# The narrowest input the depthwise kernel takes by default (see `depthwise_conv_for`).
+DEPTHWISE_MIN_WIDTH = 112
+
+
+def depthwise_conv_for(in_c: int, groups: int, width: int, cpu_block: int, wanted: bool | None) -> bool:
+    """Whether a conv2d with one input channel per group and input `width` runs on the
+    depthwise kernel (`gimlet.cpu.conv2d_nchw_depthwise`): one group per input channel (each
+    output channel reads one input channel; any channel multiplier), on a CPU with a direct
+    kernel (`cpu_block` not 0; the call asks for vectors of `cpu_block` lanes, as the row
+    kernel's does), where `wanted` (`$GIMLET_CPU_DEPTHWISE`) says so, or by default for inputs
+    at least `DEPTHWISE_MIN_WIDTH` wide. benchmarks/conv_direct.py --depthwise
+    (benchmarks/README.md, "A depthwise kernel"): against the generated TIR it won only on
+    MobileNetV2's 112-pixel layers (0.85-0.95 of the time at 1 thread); on smaller planes
+    (56 to 7 pixels, mobilenet_cnn's 32 to 8) it took 1.1-1.9x as long (its per-unit copy
+    into phase rows and setup outweigh the multiply-adds), so those stay in TIR, where FuseOps
+    fuses their epilogues."""
+    if cpu_block == 0 or groups != in_c:
+        return False
+    return width >= DEPTHWISE_MIN_WIDTH if wanted is None else wanted
 
 
 def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list] | None:
@@ -299,7 +308,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     use_counts: collections.Counter = collections.Counter()
     fuse_epilogues = True
     direct_block = 0  # this CPU's channel block for the direct conv2d kernel; 0: not used
-    depthwise_wanted = False  # `$GIMLET_CPU_DEPTHWISE` asks for the depthwise kernel
+    depthwise_wanted: bool | None = None  # `$GIMLET_CPU_DEPTHWISE`; None: the default rule
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
@@ -452,9 +461,9 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         channels_per_group = _static_ints([weight.ty.shape[1]])
         params = _static_ints([*attrs.strides, *attrs.padding[:2], *attrs.dilation])
         if groups > 1 and channels_per_group == [1]:  # depthwise
-            in_c = _static_ints([data.ty.shape[1]])
-            if params is None or in_c is None or not depthwise_conv_for(
-                    in_c[0], groups, self.direct_block, self.depthwise_wanted):
+            channels_width = _static_ints([data.ty.shape[1], data.ty.shape[3]])
+            if params is None or channels_width is None or not depthwise_conv_for(
+                    channels_width[0], groups, channels_width[1], self.direct_block, self.depthwise_wanted):
                 return None
             args = [data, weight, *(relax.prim_value(p) for p in params), relax.prim_value(self.direct_block)]
             return relax.call_dps_packed(DEPTHWISE_CONV2D_FUNC, args, call.ty)

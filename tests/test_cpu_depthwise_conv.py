@@ -1,7 +1,7 @@
 """The CPU library's depthwise conv2d kernel (`gimlet.cpu.conv2d_nchw_depthwise`: vectors of
 output pixels along a row, one input channel per output channel) against numpy and
-onnxruntime, and its dispatch (only with `$GIMLET_CPU_DEPTHWISE=1`: by default depthwise convs
-stay in TIR, where they ran faster).
+onnxruntime, and its dispatch (by default for inputs at least 112 wide, where it beat the
+generated TIR; `$GIMLET_CPU_DEPTHWISE=1` forces it here).
 
 Asking for 8 lanes runs the AVX2 instance, 16 lanes the AVX-512 one (on a CPU without AVX-512,
 the AVX2 one again), so both are exercised here; 3x3 and 5x5 kernels run unrolled instances,
@@ -159,24 +159,26 @@ def test_depthwise_conv2d_in_a_model_against_onnxruntime(cpu_block, channels, si
 
 
 @pytest.mark.parametrize(
-    "cpu_block, wanted, expected",
+    "cpu_block, wanted, size, expected",
     [
-        ("16", "1", [DEPTHWISE_CONV2D_FUNC]),
-        ("8", "1", [DEPTHWISE_CONV2D_FUNC]),
-        ("16", "", []),  # the default: TIR, where it ran faster
-        ("16", "0", []),
-        ("0", "1", []),  # no AVX2 (or direct kernels off)
+        ("16", "", 112, [DEPTHWISE_CONV2D_FUNC]),  # the default: wide inputs
+        ("8", "", 112, [DEPTHWISE_CONV2D_FUNC]),
+        ("16", "", 12, []),  # the default: narrower ones stay in TIR, where they ran faster
+        ("16", "1", 12, [DEPTHWISE_CONV2D_FUNC]),
+        ("16", "0", 112, []),
+        ("0", "1", 12, []),  # no AVX2 (or direct kernels off)
+        ("0", "", 112, []),
     ],
 )
-def test_depthwise_conv2d_dispatch_rule(cpu_block, wanted, expected, monkeypatch) -> None:
-    """The depthwise kernel runs only when asked for and on a CPU with AVX2; the model matches
-    onnxruntime either way."""
+def test_depthwise_conv2d_dispatch_rule(cpu_block, wanted, size, expected, monkeypatch) -> None:
+    """The depthwise kernel runs on wide inputs or when asked for, and only on a CPU with AVX2;
+    the model matches onnxruntime either way."""
     monkeypatch.setenv(DIRECT_CONV_BLOCK_ENV, cpu_block)
     monkeypatch.setenv(DEPTHWISE_ENV, wanted)
-    model = _block_model(8, 12, 3, 1, [1, 1, 1, 1], 1, True)
+    model = _block_model(8, size, 3, 1, [1, 1, 1, 1], 1, True)
     assert packed_calls(from_onnx(model, keep_params_in_input=False)) == expected
-    assert depthwise_conv_for(8, 8, int(cpu_block), wanted == "1") == bool(expected)
-    ours, reference = run_both(model, {"x": rand(2, 8, 12, 12, seed=9)})
+    assert depthwise_conv_for(8, 8, size, int(cpu_block), depthwise_kernel_wanted()) == bool(expected)
+    ours, reference = run_both(model, {"x": rand(2, 8, size, size, seed=9)})
     np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
 
 

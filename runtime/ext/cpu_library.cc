@@ -1052,6 +1052,12 @@ inline void CopyFloats(const float* src, int64_t n, float* dst) {
   std::memcpy(dst + n - kLanes, &v, sizeof(v));
 }
 
+/*! \brief a / b rounded up, for b > 0 (toward zero for a < 0); strides 1 and 2 without a
+ * division (a 64-bit division costs more than copying a depthwise conv's short row). */
+inline int64_t CeilDiv(int64_t a, int64_t b) {
+  return b == 1 ? a : b == 2 ? (a + 1) >> 1 : (a + b - 1) / b;
+}
+
 /*! \brief dst[j] = src[2 * j] for j < n, reading no further than src[available - 1]:
  * `kLanes` at a time from two vectors' even lanes while those stay inside, then one by one. */
 inline void CopyEvenFloats(const float* src, int64_t n, int64_t available, float* dst) {
@@ -1080,8 +1086,8 @@ struct PhasePlanes {
     for (int64_t a = 0; a < stride_h; ++a) {
       for (int64_t b = 0; b < stride_w; ++b, dst += rows * phase_w) {
         // Columns j with 0 <= j * stride_w + b - left < width come from the data.
-        const int64_t j0 = std::min(phase_w, (std::max<int64_t>(left - b, 0) + stride_w - 1) / stride_w);
-        const int64_t j1 = std::clamp<int64_t>((width + left - b + stride_w - 1) / stride_w, j0, phase_w);
+        const int64_t j0 = std::min(phase_w, CeilDiv(std::max<int64_t>(left - b, 0), stride_w));
+        const int64_t j1 = std::clamp<int64_t>(CeilDiv(width + left - b, stride_w), j0, phase_w);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t row = (row0 + i) * stride_h + a - top;
           float* out = dst + i * phase_w;
@@ -1288,11 +1294,14 @@ __attribute__((always_inline)) inline void DepthwiseUnits(const DepthwiseWork& t
   V* wv = KT ? unrolled : generic.data();
   const int64_t* taps = t.taps;
   const int64_t spatial = t.out_h * t.out_w;
+  // unit = plane * units_per_plane + block, plane = image * O + o, counted up without divisions
+  // (they cost as much as a small plane's multiply-adds).
+  int64_t block = begin % t.units_per_plane, plane = begin / t.units_per_plane;
+  int64_t o = plane % t.out_c;
   for (int64_t unit = begin; unit < end; ++unit) {
-    const int64_t block = unit % t.units_per_plane, plane = unit / t.units_per_plane;
-    const int64_t o = plane % t.out_c, img = plane / t.out_c;
     const int64_t oy0 = block * t.rows_per_unit, oy1 = std::min(t.out_h, oy0 + t.rows_per_unit);
-    s.Copy(img * t.in_c + o / t.multiplier, oy0, t.buffer_rows, buffer.data(), false);
+    // The data plane: image * C + o / multiplier, as O = C * multiplier.
+    s.Copy(t.multiplier == 1 ? plane : plane / t.multiplier, oy0, t.buffer_rows, buffer.data(), false);
     const float* w = t.w + o * t.num_taps;
     for (int64_t tap = 0; tap < (KT ? KT : t.num_taps); ++tap) wv[tap] = V{} + w[tap];
     float* y = t.y + plane * spatial + oy0 * t.out_w;
@@ -1312,6 +1321,11 @@ __attribute__((always_inline)) inline void DepthwiseUnits(const DepthwiseWork& t
     }
     if (!t.epilogue->empty()) {
       ApplyEpilogue(*t.epilogue, y, y - t.y, 1, (oy1 - oy0) * t.out_w, spatial);
+    }
+    if (++block == t.units_per_plane) {
+      block = 0;
+      ++plane;
+      if (++o == t.out_c) o = 0;
     }
   }
 }
