@@ -1394,7 +1394,8 @@ void DepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, in
   const int64_t kernel_h = weight->shape[2], kernel_w = weight->shape[3];
   const int64_t out_h = out->shape[2], out_w = out->shape[3];
   if (batch == 0 || out_c == 0 || out_h * out_w == 0) return;
-  lanes = std::min(lanes, DirectConvBlock());
+  // Rows of at most 8 pixels fill an 8-lane vector: 16 lanes would compute as many wasted ones.
+  lanes = out_w <= 8 ? 8 : std::min(lanes, DirectConvBlock());
   // A row's last vector reads up to its last lane; the taps reach (K - 1) * D / S further.
   const int64_t phase_w = (out_w + lanes - 1) / lanes * lanes + (kernel_w - 1) * p.dilation_w / p.stride_w;
   const int64_t reach = (kernel_h - 1) * p.dilation_h / p.stride_h;
