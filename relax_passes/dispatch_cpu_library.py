@@ -181,8 +181,8 @@ def depthwise_conv_for(in_c: int, groups: int, width: int, cpu_block: int, wante
     at least `DEPTHWISE_MIN_WIDTH` wide. benchmarks/conv_direct.py --depthwise
     (benchmarks/README.md, "A depthwise kernel"; 1 thread, a shared 2-core AMD EPYC):
     against the generated TIR it tied or won only on MobileNetV2's 112-pixel layers (0.85-1.00
-    of the time over four runs); on smaller planes (56 to 7 pixels, mobilenet_cnn's 32 to 8)
-    it took 1.1-2.2x as long (its per-unit copy into phase rows and setup outweigh 9
+    of the time over five runs); on smaller planes (56 to 7 pixels, mobilenet_cnn's 32 to 8)
+    it took 1.1-1.8x as long (its per-unit copy into phase rows and setup outweigh 9
     multiply-adds per output), so those stay in TIR, where FuseOps fuses their epilogues."""
     if cpu_block == 0 or groups != in_c:
         return False
