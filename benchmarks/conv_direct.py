@@ -1,34 +1,40 @@
 """Per-shape times of the CPU library's two fp32 conv2d kernels: im2col + OpenBLAS
 (`gimlet.cpu.conv2d_nchw`) and the direct blocked kernel (`gimlet.cpu.conv2d_nchw_direct`),
 on the conv layers of ResNet-18 (batch 1, 224x224), the suite's resnet_cnn and
-mobilenet_cnn (batch 8, 64x64).
+mobilenet_cnn (batch 8, 64x64); with --winograd, the direct kernel against Winograd
+F(2x2, 3x3) and F(4x4, 3x3) (`gimlet.cpu.conv2d_nchw_winograd`) on the 3x3 stride-1 shapes,
+GFLOP/s counted as the direct convolution's (2 * 9 * C multiply-adds per output).
 
     .venv/bin/python benchmarks/conv_direct.py --threads 1 [--repeat 30] [--block 8]
+    .venv/bin/python benchmarks/conv_direct.py --threads 1 --winograd
+    .venv/bin/python benchmarks/conv_direct.py --threads 1 --models resnet_cnn resnet18_like
 
-Calls alternate between the kernels (interleaved rounds), so a load change on the machine
-hits both; each row is the median and p10-p90 in ms, and new/old is the ratio of medians.
-Each shape is run with a bias + ReLU epilogue, as in the networks. Without --block, the direct
-kernel runs with the block the default build would pick (`direct_conv_block_for`, else this
-CPU's), and the last column says which kernel the default build uses for the shape.
+With --models, whole suite models instead: built with Winograd (the default rule) and without
+(`$GIMLET_CPU_WINOGRAD=0`) and run by onnxruntime, one call each per interleaved round.
 
     .venv/bin/python benchmarks/conv_direct.py --depthwise --threads 1 [--models mobilenet_cnn ...]
 
 With --depthwise: the depthwise layers of MobileNetV2 (batch 1, 224x224) and mobilenet_cnn
 (batch 8, 64x64), each as a one-conv model (Conv + bias + Clip(0, 6), as in the networks)
 built by `gimlet_tvm.build` twice, with the depthwise kernel (`gimlet.cpu.conv2d_nchw_depthwise`,
-`$GIMLET_CPU_DEPTHWISE=1`: new) and without it (`$GIMLET_CPU_DEPTHWISE=0`: generated TIR, old),
-interleaved; the last column says which one the default build uses. --models times whole
-models the same way (every other library kernel as in the default build): no depthwise
-kernel, the default build's choice, every depthwise conv on it, and onnxruntime.
+`$GIMLET_CPU_DEPTHWISE=1`: new) and without it (`=0`: generated TIR, old), interleaved; the
+last column says which one the default build uses. With --models too, whole models (suite or
+torch_models.py names) built with the default rule, with no depthwise kernel and with every
+depthwise conv on it, and onnxruntime.
+
+Calls alternate between the kernels (interleaved rounds), so a load change on the machine
+hits both; each row is the median and p10-p90 in ms, and new/old is the ratio of medians.
+Each shape is run with a bias + ReLU epilogue, as in the networks. Without --block, the direct
+kernel runs with the block the default build would pick (`direct_conv_block_for`, else this
+CPU's), and the last column says which kernel the default build uses for the shape.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
-from collections.abc import Callable
-from unittest import mock
 
 import numpy as np
 import onnx
@@ -64,26 +70,58 @@ SHAPES = [
 ]
 
 
-def interleaved(calls: dict[str, Callable[[], object]], repeat: int, settle: int = 0) -> dict[str, list[float]]:
-    """Each call's times in ms over `repeat` rounds that run every call once (after `settle`
-    untimed calls of its own, so that another engine's spinning workers have gone quiet:
-    benchmarks/README.md, Method), after 3 untimed rounds."""
+def interleaved(calls: dict, repeat: int) -> dict[str, list[float]]:
+    """Milliseconds per call of each of `calls`, in `repeat` interleaved rounds after 3 warm-up rounds."""
     times: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(3):
         for call in calls.values():
             call()
     for _ in range(repeat):
         for key, call in calls.items():
-            for _ in range(settle):
-                call()
             start = time.perf_counter()
             call()
             times[key].append((time.perf_counter() - start) * 1e3)
     return times
 
 
-def _cell(t: list[float]) -> str:
-    return f"{np.median(t):.3f} ({np.percentile(t, 10):.3f}-{np.percentile(t, 90):.3f})"
+def compare_models(names: list[str], batch: int, threads: int, repeat: int, env: str,
+                   settings: dict[str, str]) -> None:
+    """Whole models (suite names at `batch`, or torch_models.py names) built once per setting
+    of the environment variable `env` (`settings`: build name -> value), and onnxruntime,
+    through `time_interleaved` (balanced orders, settling calls: each engine's workers spin
+    after a call); ratios of the first build to the second and to onnxruntime."""
+    # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
+    import gimlet_tvm
+    from gimlet_tvm.models import SUITE
+    from gimlet_tvm.peers import PairedRatio, max_abs_diff, onnxruntime_session, time_interleaved
+
+    first, second = list(settings)[:2]
+    print(f"threads {threads}, batch {batch}, {repeat} interleaved rounds; ms median (p10-p90); "
+          "ratios: per-round median [p10-p90] (95% interval of the median)")
+    print(f"| model | {' ms | '.join(settings)} ms | onnxruntime ms | {first}/{second} | {first}/ort |\n"
+          f"|---|{'---|' * len(settings)}---|---|---|")
+    for name in names:
+        if name in SUITE:
+            proto, inputs = SUITE[name].build(), SUITE[name].example_inputs(batch=batch)
+        else:
+            proto, inputs = TORCH_MODELS[name].onnx(), TORCH_MODELS[name].example_inputs()
+        builds = {}
+        for key, setting in settings.items():
+            os.environ[env] = setting
+            builds[key] = gimlet_tvm.build(proto, "llvm")
+        os.environ.pop(env)
+        session = onnxruntime_session(proto, threads)
+        reference = session.run(None, inputs)
+        scale = max(np.abs(r).max() for r in reference)
+        for key, compiled in builds.items():
+            error = max_abs_diff(compiled(*inputs.values()), reference) / scale
+            assert error < 1e-3, f"{name} {key}: max error {error:.2e} of the largest output"
+        calls = {key: functools.partial(compiled, *inputs.values()) for key, compiled in builds.items()}
+        calls["ort"] = functools.partial(session.run, None, inputs)
+        results = time_interleaved(calls, repeat=repeat)
+        cells = " | ".join(cell(r.samples_ms) for r in results.values())
+        print(f"| {name} | {cells} | {PairedRatio.of(results[first], results[second])} | "
+              f"{PairedRatio.of(results[first], results['ort'])} |", flush=True)
 
 
 # mobilenet_cnn's depthwise layers at batch 8: (channels, input size, stride)
@@ -108,60 +146,34 @@ def _depthwise_model(batch: int, channels: int, size: int, kernel: int, stride: 
 
 def depthwise_layers(repeat: int) -> None:
     """The --depthwise table: each depthwise layer, TIR (old) against the library kernel (new)."""
-    import gimlet_tvm  # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
-    from gimlet_tvm.relax_passes.dispatch_cpu_library import (  # pylint: disable=import-outside-toplevel
-        DEPTHWISE_ENV, depthwise_conv_for)
+    # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
+    import gimlet_tvm
+    from gimlet_tvm.relax_passes.dispatch_cpu_library import DEPTHWISE_ENV, depthwise_conv_for
 
     shapes = [(f"v2 {layer.input_shape[1]}ch {layer.input_shape[2]}px /{layer.stride}", 1,
                layer.input_shape[1], layer.input_shape[2], layer.kernel, layer.stride)
               for layer in conv_layers("mobilenetv2") if layer.groups > 1]
     shapes += [(f"cnn {c}ch {size}px /{stride}", 8, c, size, 3, stride)
                for c, size, stride in MOBILENET_CNN_DEPTHWISE]
+    print(f"{repeat} interleaved rounds; ms median (p10-p90)")
     print("| shape | old (TIR) ms | new (library) ms | new/old | default build |\n|---|---|---|---|---|")
     for name, batch, channels, size, kernel, stride in shapes:
         model = _depthwise_model(batch, channels, size, kernel, stride)
-        with mock.patch.dict(os.environ, {DEPTHWISE_ENV: "0"}):
-            old = gimlet_tvm.build(model, "llvm")
-        with mock.patch.dict(os.environ, {DEPTHWISE_ENV: "1"}):
-            new = gimlet_tvm.build(model, "llvm")
+        builds = {}
+        for key, setting in (("old", "0"), ("new", "1")):
+            os.environ[DEPTHWISE_ENV] = setting
+            builds[key] = gimlet_tvm.build(model, "llvm")
+        os.environ.pop(DEPTHWISE_ENV)
         x = np.random.default_rng(0).standard_normal((batch, channels, size, size), dtype=np.float32)
-        np.testing.assert_allclose(new(x)[0], old(x)[0], rtol=1e-4, atol=1e-4)
-        times = interleaved({"old": lambda: old(x), "new": lambda: new(x)}, repeat)
+        np.testing.assert_allclose(builds["new"](x)[0], builds["old"](x)[0], rtol=1e-4, atol=1e-4)
+        times = interleaved({key: functools.partial(compiled, x) for key, compiled in builds.items()}, repeat)
         ratio = np.median(times["new"]) / np.median(times["old"])
         used = "library" if depthwise_conv_for(channels, channels, size, 16, None) else "TIR"
-        print(f"| {name} | {_cell(times['old'])} | {_cell(times['new'])} | {ratio:.2f} | {used} |",
-              flush=True)
+        print(f"| {name} | {cell(times['old'])} | {cell(times['new'])} | {ratio:.2f} | {used} |", flush=True)
 
 
-def depthwise_models(names: list[str], threads: int, repeat: int) -> None:
-    """Whole models with the depthwise kernel (new), without it (old) and onnxruntime."""
-    import gimlet_tvm  # pylint: disable=import-outside-toplevel
-    from gimlet_tvm.models import SUITE  # pylint: disable=import-outside-toplevel
-    from gimlet_tvm.peers import onnxruntime_session  # pylint: disable=import-outside-toplevel
-    from gimlet_tvm.relax_passes.dispatch_cpu_library import (  # pylint: disable=import-outside-toplevel
-        DEPTHWISE_ENV, depthwise_conv_for)
-
-    print("| model | none ms | default ms | all ms | onnxruntime ms | default/none | all/none | "
-          "default/onnxruntime |\n|---|---|---|---|---|---|---|---|")
-    for name in names:
-        if name in SUITE:
-            model = SUITE[name].build()
-            inputs = SUITE[name].example_inputs(8, seed=0)
-        else:
-            model, inputs = TORCH_MODELS[name].onnx(), TORCH_MODELS[name].example_inputs(seed=0)
-        builds = {}
-        for key, value in (("none", "0"), ("default", ""), ("all", "1")):
-            with mock.patch.dict(os.environ, {DEPTHWISE_ENV: value}):
-                builds[key] = gimlet_tvm.build(model, "llvm")
-        session = onnxruntime_session(model, threads)
-        values = list(inputs.values())
-        for compiled in builds.values():
-            np.testing.assert_allclose(compiled(*values)[0], builds["none"](*values)[0], rtol=1e-3, atol=1e-3)
-        calls = {key: (lambda c=compiled: c(*values)) for key, compiled in builds.items()}
-        times = interleaved(calls | {"ort": lambda: session.run(None, inputs)}, repeat, settle=3)
-        m = {k: np.median(t) for k, t in times.items()}
-        print(f"| {name} | {' | '.join(_cell(t) for t in times.values())} | {m['default'] / m['none']:.2f} | "
-              f"{m['all'] / m['none']:.2f} | {m['default'] / m['ort']:.2f} |", flush=True)
+def cell(t: list[float]) -> str:
+    return f"{np.median(t):.3f} ({np.percentile(t, 10):.3f}-{np.percentile(t, 90):.3f})"
 
 
 def main() -> None:
@@ -169,31 +181,53 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--block", type=int, default=0, help="channel block (8 or 16; 0: this CPU's)")
-    parser.add_argument("--depthwise", action="store_true", help="depthwise layers, TIR against the library")
-    parser.add_argument("--models", nargs="*", default=[], help="with --depthwise: whole models too")
+    parser.add_argument("--winograd", action="store_true",
+                        help="direct kernel vs Winograd F(2x2) and F(4x4) on the 3x3 stride-1 shapes")
+    parser.add_argument("--depthwise", action="store_true",
+                        help="depthwise layers: generated TIR vs the library kernel")
+    parser.add_argument("--models", nargs="+", default=[],
+                        help="suite (batch: --batch) or torch_models.py models: Winograd (with "
+                             "--depthwise: the depthwise kernel's settings) vs onnxruntime")
+    parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     if args.depthwise:
-        print(f"threads {args.threads}, {args.repeat} interleaved rounds; ms median (p10-p90)")
+        from gimlet_tvm.relax_passes.dispatch_cpu_library import DEPTHWISE_ENV  # pylint: disable=import-outside-toplevel
+
         depthwise_layers(args.repeat)
         if args.models:
-            depthwise_models(args.models, args.threads, args.repeat)
+            compare_models(args.models, args.batch, args.threads, args.repeat, DEPTHWISE_ENV,
+                           {"default": "", "none": "0", "all": "1"})
+        return
+    if args.models:
+        from gimlet_tvm.relax_passes.dispatch_cpu_library import WINOGRAD_ENV  # pylint: disable=import-outside-toplevel
+
+        compare_models(args.models, args.batch, args.threads, args.repeat, WINOGRAD_ENV,
+                       {"winograd": "", "without": "0"})
         return
     import tvm  # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
 
     from gimlet_tvm.relax_passes.dispatch_cpu_library import (  # pylint: disable=import-outside-toplevel
-        CONV2D_FUNC, DIRECT_CONV2D_FUNC, direct_conv_block, direct_conv_block_for, pack_conv_weight)
+        CONV2D_FUNC, DIRECT_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC, direct_conv_block, direct_conv_block_for,
+        pack_conv_weight, winograd_tile_for, winograd_weight)
     from gimlet_tvm.runtime.extensions import load_extensions  # pylint: disable=import-outside-toplevel
 
     load_extensions()
 
     cpu_block = direct_conv_block()
     old, new = tvm.get_global_func(CONV2D_FUNC), tvm.get_global_func(DIRECT_CONV2D_FUNC)
+    winograd = tvm.get_global_func(WINOGRAD_CONV2D_FUNC)
     rng = np.random.default_rng(0)
     print(f"threads {args.threads}, this CPU's block {cpu_block}, {args.repeat} interleaved rounds; "
           "ms median (p10-p90)")
-    print("| shape | block | old ms | new ms | new/old | default build |\n|---|---|---|---|---|---|")
+    if args.winograd:
+        print("| shape | direct ms | F(2x2) ms | F(4x4) ms | GFLOP/s direct / F2 / F4 | F2/direct | "
+              "F4/direct | default build |\n|---|---|---|---|---|---|---|---|")
+    else:
+        print("| shape | block | old ms | new ms | new/old | default build |\n|---|---|---|---|---|---|")
     for name, batch, in_c, size, out_c, kernel, stride in SHAPES:
+        if args.winograd and (kernel, stride) != (3, 1):
+            continue
         chosen = direct_conv_block_for(out_c, in_c, (kernel, kernel), cpu_block)
         block = args.block or chosen or cpu_block
         pad = kernel // 2
@@ -204,15 +238,31 @@ def main() -> None:
         w_old, w_new = tvm.runtime.tensor(w), tvm.runtime.tensor(pack_conv_weight(w, block))
         y = tvm.runtime.tensor(np.zeros((batch, out_c, out_size, out_size), np.float32))
         epilogue = (0, bias, out_size * out_size, 2)
-        calls = {
-            "old": lambda: old(x, w_old, stride, stride, pad, pad, 1, 1, 1, *epilogue, y),
-            "new": lambda: new(x, w_new, stride, stride, pad, pad, 1, 1, *epilogue, y),
-        }
-        times = interleaved(calls, args.repeat)
-        cells = [_cell(t) for t in times.values()]
+        params = (stride, stride, pad, pad, 1, 1)
+        if args.winograd:
+            w2, w4 = (tvm.runtime.tensor(winograd_weight(w, tile)) for tile in (2, 4))
+            calls = {
+                "direct": lambda: new(x, w_new, *params, *epilogue, y),
+                "f2": lambda: winograd(x, w2, *params, *epilogue, y),
+                "f4": lambda: winograd(x, w4, *params, *epilogue, y),
+            }
+            times = interleaved(calls, args.repeat)
+            flops = 2 * batch * out_c * out_size * out_size * in_c * kernel * kernel
+            rates = " / ".join(f"{flops / np.median(t) / 1e6:.0f}" for t in times.values())
+            ratios = [np.median(times[k]) / np.median(times["direct"]) for k in ("f2", "f4")]
+            tile = winograd_tile_for(out_c, in_c, (kernel, kernel), (out_size, out_size), cpu_block)
+            used = f"Winograd F({tile}x{tile})" if tile else f"direct, block {chosen}" if chosen else "im2col"
+            print(f"| {name} | {' | '.join(cell(t) for t in times.values())} | {rates} | "
+                  f"{ratios[0]:.2f} | {ratios[1]:.2f} | {used} |", flush=True)
+            continue
+        times = interleaved({
+            "old": lambda: old(x, w_old, *params, 1, *epilogue, y),
+            "new": lambda: new(x, w_new, *params, *epilogue, y),
+        }, args.repeat)
         ratio = np.median(times["new"]) / np.median(times["old"])
         used = f"direct, block {chosen}" if chosen else "im2col"
-        print(f"| {name} | {block} | {cells[0]} | {cells[1]} | {ratio:.2f} | {used} |", flush=True)
+        print(f"| {name} | {block} | {cell(times['old'])} | {cell(times['new'])} | {ratio:.2f} | {used} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -9,21 +9,28 @@ OpenBLAS-backed CPU library.
      operands of rank >= 2 with any (also symbolic) batch axes that broadcast;
    - `R.nn.conv2d` with NCHW data, OIHW weights and NCHW output into
      `R.call_dps_packed("gimlet.cpu.conv2d_nchw", (data, weight, strides, pads, dilations,
-     groups))`, for float32 and any `groups` except depthwise; with `groups` 1, where
+     groups))`, for float32 and any `groups` except depthwise (with `grouping`, kernel
+     selection's run, every conv2d stays that call: one op group); else with `groups` 1, also
+     in such calls a grouping run wrote, where
      `direct_conv_block_for` says so and the CPU has AVX2 or AVX-512, into the direct kernel
      `R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed, strides, pads,
      dilations))`, `packed` being the weight as `R.layout_transform` into blocks of
      output channels (`pack_conv_weight`), which FoldConstant computes at build time for a
      constant weight. The block is this CPU's vector width (`direct_conv_block`, which
      `$GIMLET_CPU_CONV_BLOCK` overrides: 8 forces the AVX2 kernel, 0 turns the direct
-     kernel off), or 8 where that makes two blocks of a 16-channel conv; with `groups` 1,
+     kernel off), or 8 where that makes two blocks of a 16-channel conv; with `groups` 1, a
+     3x3 kernel, stride 1, dilation 1 and a constant weight, where `winograd_tile_for` says so,
+     into the Winograd kernel `R.call_dps_packed("gimlet.cpu.conv2d_nchw_winograd", (data, u,
+     strides, pads, dilations))`, `u` the weight transformed for F(m x m, 3 x 3) by numpy in
+     the pass (`winograd_weight`: once, at build time; `$GIMLET_CPU_WINOGRAD` overrides the
+     rule); with `groups` 1,
      a kernel larger than 1x1 and fewer than 32 multiply-adds per output (`row_conv_for`:
      3-channel stems), into the row-vectorized kernel `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchw_rows", (data, weight, strides, pads, dilations, lanes))`;
-   - depthwise `R.nn.conv2d` (one group per input channel, weight [O, 1, KH, KW]), where
-     `depthwise_conv_for` says so (inputs at least 112 wide; `$GIMLET_CPU_DEPTHWISE` 1 or 0:
-     all or none), into `R.call_dps_packed("gimlet.cpu.conv2d_nchw_depthwise",
-     (data, weight, strides, pads, dilations, lanes))`;
+   - depthwise `R.nn.conv2d` (one group per input channel, weight [O, 1, KH, KW]; not with
+     `grouping`), where `depthwise_conv_for` says so (inputs at least 112 wide;
+     `$GIMLET_CPU_DEPTHWISE` 1 or 0: all or none), into `R.call_dps_packed(
+     "gimlet.cpu.conv2d_nchw_depthwise", (data, weight, strides, pads, dilations, lanes))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
@@ -71,14 +78,16 @@ CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw"
 DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct"
 ROW_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_rows"
 DEPTHWISE_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_depthwise"
-DIRECT_CONV_BLOCK_ENV = "GIMLET_CPU_CONV_BLOCK"
 DEPTHWISE_ENV = "GIMLET_CPU_DEPTHWISE"
+DIRECT_CONV_BLOCK_ENV = "GIMLET_CPU_CONV_BLOCK"
+WINOGRAD_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_winograd"
+WINOGRAD_ENV = "GIMLET_CPU_WINOGRAD"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
 # weight, 6 params, groups); after (data, packed weight, 6 params); after (data, weight, 6
-# params, lanes) for the row and depthwise kernels.
+# params, lanes) for the row and depthwise kernels; after (data, transformed weight, 6 params).
 _EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8, ROW_CONV2D_FUNC: 9,
-                   DEPTHWISE_CONV2D_FUNC: 9}
+                   DEPTHWISE_CONV2D_FUNC: 9, WINOGRAD_CONV2D_FUNC: 8}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
 ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU = 0, 1, 2, 3, 4
@@ -88,14 +97,22 @@ ACTIVATIONS = {"relax.nn.relu": RELU, "relax.nn.gelu": GELU}
 @tvm.transform.module_pass(opt_level=0, name="DispatchCPULibrary")
 class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
     """Rewrite fp32 matmul, NCHW conv2d (with epilogues) and attention into calls of gimlet's
-    CPU library."""
+    CPU library. With `grouping`, every conv2d stays the generic `gimlet.cpu.conv2d_nchw` call
+    (OIHW weight, one op group for kernel selection, whatever kernel would run it); without,
+    groups-1 convs, also those of generic calls a grouping run wrote, go to the Winograd,
+    direct or row-vectorized kernel where it wins."""
+
+    def __init__(self, grouping: bool = False):
+        self.grouping = grouping
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
         """IRModule-level transformation."""
         load_extensions()
         rewriter = _LibraryCallRewriter(mod)
         rewriter.fuse_epilogues = graph_fusion_enabled()
+        rewriter.conv_kernels = not self.grouping
         rewriter.direct_block = direct_conv_block()
+        rewriter.winograd = winograd_override()
         rewriter.depthwise_wanted = depthwise_kernel_wanted()
         for g_var, func in mod.functions_items():
             if isinstance(func, relax.Function):
@@ -146,6 +163,62 @@ def direct_conv_block_for(out_c: int, in_c: int, kernel: tuple[int, int], cpu_bl
         if 0 < block <= cpu_block and out_c >= 2 * block:
             return block
     return 0
+
+
+# G of Winograd F(m x m, 3 x 3) per tile size m (the points of the kernel's B^T and A^T: 0,
+# 1, -1, infinity, and 2, -2 for m = 4).
+_WINOGRAD_G = {
+    2: np.array([[1, 0, 0], [1 / 2, 1 / 2, 1 / 2], [1 / 2, -1 / 2, 1 / 2], [0, 0, 1]]),
+    4: np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
+                 [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]]),
+}
+
+
+def winograd_weight(weight: np.ndarray, tile: int) -> np.ndarray:
+    """An OIHW 3x3 weight transformed for `gimlet.cpu.conv2d_nchw_winograd` with m x m output
+    tiles (`tile` 2 or 4): U = G g G^T per (output, input) channel pair, in float64, as float32
+    [alpha^2, O, I] (alpha = tile + 2)."""
+    if tile not in _WINOGRAD_G or weight.shape[2:] != (3, 3):
+        raise CompileError(f"no Winograd transform for tile {tile} and kernel {weight.shape[2:]}")
+    g = _WINOGRAD_G[tile]
+    u = np.einsum("ak,oikl,bl->aboi", g, weight.astype(np.float64), g)
+    return np.ascontiguousarray(u.reshape(-1, *weight.shape[:2]).astype(np.float32))
+
+
+def winograd_override() -> int | None:
+    """The Winograd tile `$GIMLET_CPU_WINOGRAD` sets for every 3x3 stride-1 dilation-1 groups-1
+    conv2d with a constant weight (2 or 4; 0: Winograd off), for A/B measurements; None where it
+    is unset (`winograd_tile_for` decides)."""
+    override = os.environ.get(WINOGRAD_ENV, "").strip()
+    if not override:
+        return None
+    if override not in ("0", "2", "4"):
+        raise CompileError(f"${WINOGRAD_ENV} must be 0, 2 or 4, not {override!r}")
+    return int(override)
+
+
+def winograd_tile_for(out_c: int, in_c: int, kernel: tuple[int, int], out_hw: tuple[int, int],
+                      cpu_block: int) -> int:
+    """The output tile m (2 or 4) of the Winograd F(m x m, 3 x 3) kernel for a 3x3 conv2d that
+    is stride 1, dilation 1 and groups 1 (the caller checks those), where it beats the direct
+    kernel; 0 where it does not (and on a CPU without the direct kernel, `cpu_block` 0, where
+    it was not measured).
+
+    benchmarks/conv_direct.py --winograd on Zen 4 (AVX-512, 1 thread; benchmarks/README.md,
+    "Winograd convolutions"): F(4x4) ran ResNet-18's 64-channel 56x56 and 128-channel 28x28
+    convs in 0.47-0.48x the direct kernel's time (F(2x2): 0.68-0.88x); on the 256-channel 14x14
+    conv F(2x2) took 0.80x and F(4x4) 1.06x (4x4 tiles cut at 14 waste 23% of the work). Both
+    lost on the 512-channel 7x7 conv at batch 1 (1.3x and 2.2x), where the transformed weight
+    (alpha^2 / 9 times the kernel's: 1.8x for F(2x2), 4x for F(4x4)) is read for a few tiles
+    per GEMM, and tied or lost on resnet_cnn's 16 to 64 channel convs at 8x8 to 32x32
+    (0.94-1.31x), whose GEMMs are too short for the transforms to pay off. At 2 threads only
+    a loaded machine was measured (the README has it)."""
+    if tuple(kernel) != (3, 3) or cpu_block == 0:
+        return 0
+    channels, pixels = min(in_c, out_c), out_hw[0] * out_hw[1]
+    if channels >= 64 and pixels >= 28 * 28:
+        return 4
+    return 2 if channels >= 128 and pixels >= 14 * 14 else 0
 
 
 def row_conv_for(in_c: int, kernel: tuple[int, int], cpu_block: int) -> bool:
@@ -203,19 +276,14 @@ def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list
 
 
 def library_conv2d(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, list[int], list] | None:
-    """`(data, weight, params, epilogue)` of a `gimlet.cpu.conv2d_nchw`,
-    `gimlet.cpu.conv2d_nchw_rows` or `gimlet.cpu.conv2d_nchw_depthwise` call this pass wrote
-    (all take the OIHW weight), None for any other expression. `params`: strides (h, w), top
-    and left padding, dilations (h, w) and groups (1 for the row kernel, the data's channels
-    for the depthwise one); `epilogue` as `library_matmul`'s (None with a clip step, too)."""
-    if not any(_calls(call, func) for func in (CONV2D_FUNC, ROW_CONV2D_FUNC, DEPTHWISE_CONV2D_FUNC)):
+    """`(data, weight, params, epilogue)` of a `gimlet.cpu.conv2d_nchw` call this pass wrote
+    (with `grouping`, every conv2d it takes is one), None for any other expression. `params`:
+    strides (h, w), top and left padding, dilations (h, w) and groups; `epilogue` as
+    `library_matmul`'s (None with a clip step, too)."""
+    if not _calls(call, CONV2D_FUNC):
         return None
     data, weight, *args = call.args[1].fields
-    if _calls(call, CONV2D_FUNC):
-        groups = int(args[6].value)
-    else:
-        groups = int(data.ty.shape[1]) if _calls(call, DEPTHWISE_CONV2D_FUNC) else 1
-    params = [int(p.value) for p in args[:6]] + [groups]
+    params = [int(p.value) for p in args[:7]]
     steps = _epilogue_steps(args[7:])
     return None if _has_clip(steps) else (data, weight, params, steps)
 
@@ -307,7 +375,9 @@ def _static_ints(values) -> list[int] | None:
 class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     use_counts: collections.Counter = collections.Counter()
     fuse_epilogues = True
+    conv_kernels = True  # groups-1 convs on the Winograd, direct and row kernels where they win
     direct_block = 0  # this CPU's channel block for the direct conv2d kernel; 0: not used
+    winograd: int | None = None  # `$GIMLET_CPU_WINOGRAD`'s Winograd tile (0: none); None: the rule
     depthwise_wanted: bool | None = None  # `$GIMLET_CPU_DEPTHWISE`; None: the default rule
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
@@ -315,7 +385,9 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if not isinstance(call.op, tvm.ir.Op):
             return call
         rewritten = None
-        if call.op.name == "relax.matmul":
+        if self.conv_kernels and _calls(call, CONV2D_FUNC):
+            rewritten = self._conv_kernel(call)  # a group kernel selection left to the library
+        elif call.op.name == "relax.matmul":
             rewritten = self._rewrite_matmul(call)
         elif call.op.name == "relax.nn.conv2d":
             rewritten = self._rewrite_conv2d(call)
@@ -445,6 +517,22 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         args = [a, b, relax.prim_value(0)] if weight is None else [a, weight, relax.prim_value(1)]
         return relax.call_dps_packed(MATMUL_FUNC, args, call.ty)
 
+    def _winograd_tile(self, call: relax.Call, weight: relax.Expr, params: list[int]) -> int:
+        """The Winograd tile (2 or 4) for a groups-1 conv2d with these params (strides, top and
+        left padding, dilations), 0 for none: it needs a 3x3 constant weight (transformed here),
+        stride 1, dilation 1 and a static output size."""
+        out_shape = call.ty_args[0].shape  # the call's output (it may not be normalized yet)
+        out_hw = _static_ints([out_shape[2], out_shape[3]])
+        if not (isinstance(weight, tvm.ir.GenericConst) and out_hw is not None
+                and params[0:2] == [1, 1] and params[4:6] == [1, 1]):
+            return 0
+        out_c, in_c, *kernel = (int(d) for d in weight.ty.shape)
+        if tuple(kernel) != (3, 3):
+            return 0
+        if self.winograd is not None:
+            return self.winograd
+        return winograd_tile_for(out_c, in_c, tuple(kernel), tuple(out_hw), self.direct_block)
+
     def _rewrite_conv2d(self, call: relax.Call) -> relax.Expr | None:
         data, weight = call.args
         attrs = call.attrs
@@ -462,24 +550,40 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         params = _static_ints([*attrs.strides, *attrs.padding[:2], *attrs.dilation])
         if groups > 1 and channels_per_group == [1]:  # depthwise
             channels_width = _static_ints([data.ty.shape[1], data.ty.shape[3]])
-            if params is None or channels_width is None or not depthwise_conv_for(
-                    channels_width[0], groups, channels_width[1], self.direct_block, self.depthwise_wanted):
+            if not (self.conv_kernels and params is not None and channels_width is not None
+                    and depthwise_conv_for(channels_width[0], groups, channels_width[1],
+                                           self.direct_block, self.depthwise_wanted)):
                 return None
             args = [data, weight, *(relax.prim_value(p) for p in params), relax.prim_value(self.direct_block)]
             return relax.call_dps_packed(DEPTHWISE_CONV2D_FUNC, args, call.ty)
         if params is None:
             return None
-        params_args = [relax.prim_value(p) for p in params]
+        args = [data, weight, *(relax.prim_value(p) for p in params), relax.prim_value(groups)]
+        generic = relax.call_dps_packed(CONV2D_FUNC, args, call.ty)
+        return self._conv_kernel(generic) if self.conv_kernels else generic
+
+    def _conv_kernel(self, call: relax.Call) -> relax.Expr:
+        """A `gimlet.cpu.conv2d_nchw` call (with its epilogue) on the kernel chosen for its
+        shape: Winograd, direct or row-vectorized for groups 1 (in that order, where
+        `winograd_tile_for`, `direct_conv_block_for` or `row_conv_for` says so), else as it is."""
+        data, weight, *params_args = call.args[1].fields
+        out_ty = call.ty_args[0]
+        params = [int(p.value) for p in params_args[:6]]
+        groups, epilogue = int(params_args[6].value), params_args[7:]
         shape = _static_ints(weight.ty.shape)
-        if groups == 1 and shape is not None:
-            out_c, in_c, *kernel = shape
-            block = direct_conv_block_for(out_c, in_c, tuple(kernel), self.direct_block)
-            if block:
-                packed = self.builder_.emit(relax.op.layout_transform(
-                    weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
-                return relax.call_dps_packed(DIRECT_CONV2D_FUNC, [data, packed, *params_args], call.ty)
-            if row_conv_for(in_c, tuple(kernel), self.direct_block):
-                lanes = relax.prim_value(self.direct_block)
-                return relax.call_dps_packed(ROW_CONV2D_FUNC, [data, weight, *params_args, lanes], call.ty)
-        args = [data, weight, *params_args, relax.prim_value(groups)]
-        return relax.call_dps_packed(CONV2D_FUNC, args, call.ty)
+        if groups != 1 or shape is None:
+            return call
+        out_c, in_c, *kernel = shape
+        tile = self._winograd_tile(call, weight, params)
+        if tile:
+            transformed = relax.const(winograd_weight(weight.value.numpy(), tile))
+            return relax.call_dps_packed(WINOGRAD_CONV2D_FUNC, [data, transformed, *params_args[:6], *epilogue], out_ty)
+        block = direct_conv_block_for(out_c, in_c, tuple(kernel), self.direct_block)
+        if block:
+            packed = self.builder_.emit(relax.op.layout_transform(
+                weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
+            return relax.call_dps_packed(DIRECT_CONV2D_FUNC, [data, packed, *params_args[:6], *epilogue], out_ty)
+        if row_conv_for(in_c, tuple(kernel), self.direct_block):
+            lanes = relax.prim_value(self.direct_block)
+            return relax.call_dps_packed(ROW_CONV2D_FUNC, [data, weight, *params_args[:6], lanes, *epilogue], out_ty)
+        return call

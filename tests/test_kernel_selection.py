@@ -738,6 +738,40 @@ def test_conv2d_groups_with_library_and_generated_candidates(tmp_path):
         assert ok, f"{source}: {diff}"
 
 
+def test_convs_the_library_runs_on_its_own_kernels_are_op_groups():
+    """Kernel selection's grouping run leaves every conv the generic library call, so convs the
+    CPU library runs on its direct or Winograd kernel (packed or transformed weights) are op
+    groups too; the library candidate names the kernel the build picks, and a build with the
+    library chosen runs that kernel and computes the model as onnxruntime does."""
+    from gimlet_tvm.peers import check_against_onnxruntime
+    from gimlet_tvm.relax_passes.dispatch_cpu_library import (
+        CONV2D_FUNC, DIRECT_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC, direct_conv_block)
+
+    rng = np.random.default_rng(5)
+    weights = {"w1": (64, 64, 3, 3), "b1": (64,), "w2": (32, 64, 3, 3)}
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.05, n)
+             for n, s in weights.items()]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])]
+    graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 28, 28])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 14, 14])], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(proto, {})
+    sigs = list(op_signatures(mod, target))
+    assert [sig.key.split(" * ")[0] for sig in sigs] == ["conv2d float32 1x64x28x28", "conv2d float32 1x64x28x28"]
+    block = direct_conv_block()
+    expected = [WINOGRAD_CONV2D_FUNC, DIRECT_CONV2D_FUNC] if block else [CONV2D_FUNC, CONV2D_FUNC]
+    assert [find("library:openblas", sig, target).provenance.split()[0] for sig in sigs] == expected
+    library, rewritten = rewrite_ops(mod, lambda sig: find("library:openblas", sig, target), target)
+    assert rewritten == 2 and library.script().count(CONV2D_FUNC) == 2
+    model = gimlet_tvm.build(proto, "llvm")
+    x = {"x": rng.standard_normal((1, 64, 28, 28)).astype(np.float32)}
+    ok, diff = check_against_onnxruntime(proto, model, x, tolerance=1e-4)
+    assert ok, diff
+
+
 def test_generated_groups_run_as_measured_and_tuned():
     """A residual add of two convolutions' outputs (a ResNet shortcut): FuseOps in the model
     could fuse it into either conv, and selection's group has it in one. The generated

@@ -1,9 +1,9 @@
 /*!
  * \file cpu_library.cc
  * \brief fp32 matmul, NCHW conv2d (both with fused elementwise epilogues) and BSNH attention on
- * OpenBLAS (scipy-openblas32), and direct NCHW conv2d kernels (on blocks of output channels,
- * on vectors of a row's output pixels, depthwise; AVX2 or AVX-512, chosen at run time), as TVM
- * packed functions.
+ * OpenBLAS (scipy-openblas32), direct NCHW conv2d kernels (on blocks of output channels, on
+ * vectors of a row's output pixels, depthwise; AVX2 or AVX-512, chosen at run time) and a
+ * Winograd conv2d, as TVM packed functions.
  *
  * All functions use destination-passing style: inputs first, the output tensor last.
  * Tensors must be compact row-major float32 on the CPU.
@@ -1431,6 +1431,255 @@ void DepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, in
 }
 
 // ---------------------------------------------------------------------------------------------
+// conv2d, Winograd F(m x m, 3 x 3) (Lavin and Gray, "Fast Algorithms for Convolutional Neural
+// Networks", 2015) for 3x3 stride-1 convs (groups 1): an m x m output tile of channel o is
+// A^T [sum_c U[o, c] . V[c]] A, with V[c] = B^T d B for the tile's alpha x alpha input patch d
+// of channel c (alpha = m + 2) and U[o, c] = G g G^T for the 3x3 kernel g: alpha^2
+// multiply-adds per tile and channel pair instead of 9 m^2 (2.25x fewer for m = 2, 4x for
+// m = 4), done as alpha^2 GEMMs over the channels. The weight transform is done once, at build
+// time (relax_passes/dispatch_cpu_library.py, `winograd_weight`), into [alpha^2, O, C].
+// A call runs three phases on TVM's pool: the input transform into V [alpha^2, C, tiles] (per
+// input plane), the GEMMs M[xi] = U[xi] @ V[xi] (per xi), and the output transform into NCHW
+// followed by the epilogue (per output plane). Both transforms work on vectors of kLanes tiles
+// of a row of tiles, which they read (write) through m phases of the rows (element j of phase
+// b: row element j * m + b), so each of the patch's elements is a plain vector load (store).
+// Per-call costs that mattered (64 channels at 56x56, F(4x4), 1 thread): single-lane stores of
+// a row's last vector of tiles made the input transform 2x slower, and the output transform's
+// per-element interleave (an index division per element) 1.8x.
+
+/*! \brief The transform matrices of F(M x M, 3 x 3): B^T (alpha x alpha) and A^T (M x alpha);
+ * G is applied at build time (winograd_weight). Points 0, 1, -1 (and 2, -2 for M = 4), infinity. */
+template <int M>
+struct Winograd;
+template <>
+struct Winograd<2> {
+  static constexpr int kAlpha = 4;
+  static constexpr float kBt[4][4] = {{1, 0, -1, 0}, {0, 1, 1, 0}, {0, -1, 1, 0}, {0, 1, 0, -1}};
+  static constexpr float kAt[2][4] = {{1, 1, 1, 0}, {0, 1, -1, -1}};
+};
+template <>
+struct Winograd<4> {
+  static constexpr int kAlpha = 6;
+  static constexpr float kBt[6][6] = {{4, 0, -5, 0, 1, 0},  {0, -4, -4, 1, 1, 0},
+                                      {0, 4, -4, -1, 1, 0}, {0, -2, -1, 2, 1, 0},
+                                      {0, 2, -1, -2, 1, 0}, {0, 4, 0, -5, 0, 1}};
+  static constexpr float kAt[4][6] = {
+      {1, 1, 1, 1, 1, 0}, {0, 1, -1, 2, -2, 0}, {0, 1, 1, 4, 4, 0}, {0, 1, -1, 8, -8, 1}};
+};
+
+/*!
+ * \brief out[i * out_stride] = sum_k mat[i][k] in[k * in_stride] for a constant matrix: after
+ * unrolling, zero coefficients drop out and ones become plain adds (the compiler may not fold
+ * 0 * x or 1 * x into the sum by itself: NaN and signed zeros).
+ */
+template <int R, int C>
+__attribute__((always_inline)) inline void MultiplyConstant(const float (&mat)[R][C],
+                                                            const Floats* in, int in_stride,
+                                                            Floats* out, int out_stride) {
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    Floats acc{};
+    bool first = true;
+#pragma GCC unroll 8
+    for (int k = 0; k < C; ++k) {
+      const float c = mat[i][k];
+      if (c == 0.0f) continue;
+      const Floats v = in[k * in_stride];
+      const Floats term = c == 1.0f ? v : c == -1.0f ? -v : c * v;
+      acc = first ? term : acc + term;
+      first = false;
+    }
+    out[i * out_stride] = acc;
+  }
+}
+
+/*! \brief One Winograd conv2d call (see above). */
+struct WinogradWork {
+  const float* x;  // [N, C, H, W]
+  const float* u;  // [alpha^2, O, C]
+  float* v;        // [alpha^2, C, N * tiles]
+  float* m;        // [alpha^2, O, N * tiles]
+  float* y;        // [N, O, OH, OW]
+  const Epilogue* epilogue;
+  int64_t batch, in_c, height, width, out_c, out_h, out_w, pad_top, pad_left;
+  int64_t tiles_h, tiles_w;  // ceil(OH / m), ceil(OW / m)
+  int64_t phase_len;         // elements per phase row: ceil(tiles_w / kLanes) * kLanes + 1
+
+  int64_t Tiles() const { return batch * tiles_h * tiles_w; }
+};
+
+/*! \brief V[:, c, image's tiles] for input plane `plane` (image * C + c); `phases`: M phase
+ * planes of (tiles_h * M + 2) rows of phase_len floats. */
+template <int M>
+void WinogradInputPlane(const WinogradWork& t, int64_t plane, float* phases) {
+  constexpr int A = Winograd<M>::kAlpha;
+  const int64_t img = plane / t.in_c, c = plane % t.in_c, tiles = t.Tiles();
+  const int64_t rows = t.tiles_h * M + 2;  // row r: input row r - pad_top
+  const float* x = t.x + plane * t.height * t.width;
+  // One fill for the padding, then the data.
+  std::fill(phases, phases + M * rows * t.phase_len, 0.0f);
+  const int64_t r0 = std::min(rows, t.pad_top), r1 = std::min(rows, t.pad_top + t.height);
+  for (int b = 0; b < M; ++b) {
+    // Elements j with 0 <= j * M + b - pad_left < width come from the data.
+    const int64_t j0 = std::min(t.phase_len, (std::max<int64_t>(t.pad_left - b, 0) + M - 1) / M);
+    const int64_t j1 = std::clamp<int64_t>((t.width + t.pad_left - b + M - 1) / M, j0, t.phase_len);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = x + (r - t.pad_top) * t.width + j0 * M + b - t.pad_left;
+      float* dst = phases + (b * rows + r) * t.phase_len;
+      for (int64_t j = j0; j < j1; ++j) dst[j] = src[(j - j0) * M];
+    }
+  }
+  for (int64_t ty = 0; ty < t.tiles_h; ++ty) {
+    float* v = t.v + c * tiles + (img * t.tiles_h + ty) * t.tiles_w;
+    for (int64_t next = 0; next < t.tiles_w; next += kLanes) {
+      // A row's last vector ends at its last tile (overlapping the one before: those tiles are
+      // written twice, alike), so only rows shorter than a vector need single-lane stores.
+      const int64_t tx = std::max<int64_t>(0, std::min(next, t.tiles_w - kLanes));
+      Floats d[A][A], tmp[A][A], out[A][A];
+      for (int k = 0; k < A; ++k)
+        for (int j = 0; j < A; ++j)
+          std::memcpy(&d[k][j], phases + ((j % M) * rows + ty * M + k) * t.phase_len + tx + j / M,
+                      sizeof(Floats));
+      for (int j = 0; j < A; ++j) MultiplyConstant(Winograd<M>::kBt, &d[0][j], A, &tmp[0][j], A);
+      for (int i = 0; i < A; ++i) MultiplyConstant(Winograd<M>::kBt, tmp[i], 1, out[i], 1);
+      const int64_t n = std::min<int64_t>(kLanes, t.tiles_w - tx);
+      for (int i = 0; i < A; ++i) {
+        for (int j = 0; j < A; ++j) {
+          float* dst = v + (i * A + j) * t.in_c * tiles + tx;
+          if (n == kLanes) {
+            std::memcpy(dst, &out[i][j], sizeof(Floats));
+          } else {
+            for (int64_t q = 0; q < n; ++q) dst[q] = out[i][j][q];
+          }
+        }
+      }
+    }
+  }
+}
+
+/*! \brief Output plane `plane` (image * O + o) from M[:, o, image's tiles], then the epilogue;
+ * `rows`: M x M phase rows of phase_len floats. */
+template <int M>
+void WinogradOutputPlane(const WinogradWork& t, int64_t plane, float* rows) {
+  constexpr int A = Winograd<M>::kAlpha;
+  const int64_t img = plane / t.out_c, o = plane % t.out_c, tiles = t.Tiles();
+  float* y = t.y + plane * t.out_h * t.out_w;
+  for (int64_t ty = 0; ty < t.tiles_h; ++ty) {
+    const float* m = t.m + o * tiles + (img * t.tiles_h + ty) * t.tiles_w;
+    for (int64_t tx = 0; tx < t.tiles_w; tx += kLanes) {
+      Floats s[A][A], tmp[M][A], out[M][M];
+      for (int i = 0; i < A; ++i)
+        for (int j = 0; j < A; ++j)
+          std::memcpy(&s[i][j], m + (i * A + j) * t.out_c * tiles + tx, sizeof(Floats));
+      for (int j = 0; j < A; ++j) MultiplyConstant(Winograd<M>::kAt, &s[0][j], A, &tmp[0][j], A);
+      for (int i = 0; i < M; ++i) MultiplyConstant(Winograd<M>::kAt, tmp[i], 1, out[i], 1);
+      for (int i = 0; i < M; ++i)
+        for (int j = 0; j < M; ++j)
+          std::memcpy(rows + (i * M + j) * t.phase_len + tx, &out[i][j], sizeof(Floats));
+    }
+    // Interleave the phase rows into the output rows: whole tiles, then the cut last one.
+    const int64_t whole = t.out_w / M;
+    for (int i = 0; i < M && ty * M + i < t.out_h; ++i) {
+      float* dst = y + (ty * M + i) * t.out_w;
+      const float* src = rows + i * M * t.phase_len;
+      for (int64_t j = 0; j < whole; ++j) {
+        for (int b = 0; b < M; ++b) dst[j * M + b] = src[b * t.phase_len + j];
+      }
+      for (int64_t col = whole * M; col < t.out_w; ++col) {
+        dst[col] = src[col % M * t.phase_len + whole];
+      }
+    }
+  }
+  if (!t.epilogue->empty()) {
+    ApplyEpilogue(*t.epilogue, y, y - t.y, 1, t.out_h * t.out_w, t.out_h * t.out_w);
+  }
+}
+
+template <int M>
+int RunWinogradInput(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const WinogradWork*>(cdata);
+  thread_local std::vector<float> phases;
+  phases.resize(M * (t.tiles_h * M + 2) * t.phase_len);
+  const auto [begin, end] = TaskRange(task_id, penv, t.batch * t.in_c);
+  for (int64_t plane = begin; plane < end; ++plane) WinogradInputPlane<M>(t, plane, phases.data());
+  return 0;
+}
+
+template <int M>
+int RunWinogradOutput(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const WinogradWork*>(cdata);
+  thread_local std::vector<float> rows;
+  rows.resize(M * M * t.phase_len);
+  const auto [begin, end] = TaskRange(task_id, penv, t.batch * t.out_c);
+  for (int64_t plane = begin; plane < end; ++plane) WinogradOutputPlane<M>(t, plane, rows.data());
+  return 0;
+}
+
+template <int M>
+int RunWinogradGemms(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const WinogradWork*>(cdata);
+  const int64_t tiles = t.Tiles();
+  const auto [begin, end] = TaskRange(task_id, penv, Winograd<M>::kAlpha * Winograd<M>::kAlpha);
+  for (int64_t xi = begin; xi < end; ++xi) {
+    Sgemm(false, t.out_c, tiles, t.in_c, t.u + xi * t.out_c * t.in_c, t.in_c,
+          t.v + xi * t.in_c * tiles, tiles, t.m + xi * t.out_c * tiles, tiles);
+  }
+  return 0;
+}
+
+template <int M>
+void RunWinograd(WinogradWork& t, bool parallel) {
+  constexpr int64_t kPoints = Winograd<M>::kAlpha * Winograd<M>::kAlpha;
+  t.tiles_h = (t.out_h + M - 1) / M;
+  t.tiles_w = (t.out_w + M - 1) / M;
+  t.phase_len = (t.tiles_w + kLanes - 1) / kLanes * kLanes + 1;
+  thread_local std::vector<float> v, m;
+  v.resize(kPoints * t.in_c * t.Tiles());
+  // The output transform reads whole vectors: up to kLanes - 1 floats past the last tile.
+  m.resize(kPoints * t.out_c * t.Tiles() + kLanes);
+  t.v = v.data();
+  t.m = m.data();
+  Launch(RunWinogradInput<M>, &t, parallel);
+  Launch(RunWinogradGemms<M>, &t, parallel);
+  Launch(RunWinogradOutput<M>, &t, parallel);
+}
+
+/*!
+ * \brief NCHW conv2d with a 3x3 kernel, stride 1, dilation 1, groups 1, by Winograd F(m x m,
+ * 3 x 3); data: [N, C, H, W], weight: the transformed kernel [alpha^2, O, C] (alpha^2 16: m = 2;
+ * 36: m = 4), out: [N, O, OH, OW].
+ */
+void WinogradConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
+                    const Epilogue& epilogue, DLTensor* out) {
+  CheckCompactFloat32(data, "data");
+  CheckCompactFloat32(weight, "weight");
+  CheckCompactFloat32(out, "out");
+  TVM_FFI_ICHECK(data->ndim == 4 && weight->ndim == 3 && out->ndim == 4)
+      << "gimlet.cpu.conv2d_nchw_winograd: data and out must be 4-D, the transformed weight 3-D";
+  TVM_FFI_ICHECK(p.stride_h == 1 && p.stride_w == 1 && p.dilation_h == 1 && p.dilation_w == 1)
+      << "gimlet.cpu.conv2d_nchw_winograd: stride and dilation must be 1";
+  TVM_FFI_ICHECK(p.pad_top >= 0 && p.pad_left >= 0)
+      << "gimlet.cpu.conv2d_nchw_winograd: negative padding";
+  const int64_t points = weight->shape[0];
+  TVM_FFI_ICHECK(points == 16 || points == 36)
+      << "gimlet.cpu.conv2d_nchw_winograd: " << points
+      << " transform points is neither 16 (F(2x2, 3x3)) nor 36 (F(4x4, 3x3))";
+  WinogradWork t{Data(data), Data(weight), nullptr, nullptr, Data(out), &epilogue,
+                 data->shape[0], data->shape[1], data->shape[2], data->shape[3], out->shape[1],
+                 out->shape[2], out->shape[3], p.pad_top, p.pad_left};
+  TVM_FFI_ICHECK(weight->shape[1] == t.out_c && weight->shape[2] == t.in_c &&
+                 out->shape[0] == t.batch)
+      << "gimlet.cpu.conv2d_nchw_winograd: shapes differ";
+  if (t.batch * t.out_c * t.out_h * t.out_w == 0) return;
+  const bool parallel = t.batch * t.out_c * t.out_h * t.out_w * t.in_c * 9 >= kMinParallelGemm;
+  if (points == 16) {
+    RunWinograd<2>(t, parallel);
+  } else {
+    RunWinograd<4>(t, parallel);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // attention
 
 /*! \brief One attention call, cut into units of a few query rows of one (batch, head). */
@@ -1587,6 +1836,15 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                     DepthwiseConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
                                     Conv2DParamsOf(args), args[8].cast<int64_t>(),
                                     ParseEpilogue(args, 9, args.size() - 1, out), out);
+                  })
+      .def_packed("gimlet.cpu.conv2d_nchw_winograd",
+                  [](PackedArgs args, tvm::ffi::Any*) {
+                    // (data, transformed weight, stride_h, stride_w, pad_top, pad_left,
+                    //  dilation_h, dilation_w, epilogue steps..., out)
+                    DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
+                    WinogradConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
+                                   Conv2DParamsOf(args),
+                                   ParseEpilogue(args, 8, args.size() - 1, out), out);
                   })
       .def("gimlet.cpu.conv2d_direct_block", [] { return DirectConvBlock(); })
       .def_packed("gimlet.cpu.attention", [](PackedArgs args, tvm::ffi::Any*) {

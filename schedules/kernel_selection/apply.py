@@ -48,7 +48,7 @@ def _on(ty: relax.TensorType, target: tvm.target.Target) -> bool:
 def grouping_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """The passes that form a target's op groups (an op with the epilogue its library call
     would absorb), as `OpSignature.of_call` reads them."""
-    return dispatch_passes(spec_for(target))
+    return dispatch_passes(spec_for(target), grouping=True)
 
 
 def rewrite_ops(mod: tvm.IRModule, choose: Choose, target: tvm.target.Target) -> tuple[tvm.IRModule, int]:

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import json
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -104,8 +105,10 @@ def _keep(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 
 def _cpu_library_call(sig: OpSignature) -> str | None:
-    """The packed function `DispatchCPULibrary` turns the op into, if it does."""
-    for _, func in DispatchCPULibrary()(sig.module()).functions_items():
+    """The packed function `DispatchCPULibrary` turns the op into, if it does (with a constant
+    weight where the signature's is one: some kernels take only those)."""
+    weights = [np.zeros(sig.shapes[1], sig.dtype)] if sig.weight else []
+    for _, func in DispatchCPULibrary()(sig.module(weights)).functions_items():
         found = []
         relax.analysis.post_order_visit(func.body, lambda e: found.append(e.global_symbol)
                                         if isinstance(e, relax.ExternFunc) else None)
