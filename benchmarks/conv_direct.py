@@ -12,6 +12,16 @@ GFLOP/s counted as the direct convolution's (2 * 9 * C multiply-adds per output)
 With --models, whole suite models instead: built with Winograd (the default rule) and without
 (`$GIMLET_CPU_WINOGRAD=0`) and run by onnxruntime, one call each per interleaved round.
 
+    .venv/bin/python benchmarks/conv_direct.py --depthwise --threads 1 [--models mobilenet_cnn ...]
+
+With --depthwise: the depthwise layers of MobileNetV2 (batch 1, 224x224) and mobilenet_cnn
+(batch 8, 64x64), each as a one-conv model (Conv + bias + Clip(0, 6), as in the networks)
+built by `gimlet_tvm.build` twice, with the depthwise kernel (`gimlet.cpu.conv2d_nchw_depthwise`,
+`$GIMLET_CPU_DEPTHWISE=1`: new) and without it (`=0`: generated TIR, old), interleaved; the
+last column says which one the default build uses. With --models too, whole models (suite or
+torch_models.py names) built with the default rule, with no depthwise kernel and with every
+depthwise conv on it, and onnxruntime.
+
 Calls alternate between the kernels (interleaved rounds), so a load change on the machine
 hits both; each row is the median and p10-p90 in ms, and new/old is the ratio of medians.
 Each shape is run with a bias + ReLU epilogue, as in the networks. Without --block, the direct
@@ -27,6 +37,10 @@ import os
 import time
 
 import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from torch_models import TORCH_MODELS, conv_layers  # noqa: E402  (benchmarks/ is not a package)
 
 # (name, batch, in_c, size, out_c, kernel, stride)
 SHAPES = [
@@ -70,27 +84,32 @@ def interleaved(calls: dict, repeat: int) -> dict[str, list[float]]:
     return times
 
 
-def compare_models(names: list[str], batch: int, threads: int, repeat: int) -> None:
-    """Whole models with and without Winograd convs, and onnxruntime, through
-    `time_interleaved` (balanced orders, settling calls: each engine's workers spin after a call)."""
+def compare_models(names: list[str], batch: int, threads: int, repeat: int, env: str,
+                   settings: dict[str, str]) -> None:
+    """Whole models (suite names at `batch`, or torch_models.py names) built once per setting
+    of the environment variable `env` (`settings`: build name -> value), and onnxruntime,
+    through `time_interleaved` (balanced orders, settling calls: each engine's workers spin
+    after a call); ratios of the first build to the second and to onnxruntime."""
     # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
     import gimlet_tvm
     from gimlet_tvm.models import SUITE
     from gimlet_tvm.peers import PairedRatio, max_abs_diff, onnxruntime_session, time_interleaved
-    from gimlet_tvm.relax_passes.dispatch_cpu_library import WINOGRAD_ENV
 
+    first, second = list(settings)[:2]
     print(f"threads {threads}, batch {batch}, {repeat} interleaved rounds; ms median (p10-p90); "
           "ratios: per-round median [p10-p90] (95% interval of the median)")
-    print("| model | Winograd ms | without ms | onnxruntime ms | Winograd/without | Winograd/ort |\n"
-          "|---|---|---|---|---|---|")
+    print(f"| model | {' ms | '.join(settings)} ms | onnxruntime ms | {first}/{second} | {first}/ort |\n"
+          f"|---|{'---|' * len(settings)}---|---|---|")
     for name in names:
-        proto = SUITE[name].build()
-        inputs = SUITE[name].example_inputs(batch=batch)
+        if name in SUITE:
+            proto, inputs = SUITE[name].build(), SUITE[name].example_inputs(batch=batch)
+        else:
+            proto, inputs = TORCH_MODELS[name].onnx(), TORCH_MODELS[name].example_inputs()
         builds = {}
-        for key, setting in (("winograd", ""), ("without", "0")):
-            os.environ[WINOGRAD_ENV] = setting
+        for key, setting in settings.items():
+            os.environ[env] = setting
             builds[key] = gimlet_tvm.build(proto, "llvm")
-        os.environ.pop(WINOGRAD_ENV)
+        os.environ.pop(env)
         session = onnxruntime_session(proto, threads)
         reference = session.run(None, inputs)
         scale = max(np.abs(r).max() for r in reference)
@@ -101,8 +120,56 @@ def compare_models(names: list[str], batch: int, threads: int, repeat: int) -> N
         calls["ort"] = functools.partial(session.run, None, inputs)
         results = time_interleaved(calls, repeat=repeat)
         cells = " | ".join(cell(r.samples_ms) for r in results.values())
-        print(f"| {name} | {cells} | {PairedRatio.of(results['winograd'], results['without'])} | "
-              f"{PairedRatio.of(results['winograd'], results['ort'])} |", flush=True)
+        print(f"| {name} | {cells} | {PairedRatio.of(results[first], results[second])} | "
+              f"{PairedRatio.of(results[first], results['ort'])} |", flush=True)
+
+
+# mobilenet_cnn's depthwise layers at batch 8: (channels, input size, stride)
+MOBILENET_CNN_DEPTHWISE = [(16, 32, 1), (32, 32, 2), (64, 16, 1), (64, 16, 2), (128, 8, 1)]
+
+
+def _depthwise_model(batch: int, channels: int, size: int, kernel: int, stride: int) -> onnx.ModelProto:
+    """Conv (groups = channels, + bias) + Clip(0, 6), as a MobileNet block's depthwise part."""
+    rng, out = np.random.default_rng(channels * size), (size - 1) // stride + 1
+    weights = {"w": rng.standard_normal((channels, 1, kernel, kernel), dtype=np.float32),
+               "b": rng.standard_normal(channels, dtype=np.float32),
+               "lo": np.array(0.0, np.float32), "hi": np.array(6.0, np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], group=channels, strides=[stride] * 2,
+                              pads=[kernel // 2] * 4, kernel_shape=[kernel] * 2),
+             helper.make_node("Clip", ["c", "lo", "hi"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "depthwise", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, channels, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, channels, out, out])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def depthwise_layers(repeat: int) -> None:
+    """The --depthwise table: each depthwise layer, TIR (old) against the library kernel (new)."""
+    # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
+    import gimlet_tvm
+    from gimlet_tvm.relax_passes.dispatch_cpu_library import DEPTHWISE_ENV, depthwise_conv_for
+
+    shapes = [(f"v2 {layer.input_shape[1]}ch {layer.input_shape[2]}px /{layer.stride}", 1,
+               layer.input_shape[1], layer.input_shape[2], layer.kernel, layer.stride)
+              for layer in conv_layers("mobilenetv2") if layer.groups > 1]
+    shapes += [(f"cnn {c}ch {size}px /{stride}", 8, c, size, 3, stride)
+               for c, size, stride in MOBILENET_CNN_DEPTHWISE]
+    print(f"{repeat} interleaved rounds; ms median (p10-p90)")
+    print("| shape | old (TIR) ms | new (library) ms | new/old | default build |\n|---|---|---|---|---|")
+    for name, batch, channels, size, kernel, stride in shapes:
+        model = _depthwise_model(batch, channels, size, kernel, stride)
+        builds = {}
+        for key, setting in (("old", "0"), ("new", "1")):
+            os.environ[DEPTHWISE_ENV] = setting
+            builds[key] = gimlet_tvm.build(model, "llvm")
+        os.environ.pop(DEPTHWISE_ENV)
+        x = np.random.default_rng(0).standard_normal((batch, channels, size, size), dtype=np.float32)
+        np.testing.assert_allclose(builds["new"](x)[0], builds["old"](x)[0], rtol=1e-4, atol=1e-4)
+        times = interleaved({key: functools.partial(compiled, x) for key, compiled in builds.items()}, repeat)
+        ratio = np.median(times["new"]) / np.median(times["old"])
+        used = "library" if depthwise_conv_for(channels, channels, size, 16, None) else "TIR"
+        print(f"| {name} | {cell(times['old'])} | {cell(times['new'])} | {ratio:.2f} | {used} |", flush=True)
 
 
 def cell(t: list[float]) -> str:
@@ -116,13 +183,27 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=0, help="channel block (8 or 16; 0: this CPU's)")
     parser.add_argument("--winograd", action="store_true",
                         help="direct kernel vs Winograd F(2x2) and F(4x4) on the 3x3 stride-1 shapes")
+    parser.add_argument("--depthwise", action="store_true",
+                        help="depthwise layers: generated TIR vs the library kernel")
     parser.add_argument("--models", nargs="+", default=[],
-                        help="suite models: Winograd vs none vs onnxruntime (batch: --batch)")
+                        help="suite (batch: --batch) or torch_models.py models: Winograd (with "
+                             "--depthwise: the depthwise kernel's settings) vs onnxruntime")
     parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    if args.depthwise:
+        from gimlet_tvm.relax_passes.dispatch_cpu_library import DEPTHWISE_ENV  # pylint: disable=import-outside-toplevel
+
+        depthwise_layers(args.repeat)
+        if args.models:
+            compare_models(args.models, args.batch, args.threads, args.repeat, DEPTHWISE_ENV,
+                           {"default": "", "none": "0", "all": "1"})
+        return
     if args.models:
-        compare_models(args.models, args.batch, args.threads, args.repeat)
+        from gimlet_tvm.relax_passes.dispatch_cpu_library import WINOGRAD_ENV  # pylint: disable=import-outside-toplevel
+
+        compare_models(args.models, args.batch, args.threads, args.repeat, WINOGRAD_ENV,
+                       {"winograd": "", "without": "0"})
         return
     import tvm  # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
 

@@ -27,6 +27,10 @@ OpenBLAS-backed CPU library.
      a kernel larger than 1x1 and fewer than 32 multiply-adds per output (`row_conv_for`:
      3-channel stems), into the row-vectorized kernel `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchw_rows", (data, weight, strides, pads, dilations, lanes))`;
+   - depthwise `R.nn.conv2d` (one group per input channel, weight [O, 1, KH, KW]; not with
+     `grouping`), where `depthwise_conv_for` says so (inputs at least 112 wide;
+     `$GIMLET_CPU_DEPTHWISE` 1 or 0: all or none), into `R.call_dps_packed(
+     "gimlet.cpu.conv2d_nchw_depthwise", (data, weight, strides, pads, dilations, lanes))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
@@ -40,10 +44,9 @@ OpenBLAS-backed CPU library.
    Only calls on the host are rewritten: tensors without a virtual device, or with one whose
    target's spec lists the CPU library.
 3. It does not handle: other dtypes or mixed-precision `out_dtype`, rank-1 matmul operands,
-   transposes of other axes than the last two, other layouts, depthwise conv2d (each output
-   channel reads one input channel: that stays in TIR, where FuseOps can fuse its epilogue;
-   a first library kernel, vectors of output pixels per zero-padded plane, made mobilenet_cnn
-   1.8x slower), and operands or results whose shape is unknown; epilogue adds that broadcast
+   transposes of other axes than the last two, other layouts, depthwise conv2d on smaller
+   inputs or a CPU without AVX2 (it stays in TIR, where FuseOps fuses its epilogue: there it
+   ran faster), and operands or results whose shape is unknown; epilogue adds that broadcast
    the output or whose vector axis is followed by symbolic axes; other activations (sigmoid,
    ...). Those ops stay as they were, and FuseOps fuses the elementwise ones with each other.
 
@@ -74,15 +77,17 @@ MATMUL_FUNC = f"{CPU_LIBRARY.name}.matmul"
 CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw"
 DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct"
 ROW_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_rows"
+DEPTHWISE_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_depthwise"
+DEPTHWISE_ENV = "GIMLET_CPU_DEPTHWISE"
 DIRECT_CONV_BLOCK_ENV = "GIMLET_CPU_CONV_BLOCK"
 WINOGRAD_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_winograd"
 WINOGRAD_ENV = "GIMLET_CPU_WINOGRAD"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
 # weight, 6 params, groups); after (data, packed weight, 6 params); after (data, weight, 6
-# params, lanes); after (data, transformed weight, 6 params).
+# params, lanes) for the row and depthwise kernels; after (data, transformed weight, 6 params).
 _EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8, ROW_CONV2D_FUNC: 9,
-                   WINOGRAD_CONV2D_FUNC: 8}
+                   DEPTHWISE_CONV2D_FUNC: 9, WINOGRAD_CONV2D_FUNC: 8}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
 ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU = 0, 1, 2, 3, 4
@@ -108,6 +113,7 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
         rewriter.conv_kernels = not self.grouping
         rewriter.direct_block = direct_conv_block()
         rewriter.winograd = winograd_override()
+        rewriter.depthwise_wanted = depthwise_kernel_wanted()
         for g_var, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 rewriter.use_counts = _use_counts(func)
@@ -226,6 +232,36 @@ def row_conv_for(in_c: int, kernel: tuple[int, int], cpu_block: int) -> bool:
     return cpu_block > 0 and tuple(kernel) != (1, 1) and in_c * kernel[0] * kernel[1] < 32
 
 
+def depthwise_kernel_wanted() -> bool | None:
+    """`$GIMLET_CPU_DEPTHWISE`: "1" puts every depthwise conv on the depthwise kernel, "0" none;
+    unset, None: `depthwise_conv_for`'s rule decides."""
+    value = os.environ.get(DEPTHWISE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise CompileError(f"${DEPTHWISE_ENV} must be 0 or 1, not {value!r}")
+    return None if value == "" else value == "1"
+
+
+# The narrowest input the depthwise kernel takes by default (see `depthwise_conv_for`).
+DEPTHWISE_MIN_WIDTH = 112
+
+
+def depthwise_conv_for(in_c: int, groups: int, width: int, cpu_block: int, wanted: bool | None) -> bool:
+    """Whether a conv2d with one input channel per group and input `width` runs on the
+    depthwise kernel (`gimlet.cpu.conv2d_nchw_depthwise`): one group per input channel (each
+    output channel reads one input channel; any channel multiplier), on a CPU with a direct
+    kernel (`cpu_block` not 0; the call asks for vectors of `cpu_block` lanes, as the row
+    kernel's does), where `wanted` (`$GIMLET_CPU_DEPTHWISE`) says so, or by default for inputs
+    at least `DEPTHWISE_MIN_WIDTH` wide. benchmarks/conv_direct.py --depthwise
+    (benchmarks/README.md, "A depthwise kernel"; 1 thread, a shared 2-core AMD EPYC):
+    against the generated TIR it tied or won only on MobileNetV2's 112-pixel layers (0.85-1.00
+    of the time over five runs); on smaller planes (56 to 7 pixels, mobilenet_cnn's 32 to 8)
+    it took 1.1-1.8x as long (its per-unit copy into phase rows and setup outweigh 9
+    multiply-adds per output), so those stay in TIR, where FuseOps fuses their epilogues."""
+    if cpu_block == 0 or groups != in_c:
+        return False
+    return width >= DEPTHWISE_MIN_WIDTH if wanted is None else wanted
+
+
 def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list] | None:
     """`(a, b, transpose_b, epilogue)` of a `gimlet.cpu.matmul` call this pass wrote, None for
     any other expression. `epilogue`: its steps in order, `("add", addend, divisor)` (an
@@ -342,6 +378,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     conv_kernels = True  # groups-1 convs on the Winograd, direct and row kernels where they win
     direct_block = 0  # this CPU's channel block for the direct conv2d kernel; 0: not used
     winograd: int | None = None  # `$GIMLET_CPU_WINOGRAD`'s Winograd tile (0: none); None: the rule
+    depthwise_wanted: bool | None = None  # `$GIMLET_CPU_DEPTHWISE`; None: the default rule
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
@@ -510,9 +547,15 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             return None
         groups = int(attrs.groups)
         channels_per_group = _static_ints([weight.ty.shape[1]])
-        if groups > 1 and channels_per_group == [1]:
-            return None  # depthwise
         params = _static_ints([*attrs.strides, *attrs.padding[:2], *attrs.dilation])
+        if groups > 1 and channels_per_group == [1]:  # depthwise
+            channels_width = _static_ints([data.ty.shape[1], data.ty.shape[3]])
+            if not (self.conv_kernels and params is not None and channels_width is not None
+                    and depthwise_conv_for(channels_width[0], groups, channels_width[1],
+                                           self.direct_block, self.depthwise_wanted)):
+                return None
+            args = [data, weight, *(relax.prim_value(p) for p in params), relax.prim_value(self.direct_block)]
+            return relax.call_dps_packed(DEPTHWISE_CONV2D_FUNC, args, call.ty)
         if params is None:
             return None
         args = [data, weight, *(relax.prim_value(p) for p in params), relax.prim_value(groups)]

@@ -17,8 +17,8 @@ from tvm.relax.frontend.onnx import from_onnx
 
 from gimlet_tvm.compiler import relax_pipeline
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
-    CONV2D_FUNC, DIRECT_CONV2D_FUNC, DIRECT_CONV_BLOCK_ENV, MATMUL_FUNC, ROW_CONV2D_FUNC,
-    WINOGRAD_CONV2D_FUNC, DispatchCPULibrary)
+    CONV2D_FUNC, DEPTHWISE_CONV2D_FUNC, DIRECT_CONV2D_FUNC, DIRECT_CONV_BLOCK_ENV, MATMUL_FUNC,
+    ROW_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC, DispatchCPULibrary)
 from gimlet_tvm.runtime.extensions import load_extensions
 from gimlet_tvm.targets.llvm import LLVM_CPU
 
@@ -36,7 +36,7 @@ def packed_calls(mod: tvm.IRModule) -> list[str]:
     """Names of the packed functions `call_dps_packed` calls in `main` after dispatch."""
     script = DispatchCPULibrary()(mod).script()
     return [name for name in (MATMUL_FUNC, CONV2D_FUNC, DIRECT_CONV2D_FUNC, ROW_CONV2D_FUNC,
-                              WINOGRAD_CONV2D_FUNC)
+                              WINOGRAD_CONV2D_FUNC, DEPTHWISE_CONV2D_FUNC)
             for _ in range(script.count(f'"{name}"'))]
 
 

@@ -1,8 +1,9 @@
 /*!
  * \file cpu_library.cc
  * \brief fp32 matmul, NCHW conv2d (both with fused elementwise epilogues) and BSNH attention on
- * OpenBLAS (scipy-openblas32), and a direct NCHW conv2d on blocks of output channels (AVX2 or
- * AVX-512, chosen at run time), as TVM packed functions.
+ * OpenBLAS (scipy-openblas32), direct NCHW conv2d kernels (on blocks of output channels, on
+ * vectors of a row's output pixels, depthwise; AVX2 or AVX-512, chosen at run time) and a
+ * Winograd conv2d, as TVM packed functions.
  *
  * All functions use destination-passing style: inputs first, the output tensor last.
  * Tensors must be compact row-major float32 on the CPU.
@@ -1035,30 +1036,78 @@ int RunRowConvUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   return 0;
 }
 
+/*! \brief dst[j] = src[j] for j < n, `kLanes` at a time, the last `kLanes` overlapping the
+ * ones before (short rows: memcpy's call costs more than the copy). */
+inline void CopyFloats(const float* src, int64_t n, float* dst) {
+  if (n < kLanes) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = src[j];
+    return;
+  }
+  Floats v;
+  for (int64_t j = 0; j + kLanes < n; j += kLanes) {
+    std::memcpy(&v, src + j, sizeof(v));
+    std::memcpy(dst + j, &v, sizeof(v));
+  }
+  std::memcpy(&v, src + n - kLanes, sizeof(v));
+  std::memcpy(dst + n - kLanes, &v, sizeof(v));
+}
+
+/*! \brief a / b rounded up, for b > 0 (toward zero for a < 0); strides 1 and 2 without a
+ * division (a 64-bit division costs more than copying a depthwise conv's short row). */
+inline int64_t CeilDiv(int64_t a, int64_t b) {
+  return b == 1 ? a : b == 2 ? (a + 1) >> 1 : (a + b - 1) / b;
+}
+
+/*! \brief dst[j] = src[2 * j] for j < n, reading no further than src[available - 1]:
+ * `kLanes` at a time from two vectors' even lanes while those stay inside, then one by one. */
+inline void CopyEvenFloats(const float* src, int64_t n, int64_t available, float* dst) {
+  int64_t j = 0;
+  for (; j + kLanes <= n && 2 * (j + kLanes) <= available; j += kLanes) {
+    Floats lo, hi;
+    std::memcpy(&lo, src + 2 * j, sizeof(lo));
+    std::memcpy(&hi, src + 2 * j + kLanes, sizeof(hi));
+    const Floats even = __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14);
+    std::memcpy(dst + j, &even, sizeof(even));
+  }
+  for (; j < n; ++j) dst[j] = src[2 * j];
+}
+
 /*! \brief Phase planes of N * C data planes (see RowConvWork), zero where the padding is. */
 struct PhasePlanes {
   const float* x;
   float* phases;
   int64_t planes, height, width, stride_h, stride_w, phase_h, phase_w, top, left;
 
-  void Copy(int64_t plane, float* dst) const {
+  /*! \brief Phase rows [row0, row0 + rows) of data plane `plane` into `dst`, as stride_h *
+   * stride_w phases of `rows` x phase_w floats; the padding columns are left as they are
+   * unless `zero_columns` (a buffer reused for the same layout keeps them zero). */
+  void Copy(int64_t plane, int64_t row0, int64_t rows, float* dst, bool zero_columns = true) const {
     const float* src = x + plane * height * width;
     for (int64_t a = 0; a < stride_h; ++a) {
-      for (int64_t b = 0; b < stride_w; ++b, dst += phase_h * phase_w) {
+      for (int64_t b = 0; b < stride_w; ++b, dst += rows * phase_w) {
         // Columns j with 0 <= j * stride_w + b - left < width come from the data.
-        const int64_t j0 = std::min(phase_w, (std::max<int64_t>(left - b, 0) + stride_w - 1) / stride_w);
-        const int64_t j1 = std::clamp<int64_t>((width + left - b + stride_w - 1) / stride_w, j0, phase_w);
-        for (int64_t i = 0; i < phase_h; ++i) {
-          const int64_t row = i * stride_h + a - top;
+        const int64_t j0 = std::min(phase_w, CeilDiv(std::max<int64_t>(left - b, 0), stride_w));
+        const int64_t j1 = std::clamp<int64_t>(CeilDiv(width + left - b, stride_w), j0, phase_w);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t row = (row0 + i) * stride_h + a - top;
           float* out = dst + i * phase_w;
           if (row < 0 || row >= height) {
             std::fill(out, out + phase_w, 0.0f);
             continue;
           }
           const float* in = src + row * width + j0 * stride_w + b - left;
-          std::fill(out, out + j0, 0.0f);
-          for (int64_t j = j0; j < j1; ++j) out[j] = in[(j - j0) * stride_w];
-          std::fill(out + j1, out + phase_w, 0.0f);
+          // (A strided loop compiles to one lane insert per float.)
+          if (stride_w == 1) {
+            CopyFloats(in, j1 - j0, out + j0);
+          } else if (stride_w == 2) {
+            CopyEvenFloats(in, j1 - j0, src + (row + 1) * width - in, out + j0);
+          } else {
+            for (int64_t j = j0; j < j1; ++j) out[j] = in[(j - j0) * stride_w];
+          }
+          if (zero_columns) {
+            std::fill(out, out + j0, 0.0f);
+            std::fill(out + j1, out + phase_w, 0.0f);
+          }
         }
       }
     }
@@ -1069,7 +1118,9 @@ int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const auto& t = *static_cast<const PhasePlanes*>(cdata);
   const auto [begin, end] = TaskRange(task_id, penv, t.planes);
   const int64_t per_plane = t.stride_h * t.stride_w * t.phase_h * t.phase_w;
-  for (int64_t plane = begin; plane < end; ++plane) t.Copy(plane, t.phases + plane * per_plane);
+  for (int64_t plane = begin; plane < end; ++plane) {
+    t.Copy(plane, 0, t.phase_h, t.phases + plane * per_plane);
+  }
   return 0;
 }
 
@@ -1140,6 +1191,243 @@ void RowConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t 
   t.num_units = batch * t.channel_groups * t.out_h;
   const int64_t work = batch * t.out_c * t.out_h * t.out_w * t.in_c * t.kernel_h * t.kernel_w;
   Launch(RunRowConvUnits, &t, work >= kMinParallelGemm);
+}
+
+// ---------------------------------------------------------------------------------------------
+// conv2d, depthwise: each output channel reads one input channel (MobileNet's 3x3 and 5x5
+// layers: 9 or 25 multiply-adds per output, so the kernel is bound by loads, not by FMAs).
+// As in the row kernel, a vector holds L consecutive output pixels of a row and every tap reads
+// stride-phase planes; here each unit copies only the phase rows it reads, of one channel, into
+// a per-thread buffer that stays in L1, and each tap's weight is one broadcast.
+
+/*! \brief One depthwise conv2d call: units of a few output rows of one (image, channel). */
+struct DepthwiseWork {
+  PhasePlanes source;   // the data planes [N * C], each unit's phase rows copied from them
+  const float* w;       // [O, 1, KH, KW]: output channel o reads input channel o / multiplier
+  const int64_t* taps;  // [KH * KW]: where each tap reads in a unit's buffer, for its output (0, 0)
+  int64_t num_taps;
+  float* y;             // [N, O, OH, OW]
+  const Epilogue* epilogue;
+  int64_t in_c, out_c, multiplier, out_h, out_w;
+  int64_t lanes;          // L: 16 (AVX-512) or 8 (AVX2)
+  int64_t buffer_rows;    // phase rows per phase in a unit's buffer: rows_per_unit + the taps' reach
+  int64_t rows_per_unit, units_per_plane, num_units;  // num_units: N * O * units_per_plane
+  int64_t square_kernel = 0, square_stride = 0;  // K and S of a K x K kernel, stride S, dilation 1
+};
+
+/*! \brief L output pixels at `y` and at the same column of the NR - 1 rows after it (`pitch`
+ * floats apart in y, `x_pitch` in the buffer, whose phases are `phase_size` floats apart), their
+ * input at `x`; the weights, broadcast, in `wv`. A K x K kernel with stride S (dilation 1) has
+ * its taps' offsets computed here: the rows' taps that read the same input vector then share
+ * one load (3x3, stride 1, 4 rows: 18 loads instead of 36); K = 0 reads `num_taps` offsets
+ * from `taps`. The NR rows' accumulators are independent multiply-add chains. A vector is
+ * stored whole where that stays before `y_end` (into the next row, at a row shorter than a
+ * vector: the rows are stored in order, so the next one overwrites it), else cut there. */
+template <int L, int NR, int K, int S>
+__attribute__((always_inline)) inline void DepthwiseColumn(
+    const int64_t* taps, const typename VectorOf<L>::Type* wv, int64_t num_taps, const float* x,
+    int64_t x_pitch, int64_t phase_size, float* y, int64_t pitch, const float* y_end) {
+  using V = typename VectorOf<L>::Type;
+  V acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = V{};
+  if constexpr (K > 0) {
+    for (int kh = 0; kh < K; ++kh) {
+      for (int kw = 0; kw < K; ++kw) {
+        const float* tap = x + (kh / S) * x_pitch + (kh % S * S + kw % S) * phase_size + kw / S;
+        for (int r = 0; r < NR; ++r) {
+          V v;
+          std::memcpy(&v, tap + r * x_pitch, sizeof(V));
+          acc[r] += v * wv[kh * K + kw];
+        }
+      }
+    }
+  } else {
+    for (int64_t tap = 0; tap < num_taps; ++tap) {
+      for (int r = 0; r < NR; ++r) {
+        V v;
+        std::memcpy(&v, x + r * x_pitch + taps[tap], sizeof(V));
+        acc[r] += v * wv[tap];
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    float* out = y + r * pitch;
+    if (out + L <= y_end) {
+      std::memcpy(out, &acc[r], sizeof(V));
+    } else {  // a memcpy of fewer floats is a call or a byte loop
+      for (int64_t q = 0; q < y_end - out; ++q) out[q] = acc[r][q];
+    }
+  }
+}
+
+/*! \brief Output rows [oy, oy + NR) of a unit, vector by vector along the rows; a row at least
+ * a vector long ends with a vector that overlaps the one before it (recomputing a few pixels
+ * instead of storing part of a vector). */
+template <int L, int NR, int K, int S>
+__attribute__((always_inline)) inline void DepthwiseRows(
+    const DepthwiseWork& t, const int64_t* taps, const typename VectorOf<L>::Type* wv,
+    const float* x, float* y, const float* y_end) {
+  const int64_t last = std::max<int64_t>(t.out_w - L, 0);
+  for (int64_t ox = 0; ox < t.out_w; ox += L) {
+    const int64_t column = std::min(ox, last);
+    DepthwiseColumn<L, NR, K, S>(taps, wv, t.num_taps, x + column, t.source.phase_w,
+                                 t.buffer_rows * t.source.phase_w, y + column, t.out_w, y_end);
+  }
+}
+
+/*! \brief Units [begin, end): unit = (image * O + channel) * units_per_plane + row block; each
+ * copies its phase rows, runs kRows rows at a time (then the rest), then applies the epilogue
+ * to its rows. */
+template <int L, int K, int S>
+__attribute__((always_inline)) inline void DepthwiseUnits(const DepthwiseWork& t, int64_t begin,
+                                                          int64_t end) {
+  using V = typename VectorOf<L>::Type;
+  constexpr int KT = K * K;
+  constexpr int kRows = 4;  // independent accumulators
+  const PhasePlanes& s = t.source;
+  thread_local std::vector<float> buffer;
+  buffer.assign(s.stride_h * s.stride_w * t.buffer_rows * s.phase_w, 0.0f);  // padding columns
+  // The channel's weights, each broadcast to a vector: in registers for an unrolled kernel.
+  V unrolled[KT ? KT : 1];
+  thread_local std::vector<V> generic;
+  generic.resize(KT ? 0 : t.num_taps);
+  V* wv = KT ? unrolled : generic.data();
+  const int64_t* taps = t.taps;
+  const int64_t spatial = t.out_h * t.out_w;
+  // unit = plane * units_per_plane + block, plane = image * O + o, counted up without divisions
+  // (they cost as much as a small plane's multiply-adds).
+  int64_t block = begin % t.units_per_plane, plane = begin / t.units_per_plane;
+  int64_t o = plane % t.out_c;
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t oy0 = block * t.rows_per_unit, oy1 = std::min(t.out_h, oy0 + t.rows_per_unit);
+    // The data plane: image * C + o / multiplier, as O = C * multiplier.
+    s.Copy(t.multiplier == 1 ? plane : plane / t.multiplier, oy0, t.buffer_rows, buffer.data(), false);
+    const float* w = t.w + o * t.num_taps;
+    for (int64_t tap = 0; tap < (KT ? KT : t.num_taps); ++tap) wv[tap] = V{} + w[tap];
+    float* y = t.y + plane * spatial + oy0 * t.out_w;
+    const float* y_end = y + (oy1 - oy0) * t.out_w;
+    int64_t oy = oy0;
+    for (; oy + kRows <= oy1; oy += kRows) {
+      DepthwiseRows<L, kRows, K, S>(t, taps, wv, buffer.data() + (oy - oy0) * s.phase_w,
+                                  y + (oy - oy0) * t.out_w, y_end);
+    }
+    const float* x = buffer.data() + (oy - oy0) * s.phase_w;
+    float* y_rows = y + (oy - oy0) * t.out_w;
+    switch (oy1 - oy) {
+      case 3: DepthwiseRows<L, 3, K, S>(t, taps, wv, x, y_rows, y_end); break;
+      case 2: DepthwiseRows<L, 2, K, S>(t, taps, wv, x, y_rows, y_end); break;
+      case 1: DepthwiseRows<L, 1, K, S>(t, taps, wv, x, y_rows, y_end); break;
+      default: break;
+    }
+    if (!t.epilogue->empty()) {
+      ApplyEpilogue(*t.epilogue, y, y - t.y, 1, (oy1 - oy0) * t.out_w, spatial);
+    }
+    if (++block == t.units_per_plane) {
+      block = 0;
+      ++plane;
+      if (++o == t.out_c) o = 0;
+    }
+  }
+}
+
+/*! \brief The units with MobileNet's kernels (3x3 and 5x5, stride 1 or 2 both ways, no
+ * dilation) unrolled, others generic. */
+template <int L>
+__attribute__((always_inline)) inline void DepthwiseUnitsOf(const DepthwiseWork& t, int64_t begin,
+                                                            int64_t end) {
+  switch (t.square_kernel * 10 + t.square_stride) {
+    case 31: return DepthwiseUnits<L, 3, 1>(t, begin, end);
+    case 32: return DepthwiseUnits<L, 3, 2>(t, begin, end);
+    case 51: return DepthwiseUnits<L, 5, 1>(t, begin, end);
+    case 52: return DepthwiseUnits<L, 5, 2>(t, begin, end);
+    default: return DepthwiseUnits<L, 0, 1>(t, begin, end);
+  }
+}
+
+GIMLET_TARGET("avx2,fma")
+void DepthwiseUnitsAvx2(const DepthwiseWork& t, int64_t begin, int64_t end) {
+  DepthwiseUnitsOf<8>(t, begin, end);
+}
+GIMLET_TARGET("avx512f,avx2,fma")
+void DepthwiseUnitsAvx512(const DepthwiseWork& t, int64_t begin, int64_t end) {
+  DepthwiseUnitsOf<16>(t, begin, end);
+}
+
+int RunDepthwiseUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const DepthwiseWork*>(cdata);
+  const auto [begin, end] = TaskRange(task_id, penv, t.num_units);
+  if (t.lanes == 16) {
+    DepthwiseUnitsAvx512(t, begin, end);
+  } else {
+    DepthwiseUnitsAvx2(t, begin, end);
+  }
+  return 0;
+}
+
+// Output pixels per unit (at most; whole rows): its buffer and output rows stay in L1.
+constexpr int64_t kDepthwisePixels = 1024;
+
+/*!
+ * \brief Depthwise NCHW conv2d: data [N, C, H, W], weight [O, 1, KH, KW] with O a multiple of
+ * C (output channel o reads input channel o / (O / C)), out [N, O, OH, OW]; vectors of `lanes`
+ * (16 or 8) output pixels along a row: 16 on a CPU with AVX-512, else 8 (AVX2).
+ */
+void DepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t lanes,
+                     const Epilogue& epilogue, DLTensor* out) {
+  CheckCompactFloat32(data, "data");
+  CheckCompactFloat32(weight, "weight");
+  CheckCompactFloat32(out, "out");
+  TVM_FFI_ICHECK(data->ndim == 4 && weight->ndim == 4 && out->ndim == 4)
+      << "gimlet.cpu.conv2d_nchw_depthwise: data, weight and out must be 4-D";
+  TVM_FFI_ICHECK(lanes == 8 || lanes == 16)
+      << "gimlet.cpu.conv2d_nchw_depthwise: " << lanes << " lanes";
+  TVM_FFI_ICHECK(DirectConvBlock() != 0)
+      << "gimlet.cpu.conv2d_nchw_depthwise needs a CPU with AVX2 and FMA";
+  const int64_t batch = data->shape[0], in_c = data->shape[1], out_c = out->shape[1];
+  TVM_FFI_ICHECK(weight->shape[0] == out_c && weight->shape[1] == 1 && out->shape[0] == batch &&
+                 in_c > 0 && out_c % in_c == 0)
+      << "gimlet.cpu.conv2d_nchw_depthwise: shapes differ (weight must be [O, 1, KH, KW], O a "
+         "multiple of the data's channels)";
+  TVM_FFI_ICHECK(p.stride_h > 0 && p.stride_w > 0 && p.dilation_h > 0 && p.dilation_w > 0 &&
+                 p.pad_top >= 0 && p.pad_left >= 0)
+      << "gimlet.cpu.conv2d_nchw_depthwise: strides and dilations must be positive, pads not negative";
+  const int64_t kernel_h = weight->shape[2], kernel_w = weight->shape[3];
+  const int64_t out_h = out->shape[2], out_w = out->shape[3];
+  if (batch == 0 || out_c == 0 || out_h * out_w == 0) return;
+  // Rows of at most 8 pixels fill an 8-lane vector: 16 lanes would compute as many wasted ones.
+  lanes = out_w <= 8 ? 8 : std::min(lanes, DirectConvBlock());
+  // A row's last vector reads up to its last lane; the taps reach (K - 1) * D / S further.
+  const int64_t phase_w = (out_w + lanes - 1) / lanes * lanes + (kernel_w - 1) * p.dilation_w / p.stride_w;
+  const int64_t reach = (kernel_h - 1) * p.dilation_h / p.stride_h;
+  const int64_t planes = batch * out_c;
+  const int64_t budget_rows = std::max<int64_t>(1, kDepthwisePixels / out_w);
+  // At least 4 units in all, so two threads get balanced work on a few channels.
+  const int64_t balance_rows = std::max<int64_t>(1, out_h * planes / 4);
+  const int64_t rows_per_unit = std::min({budget_rows, balance_rows, out_h});
+  const int64_t units_per_plane = (out_h + rows_per_unit - 1) / rows_per_unit;
+  DepthwiseWork t{{Data(data), nullptr, batch * in_c, data->shape[2], data->shape[3], p.stride_h,
+                   p.stride_w, 0, phase_w, p.pad_top, p.pad_left},
+                  Data(weight), nullptr, kernel_h * kernel_w, Data(out), &epilogue, in_c, out_c,
+                  out_c / in_c, out_h, out_w, lanes, rows_per_unit + reach, rows_per_unit,
+                  units_per_plane, planes * units_per_plane};
+  // Tap (kh, kw) of output (oy, ox) reads phase (kh * DH % SH, kw * DW % SW) at row
+  // oy + kh * DH / SH, column ox + kw * DW / SW.
+  thread_local std::vector<int64_t> offsets;
+  offsets.resize(t.num_taps);
+  const int64_t phase_size = t.buffer_rows * phase_w;
+  for (int64_t kh = 0, tap = 0; kh < kernel_h; ++kh) {
+    for (int64_t kw = 0; kw < kernel_w; ++kw, ++tap) {
+      const int64_t a = kh * p.dilation_h % p.stride_h, b = kw * p.dilation_w % p.stride_w;
+      offsets[tap] = (a * p.stride_w + b) * phase_size + kh * p.dilation_h / p.stride_h * phase_w +
+                     kw * p.dilation_w / p.stride_w;
+    }
+  }
+  t.taps = offsets.data();
+  if (kernel_h == kernel_w && p.stride_h == p.stride_w && p.dilation_h == 1 && p.dilation_w == 1) {
+    t.square_kernel = kernel_h;
+    t.square_stride = p.stride_h;
+  }
+  Launch(RunDepthwiseUnits, &t, planes * out_h * out_w * t.num_taps >= kMinParallelGemm);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1539,6 +1827,15 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                     RowConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
                               Conv2DParamsOf(args), args[8].cast<int64_t>(),
                               ParseEpilogue(args, 9, args.size() - 1, out), out);
+                  })
+      .def_packed("gimlet.cpu.conv2d_nchw_depthwise",
+                  [](PackedArgs args, tvm::ffi::Any*) {
+                    // (data, weight, stride_h, stride_w, pad_top, pad_left, dilation_h,
+                    //  dilation_w, lanes, epilogue steps..., out)
+                    DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
+                    DepthwiseConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
+                                    Conv2DParamsOf(args), args[8].cast<int64_t>(),
+                                    ParseEpilogue(args, 9, args.size() - 1, out), out);
                   })
       .def_packed("gimlet.cpu.conv2d_nchw_winograd",
                   [](PackedArgs args, tvm::ffi::Any*) {
