@@ -3,6 +3,8 @@ code matches onnxruntime, and rules that do not fit a function decline instead o
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -13,6 +15,7 @@ from tvm.relax.frontend.onnx import from_onnx
 from gimlet_tvm import models
 from gimlet_tvm.compiler import canonicalize_passes
 from gimlet_tvm.schedules.rules.cpu import RULES
+from gimlet_tvm.schedules.rules.cpu.normalization import Normalization
 from gimlet_tvm.schedules.rules.cpu.window_reduction import WindowReduction
 from gimlet_tvm.relax_passes.library_dispatch import library_passes
 from gimlet_tvm.targets.llvm import LLVM_CPU
@@ -100,6 +103,12 @@ def op_cases() -> list:
          "Normalization"),
         ("layer_norm", [helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1)],
          [6, 13, 40], {"g": rand(40, seed=3), "b": rand(40, seed=4)}, "Normalization"),
+        # Rows of whole vectors: the reductions are factored into vector lanes.
+        ("softmax_vector_rows", [helper.make_node("Softmax", ["x"], ["y"], axis=-1)], [3, 5, 96],
+         {}, "Normalization"),
+        ("layer_norm_vector_rows",
+         [helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1)], [7, 256],
+         {"g": rand(256, seed=3), "b": rand(256, seed=4)}, "Normalization"),
         ("max_pool", [helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[3, 3],
                                        strides=[2, 2], pads=[1, 1, 1, 1])],
          [3, 23, 23], {}, "WindowReduction"),
@@ -127,6 +136,22 @@ def test_scheduled_ops_against_onnxruntime(case: tuple) -> None:
     for batch in (1, 8):
         ours, reference = run_both(model, {"x": rand(batch, *shape, seed=batch)})
         np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("width, factored", [(256, True), (96, True), (40, False), (16, False)])
+def test_normalization_factors_reductions_over_whole_vectors(width: int, factored: bool) -> None:
+    """A layer norm's reductions over rows of at least two whole vectors become per-lane partial
+    sums updated by vector instructions; other rows keep DLight's scalar reduction."""
+    model = onnx_model([helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1)],
+                       [("x", ["batch", 3, width])], ("y", None),
+                       {"g": rand(width, seed=3), "b": rand(width, seed=4)})
+    [func] = [f for f in fused_prim_funcs(from_onnx(model, keep_params_in_input=False)).values()
+              if first_rule(f) == "Normalization"]
+    lines = Normalization().apply(func, TARGET, False).mod.script().splitlines()
+    # A partial-sum block (rfactor names it "<reduction>_rf") right inside a vectorized loop.
+    partial_sums = [block for loop, block in zip(lines, lines[1:])
+                    if "T.vectorized(" in loop and re.search(r'T\.sblock\("\w+_rf"\)', block)]
+    assert bool(partial_sums) == factored
 
 
 @pytest.mark.parametrize("name", SMALL_MODELS)
