@@ -3,7 +3,7 @@
 Where it goes: after graph fusion (and kernel selection's rewrites), before LegalizeOps, which
 would otherwise turn the ops into TIR. Each library a target's spec lists
 (`TargetSpec.libraries`) that has a dispatch pass gets it, in the spec's order; then, where the
-spec asks for fast math, `FastMathTransform`; where it asks for transposed-matmul kernels,
+spec asks for fast math, `FastMathTransform` and `fast_activations` (GELU ops); where it asks for transposed-matmul kernels,
 `transposed_matmul_kernels` (after the dispatch, so a library still gets the pairs it takes). A
 library without a dispatch pass (cuBLAS) is reached only through kernel selection, which calls
 it where it won.
@@ -19,6 +19,7 @@ from tvm import relax
 from ..targets import TargetSpec
 from ..targets.libraries import CPU_LIBRARY
 from .dispatch_cpu_library import DispatchCPULibrary
+from .fast_activations import fast_activations
 from .transposed_matmul import transposed_matmul_kernels
 
 LIBRARY_DISPATCH: dict[str, Callable[[bool], tvm.transform.Pass]] = {CPU_LIBRARY.name: DispatchCPULibrary}
@@ -37,6 +38,6 @@ def library_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:
     """`dispatch_passes`, then fast math and transposed-matmul kernels where the spec asks."""
     return [
         *dispatch_passes(spec),
-        *([relax.transform.FastMathTransform()] if spec.fast_math else []),
+        *([relax.transform.FastMathTransform(), fast_activations] if spec.fast_math else []),
         *([transposed_matmul_kernels] if spec.transposed_matmul_kernels else []),
     ]
