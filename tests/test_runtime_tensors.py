@@ -1,0 +1,61 @@
+"""Inputs and outputs crossing the runtime's boundary on the host: an aligned input array is
+shared with its tensor, an unaligned one copied to an aligned buffer; either way the model
+sees the same values, the caller's arrays stay as they were and outputs are arrays of their
+own."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from onnx import helper
+
+import gimlet_tvm
+from gimlet_tvm.runtime.tensors import TENSOR_ALIGNMENT, device_tensors
+
+from .test_cpu_library import onnx_model, rand
+
+
+def at_offset(array: np.ndarray, offset: int) -> np.ndarray:
+    """A copy of `array` whose data starts `offset` bytes past a TENSOR_ALIGNMENT boundary."""
+    buffer = np.empty(array.nbytes + 2 * TENSOR_ALIGNMENT, np.uint8)
+    start = -buffer.ctypes.data % TENSOR_ALIGNMENT + offset
+    copy = buffer[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    copy[...] = array
+    return copy
+
+
+def test_aligned_and_unaligned_inputs_give_the_same_result() -> None:
+    model = onnx_model([helper.make_node("Mul", ["x", "x"], ["m"]),
+                        helper.make_node("Add", ["m", "w"], ["y"])],
+                       [("x", [4, 33])], ("y", [4, 33]), {"w": rand(4, 33, seed=1)})
+    compiled = gimlet_tvm.build(model, "llvm")
+    x = rand(4, 33)
+    expected = x * x + rand(4, 33, seed=1)
+    for offset in (0, 4, 16, 48):
+        array = at_offset(x, offset)
+        assert array.ctypes.data % TENSOR_ALIGNMENT == offset
+        np.testing.assert_allclose(compiled.run({"x": array})["y"], expected, rtol=1e-6)
+        np.testing.assert_array_equal(array, x)
+
+
+def test_an_aligned_input_is_shared_and_an_unaligned_one_copied() -> None:
+    x = rand(8, 16)
+    aligned, unaligned = at_offset(x, 0), at_offset(x, 16)
+    shared, copied = device_tensors([aligned, unaligned], tvm.cpu())
+    assert np.from_dlpack(shared).ctypes.data == aligned.ctypes.data
+    assert np.from_dlpack(copied).ctypes.data % TENSOR_ALIGNMENT == 0
+    np.testing.assert_array_equal(np.from_dlpack(copied), x)
+
+
+def test_outputs_are_arrays_of_their_own() -> None:
+    """A model returning its input unchanged: the output is not the caller's input memory, and
+    one call's output is not the next call's."""
+    model = onnx_model([helper.make_node("Identity", ["x"], ["y"])], [("x", [3, 16])], ("y", [3, 16]), {})
+    compiled = gimlet_tvm.build(model, "llvm")
+    x = at_offset(rand(3, 16), 0)
+    first = compiled.run({"x": x})["y"]
+    first[...] = 0
+    np.testing.assert_array_equal(x, rand(3, 16))
+    second = compiled.run({"x": x})["y"]
+    np.testing.assert_array_equal(second, x)
+    np.testing.assert_array_equal(first, 0)
