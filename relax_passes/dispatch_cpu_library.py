@@ -302,7 +302,8 @@ def _calls(call: relax.Expr, func: str) -> bool:
 
 def _epilogue_steps(args: list[relax.Expr]) -> list:
     """A library call's epilogue arguments as steps (see `library_matmul`; a clip step is
-    `("clip", lo, hi)`)."""
+    `("clip", lo, hi)`, a blocked output's per-channel vector `("add_blocked", vector, divisor,
+    block)`)."""
     names = {code: name for name, code in ACTIVATIONS.items()}
     steps, index = [], 0
     while index < len(args):
@@ -313,6 +314,9 @@ def _epilogue_steps(args: list[relax.Expr]) -> list:
         elif kind == ADD_TENSOR:
             steps.append(("add", args[index + 1], 1))
             index += 2
+        elif kind == ADD_BLOCKED_VECTOR:
+            steps.append(("add_blocked", args[index + 1], int(args[index + 2].value), int(args[index + 3].value)))
+            index += 4
         elif kind == CLIP:
             steps.append(("clip", float(args[index + 1].value), float(args[index + 2].value)))
             index += 3
@@ -457,6 +461,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         # A vector along one axis (aligned from the right); all other extents 1.
         offset = len(out_shape) - len(shape)
         axes = [i for i, d in enumerate(shape) if not (isinstance(d, tvm.tirx.IntImm) and int(d) == 1)]
+        if len(shape) == len(out_shape) == 5 and axes in ([1, 4], [4]):
+            return self._with_blocked_vector(result, addend, out_shape, shape)
         if len(axes) > 1:
             return None
         axis = offset + axes[0] if axes else len(out_shape) - 1
@@ -466,6 +472,19 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if divisor is None:
             return None
         step = [relax.prim_value(ADD_VECTOR), addend, relax.prim_value(math.prod(divisor))]
+        return self._with_epilogue(result, step)
+
+    def _with_blocked_vector(self, result: relax.Expr, addend: relax.Expr, out_shape: list,
+                             shape: list) -> relax.Expr | None:
+        """`result + addend` for a 5-D output [N, C / B, H, W, B] (channel-blocked) and a
+        per-channel vector [1, C / B, 1, 1, B] (or [1, 1, 1, 1, B]) as a blocked-vector
+        epilogue step, which the blocked kernels apply on vectors."""
+        analyzer = tvm.sym.Analyzer()
+        dims = _static_ints(out_shape[2:])
+        if dims is None or not all(analyzer.can_prove_equal(shape[i], out_shape[i]) for i in (1, 4)):
+            return None
+        step = [relax.prim_value(ADD_BLOCKED_VECTOR), addend, relax.prim_value(math.prod(dims)),
+                relax.prim_value(dims[2])]
         return self._with_epilogue(result, step)
 
     def _rewrite_attention(self, call: relax.Call) -> relax.Expr | None:
@@ -538,6 +557,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     def _rewrite_conv2d(self, call: relax.Call) -> relax.Expr | None:
         data, weight = call.args
         attrs = call.attrs
+        if attrs.data_layout != "NCHW" and attrs.data_layout == attrs.out_layout:
+            return self._rewrite_blocked_conv2d(call)
         if not (
             _is_float32_tensor(data.ty, 4)
             and _is_float32_tensor(weight.ty, 4)
@@ -563,6 +584,28 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         args = [data, weight, *(relax.prim_value(p) for p in params), relax.prim_value(groups)]
         generic = relax.call_dps_packed(CONV2D_FUNC, args, call.ty)
         return self._conv_kernel(generic) if self.conv_kernels else generic
+
+    def _rewrite_blocked_conv2d(self, call: relax.Call) -> relax.Expr | None:
+        """A conv2d on NCHW{B}c data and output with an OIHW weight (what `blocked_layout`
+        writes), groups 1 or depthwise, on the direct or blocked depthwise kernel, its weight
+        packed into blocks of B output channels."""
+        data, weight = call.args
+        attrs = call.attrs
+        layout = str(attrs.data_layout)
+        block = _static_ints([data.ty.shape[4]]) if data.ty.ndim == 5 else None
+        params = _static_ints([*attrs.strides, *attrs.padding[:2], *attrs.dilation])
+        if not (block is not None and layout == f"NCHW{block[0]}c" and attrs.kernel_layout == "OIHW"
+                and _is_float32_tensor(weight.ty, 4) and _is_float32_tensor(call.ty, 5) and params is not None):
+            return None
+        block = block[0]
+        groups, func = int(attrs.groups), DIRECT_CONV2D_FUNC
+        if groups > 1:
+            func = BLOCKED_DEPTHWISE_CONV2D_FUNC
+            if _static_ints([weight.ty.shape[1]]) != [1]:
+                return None
+        packed = self.builder_.emit(relax.op.layout_transform(
+            weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
+        return relax.call_dps_packed(func, [data, packed, *(relax.prim_value(p) for p in params)], call.ty)
 
     def _conv_kernel(self, call: relax.Call) -> relax.Expr:
         """A `gimlet.cpu.conv2d_nchw` call (with its epilogue) on the kernel chosen for its

@@ -687,6 +687,7 @@ struct DirectConvWork {
   int64_t in_c, height, width;  // of x
   int64_t x_block;              // XB, the data's channel block; 1 for NCHW data
   bool y_blocked;               // the output is [N, O / B, OH, OW, B]
+  bool vector_epilogue;         // y_blocked and IsBlockedVectorEpilogue
   int64_t out_c, kernel_h, kernel_w, out_h, out_w;
   Conv2DParams p;        // its padding is in x already
   int64_t block;         // B, the weights' last extent
@@ -695,6 +696,7 @@ struct DirectConvWork {
   int64_t chunk;         // output pixels per unit
   int64_t chunks;        // ceil(out_h * out_w / chunk)
   int64_t num_units;     // images * block_pairs * chunks
+  bool pointwise;        // y_blocked, XB = B, 1x1, stride 1, no padding (PointwiseTile)
 };
 
 constexpr int64_t kBlocks = 2;  // channel blocks per register tile
@@ -719,6 +721,88 @@ template <>
 struct VectorOf<16> {
   using Type = float __attribute__((vector_size(64)));
 };
+
+/*! \brief Whether `epilogue` has only steps `BlockedEpilogueRows` applies on vectors of a
+ * channel-blocked output with blocks of `block` (bias of blocks of `block`, residual, ReLU, clip). */
+constexpr size_t kMaxVectorEpilogue = 8;  // steps
+
+bool IsBlockedVectorEpilogue(const Epilogue& epilogue, int64_t block) {
+  if (epilogue.size() > kMaxVectorEpilogue) return false;
+  for (const EpilogueStep& step : epilogue) {
+    const bool fits = step.kind == EpilogueStep::kAddTensor || step.kind == EpilogueStep::kRelu ||
+                      step.kind == EpilogueStep::kClip ||
+                      (step.kind == EpilogueStep::kAddBlockedVector && step.block == block);
+    if (!fits) return false;
+  }
+  return true;
+}
+
+/*! \brief The per-channel vectors' L elements each kAddBlockedVector step of `epilogue` adds to
+ * the pixels of one channel block (`row`: the block's output plane, from element offset
+ * `o`), by step position. */
+struct BlockedRowVectors {
+  const float* at[kMaxVectorEpilogue];
+
+  BlockedRowVectors(const Epilogue& epilogue, int64_t o) {
+    for (size_t i = 0; i < epilogue.size(); ++i) {
+      const EpilogueStep& step = epilogue[i];
+      at[i] = step.kind != EpilogueStep::kAddBlockedVector
+                  ? nullptr
+                  : step.data + o / step.divisor % (step.length / step.block) * step.block;
+    }
+  }
+};
+
+/*! \brief `epilogue` (IsBlockedVectorEpilogue) on the vector `v` of L channels of one pixel of a
+ * channel-blocked output, at element offset `o` in the output, `vectors` its channel block's:
+ * each step while it is in a register. */
+template <int L>
+__attribute__((always_inline)) inline typename VectorOf<L>::Type BlockedEpilogueVector(
+    const Epilogue& epilogue, const BlockedRowVectors& vectors, typename VectorOf<L>::Type v,
+    int64_t o) {
+  using V = typename VectorOf<L>::Type;
+  for (size_t i = 0; i < epilogue.size(); ++i) {
+    const EpilogueStep& step = epilogue[i];
+    V operand;
+    switch (step.kind) {
+      case EpilogueStep::kAddBlockedVector:
+        std::memcpy(&operand, vectors.at[i], sizeof(V));
+        v += operand;
+        break;
+      case EpilogueStep::kAddTensor:
+        std::memcpy(&operand, step.data + o, sizeof(V));
+        v += operand;
+        break;
+      case EpilogueStep::kRelu:
+        v = v < V{} ? V{} : v;
+        break;
+      default:  // kClip
+        v = v < step.lo ? V{} + step.lo : v;
+        v = v > step.hi ? V{} + step.hi : v;
+        break;
+    }
+  }
+  return v;
+}
+
+/*! \brief BlockedEpilogueVector on `rows` rows of `pixels` pixels at `y` (element offset
+ * `offset` in the output), rows `row_stride` floats apart. */
+template <int L>
+__attribute__((always_inline)) inline void BlockedEpilogueRows(const Epilogue& epilogue, float* y,
+                                                               int64_t offset, int64_t rows,
+                                                               int64_t pixels, int64_t row_stride) {
+  using V = typename VectorOf<L>::Type;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = y + r * row_stride;
+    const BlockedRowVectors vectors(epilogue, offset + r * row_stride);
+    for (int64_t q = 0; q < pixels; ++q) {
+      V v;
+      std::memcpy(&v, row + q * L, sizeof(V));
+      v = BlockedEpilogueVector<L>(epilogue, vectors, v, offset + r * row_stride + q * L);
+      std::memcpy(row + q * L, &v, sizeof(V));
+    }
+  }
+}
 
 /*!
  * \brief n <= P output pixels from flat index `pixel0` for NB channel blocks starting at `w`
@@ -748,7 +832,7 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
   for (int j = 0; j < NB; ++j)
     for (int q = 0; q < P; ++q) acc[j][q] = V{};
   for (int64_t c = 0; c < t.in_c; ++c) {
-    const float* channel = x + c / xb * plane + c % xb;
+    const float* channel = x + (xb == 1 ? c * plane : c / xb * plane + c % xb);
     for (int64_t kh = 0; kh < t.kernel_h; ++kh) {
       const float* row = channel + kh * p.dilation_h * t.width * xb;
       const float* wk = w + (c * t.kernel_h + kh) * kernel_w * L;
@@ -760,6 +844,35 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
           const float v = tap[offset[q]];
           for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
         }
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int q = 0; q < P; ++q) std::memcpy(tile + (j * P + q) * L, &acc[j][q], sizeof(V));
+}
+
+/*!
+ * \brief DirectTile for a pointwise conv (1x1, stride 1, no padding) on data blocked like the
+ * output (XB = L), P whole pixels: a GEMM tile, the pixels' inputs consecutive, no offsets.
+ */
+template <int L, int P, int NB>
+__attribute__((always_inline)) inline void PointwiseTile(const DirectConvWork& t, const float* x,
+                                                         const float* w, int64_t w_stride,
+                                                         int64_t pixel0, float* tile) {
+  using V = typename VectorOf<L>::Type;
+  const int64_t plane = t.height * t.width * L;
+  V acc[NB][P];
+  for (int j = 0; j < NB; ++j)
+    for (int q = 0; q < P; ++q) acc[j][q] = V{};
+  for (int64_t cb = 0; cb < t.in_c / L; ++cb) {
+    const float* xc = x + cb * plane + pixel0 * L;
+    const float* wc = w + cb * L * L;
+    for (int ci = 0; ci < L; ++ci) {
+      V wv[NB];
+      for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], wc + ci * L + j * w_stride, sizeof(V));
+      for (int q = 0; q < P; ++q) {
+        const float v = xc[q * L + ci];
+        for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
       }
     }
   }
@@ -782,13 +895,19 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
   if (t.y_blocked) {  // blocks of whole L channels, [NB][pixels][L] at y: tiles go as they are
     for (int64_t pixel = pixel0; pixel < pixel1; pixel += P) {
       const int64_t n = std::min<int64_t>(P, pixel1 - pixel);
-      DirectTile<L, P, NB, KW>(t, x, w, w_stride, pixel, n, tile);
+      if (KW == 1 && n == P) {  // KW 1: the pointwise instance (DirectUnits)
+        PointwiseTile<L, P, NB>(t, x, w, w_stride, pixel, tile);
+      } else {
+        DirectTile<L, P, NB, KW>(t, x, w, w_stride, pixel, n, tile);
+      }
       for (int j = 0; j < NB; ++j) {
         std::memcpy(y + (j * spatial + pixel) * L, tile + j * P * L, n * L * sizeof(float));
       }
     }
-    if (!t.epilogue->empty()) {
-      float* first = y + pixel0 * L;
+    float* first = y + pixel0 * L;
+    if (t.vector_epilogue) {
+      BlockedEpilogueRows<L>(*t.epilogue, first, first - t.y, NB, pixel1 - pixel0, spatial * L);
+    } else {
       ApplyEpilogue(*t.epilogue, first, first - t.y, NB, (pixel1 - pixel0) * L, spatial * L);
     }
     return;
@@ -822,7 +941,9 @@ __attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, 
     const int64_t pixel0 = chunk * t.chunk, pixel1 = std::min(spatial, pixel0 + t.chunk);
     // 3-wide kernels (most) get their taps unrolled.
     if (b0 + kBlocks <= t.blocks) {
-      if (t.kernel_w == 3) {
+      if (t.pointwise) {
+        DirectChunk<L, kPixels, kBlocks, 1>(t, x, b0, pixel0, pixel1, y_img);
+      } else if (t.kernel_w == 3) {
         DirectChunk<L, kPixels, kBlocks, 3>(t, x, b0, pixel0, pixel1, y_img);
       } else {
         DirectChunk<L, kPixels, kBlocks, 0>(t, x, b0, pixel0, pixel1, y_img);
@@ -947,7 +1068,7 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   const bool y_blocked = out->ndim == 5;
   DirectConvWork t{Data(data), Data(weight), Data(out), &epilogue, in_c, data->shape[2],
                    data->shape[3], x_block, y_blocked,
-                   out->shape[1] * (y_blocked ? out->shape[4] : 1), weight->shape[2],
+                   y_blocked && IsBlockedVectorEpilogue(epilogue, block), out->shape[1] * (y_blocked ? out->shape[4] : 1), weight->shape[2],
                    weight->shape[3], out->shape[2], out->shape[3], p, block};
   TVM_FFI_ICHECK(t.block == 8 || t.block == 16)
       << "gimlet.cpu.conv2d_nchw_direct: channel block " << t.block << " is neither 8 nor 16";
@@ -977,6 +1098,8 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
     t.height = padded_h;
     t.width = padded_w;
   }
+  t.pointwise = y_blocked && x_block == block && t.kernel_h == 1 && t.kernel_w == 1 &&
+                t.height == t.out_h && t.width == t.out_w && p.stride_h == 1 && p.stride_w == 1;
   t.block_pairs = (t.blocks + kBlocks - 1) / kBlocks;
   const int64_t tile = t.block == 8 ? kPixelsAvx2 : DirectConvBlock() == 16 ? kPixelsAvx512
                                                                            : kPixelsAvx2Wide;
@@ -1502,54 +1625,90 @@ struct BlockedDepthwiseWork {
   int64_t blocks, height, width;  // of x: C / B, and its (padded) plane
   int64_t kernel_h, kernel_w, out_h, out_w;
   Conv2DParams p;
-  int64_t block;      // B
-  int64_t num_units;  // N * C / B * OH
+  int64_t block;         // B
+  bool vector_epilogue;  // IsBlockedVectorEpilogue
+  int64_t num_units;     // N * C / B * OH
 };
 
 constexpr int kDepthwiseTile = 8;
 
-/*! \brief T output pixels of a row from `x_row` (the input row of the first tap, at the first
- * pixel), the block's taps `w`, into `y`. */
-template <int L, int T>
-__attribute__((always_inline)) inline void BlockedDepthwiseTile(const BlockedDepthwiseWork& t,
-                                                                const float* x_row,
-                                                                const float* w, float* y) {
+/*!
+ * \brief T output pixels of a row from `x_row` (the input row of the first tap, at the first
+ * pixel) into `y` (element offset `o` in the output), the block's K x K taps' weights in `wv`
+ * (K 0: t.kernel_h x t.kernel_w, read from `w`), then the vector epilogue, if any.
+ */
+template <int L, int T, int K>
+__attribute__((always_inline)) inline void BlockedDepthwiseTile(
+    const BlockedDepthwiseWork& t, const float* x_row, const typename VectorOf<L>::Type* wv,
+    const float* w, const BlockedRowVectors& vectors, float* y, int64_t o) {
   using V = typename VectorOf<L>::Type;
   const Conv2DParams& p = t.p;
+  const int64_t kernel_h = K ? K : t.kernel_h, kernel_w = K ? K : t.kernel_w;
   const int64_t pixel_step = p.stride_w * L;
   V acc[T];
   for (int q = 0; q < T; ++q) acc[q] = V{};
-  for (int64_t kh = 0; kh < t.kernel_h; ++kh) {
+  for (int64_t kh = 0; kh < kernel_h; ++kh) {
     const float* row = x_row + kh * p.dilation_h * t.width * L;
-    for (int64_t kw = 0; kw < t.kernel_w; ++kw) {
-      V wv;
-      std::memcpy(&wv, w + (kh * t.kernel_w + kw) * L, sizeof(V));
+    for (int64_t kw = 0; kw < kernel_w; ++kw) {
+      V weight;
+      if (K) {
+        weight = wv[kh * K + kw];
+      } else {
+        std::memcpy(&weight, w + (kh * kernel_w + kw) * L, sizeof(V));
+      }
       const float* tap = row + kw * p.dilation_w * L;
       for (int q = 0; q < T; ++q) {
         V v;
         std::memcpy(&v, tap + q * pixel_step, sizeof(V));
-        acc[q] += v * wv;
+        acc[q] += v * weight;
       }
     }
   }
-  for (int q = 0; q < T; ++q) std::memcpy(y + q * L, &acc[q], sizeof(V));
+  for (int q = 0; q < T; ++q) {
+    const V v = t.vector_epilogue ? BlockedEpilogueVector<L>(*t.epilogue, vectors, acc[q], o + q * L)
+                                  : acc[q];
+    std::memcpy(y + q * L, &v, sizeof(V));
+  }
 }
 
-template <int L>
-__attribute__((always_inline)) inline void BlockedDepthwiseUnits(const BlockedDepthwiseWork& t,
-                                                                 int64_t begin, int64_t end) {
+/*! \brief Units [begin, end) (unit = plane * OH + output row) with K x K taps (K 0: any). */
+template <int L, int K>
+__attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDepthwiseWork& t,
+                                                                int64_t begin, int64_t end) {
+  using V = typename VectorOf<L>::Type;
   const Conv2DParams& p = t.p;
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t oy = unit % t.out_h, plane = unit / t.out_h;  // plane: image * blocks + block
     const float* x_row = t.x + (plane * t.height + oy * p.stride_h) * t.width * L;
     const float* w = t.w + plane % t.blocks * t.kernel_h * t.kernel_w * L;
     float* y = t.y + (plane * t.out_h + oy) * t.out_w * L;
+    const int64_t o = y - t.y;
+    V wv[K ? K * K : 1];
+    for (int i = 0; i < K * K; ++i) std::memcpy(&wv[i], w + i * L, sizeof(V));
+    const BlockedRowVectors vectors(*t.epilogue, o);
     int64_t ox = 0;
     for (; ox + kDepthwiseTile <= t.out_w; ox += kDepthwiseTile) {
-      BlockedDepthwiseTile<L, kDepthwiseTile>(t, x_row + ox * p.stride_w * L, w, y + ox * L);
+      BlockedDepthwiseTile<L, kDepthwiseTile, K>(t, x_row + ox * p.stride_w * L, wv, w, vectors,
+                                                 y + ox * L, o + ox * L);
     }
-    for (; ox < t.out_w; ++ox) BlockedDepthwiseTile<L, 1>(t, x_row + ox * p.stride_w * L, w, y + ox * L);
-    if (!t.epilogue->empty()) ApplyEpilogue(*t.epilogue, y, y - t.y, 1, t.out_w * L, 0);
+    for (; ox < t.out_w; ++ox) {
+      BlockedDepthwiseTile<L, 1, K>(t, x_row + ox * p.stride_w * L, wv, w, vectors, y + ox * L,
+                                    o + ox * L);
+    }
+    if (!t.vector_epilogue && !t.epilogue->empty()) {
+      ApplyEpilogue(*t.epilogue, y, o, 1, t.out_w * L, 0);
+    }
+  }
+}
+
+/*! \brief Units [begin, end); 3x3 kernels (MobileNet's) keep their taps' weights in registers. */
+template <int L>
+__attribute__((always_inline)) inline void BlockedDepthwiseUnits(const BlockedDepthwiseWork& t,
+                                                                 int64_t begin, int64_t end) {
+  if (t.kernel_h == 3 && t.kernel_w == 3) {
+    BlockedDepthwiseRows<L, 3>(t, begin, end);
+  } else {
+    BlockedDepthwiseRows<L, 0>(t, begin, end);
   }
 }
 
@@ -1603,7 +1762,7 @@ void BlockedDepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams
       << name << ": strides and dilations must be positive, pads not negative";
   BlockedDepthwiseWork t{Data(data), Data(weight), Data(out), &epilogue, blocks, data->shape[2],
                          data->shape[3], weight->shape[2], weight->shape[3], out->shape[2],
-                         out->shape[3], p, block};
+                         out->shape[3], p, block, IsBlockedVectorEpilogue(epilogue, block)};
   if (batch == 0 || blocks == 0 || t.out_h * t.out_w == 0) return;
   const int64_t padded_h = PaddedExtent(t.height, p.pad_top, t.out_h, p.stride_h, t.kernel_h,
                                         p.dilation_h);
@@ -1622,6 +1781,53 @@ void BlockedDepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams
   t.num_units = batch * blocks * t.out_h;
   const int64_t work = t.num_units * t.out_w * block * t.kernel_h * t.kernel_w;
   Launch(RunBlockedDepthwiseUnits, &t, work >= kMinParallelGemm / 4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layout conversion at the edges of a channel-blocked region: NCHW <-> NCHW{B}c
+
+/*! \brief One conversion: `planes` (N * C / B) blocks of B channel planes of `spatial` pixels. */
+struct BlockedLayoutWork {
+  const float* x;
+  float* y;
+  int64_t planes, spatial, block;
+  bool to_blocked;  // NCHW -> NCHW{B}c, else back
+};
+
+int RunBlockedLayout(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const BlockedLayoutWork*>(cdata);
+  const auto [begin, end] = TaskRange(task_id, penv, t.planes);
+  const int64_t size = t.spatial * t.block;
+  for (int64_t plane = begin; plane < end; ++plane) {
+    const float* x = t.x + plane * size;
+    float* y = t.y + plane * size;
+    // The blocked side in order, the B channel planes as B streams.
+    for (int64_t i = 0; i < t.spatial; ++i) {
+      if (t.to_blocked) {
+        for (int64_t c = 0; c < t.block; ++c) y[i * t.block + c] = x[c * t.spatial + i];
+      } else {
+        for (int64_t c = 0; c < t.block; ++c) y[c * t.spatial + i] = x[i * t.block + c];
+      }
+    }
+  }
+  return 0;
+}
+
+/*! \brief data [N, C, H, W] into out [N, C / B, H, W, B] (`to_blocked`), or back. */
+void ConvertBlockedLayout(DLTensor* data, DLTensor* out, bool to_blocked) {
+  CheckCompactFloat32(data, "data");
+  CheckCompactFloat32(out, "out");
+  const DLTensor* nchw = to_blocked ? data : out;
+  const DLTensor* blocked = to_blocked ? out : data;
+  TVM_FFI_ICHECK(nchw->ndim == 4 && blocked->ndim == 5 && blocked->shape[4] > 0 &&
+                 nchw->shape[0] == blocked->shape[0] &&
+                 nchw->shape[1] == blocked->shape[1] * blocked->shape[4] &&
+                 nchw->shape[2] == blocked->shape[2] && nchw->shape[3] == blocked->shape[3])
+      << "gimlet.cpu: layout conversion between [N, C, H, W] and [N, C / B, H, W, B] with shapes "
+         "that do not match";
+  BlockedLayoutWork t{Data(data), Data(out), blocked->shape[0] * blocked->shape[1],
+                      blocked->shape[2] * blocked->shape[3], blocked->shape[4], to_blocked};
+  Launch(RunBlockedLayout, &t, t.planes * t.spatial * t.block >= kMinParallelGemm / 8);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2040,6 +2246,10 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                                            Conv2DParamsOf(args),
                                            ParseEpilogue(args, 8, args.size() - 1, out), out);
                   })
+      .def("gimlet.cpu.nchw_to_nchwc",
+           [](DLTensor* data, DLTensor* out) { ConvertBlockedLayout(data, out, true); })
+      .def("gimlet.cpu.nchwc_to_nchw",
+           [](DLTensor* data, DLTensor* out) { ConvertBlockedLayout(data, out, false); })
       .def_packed("gimlet.cpu.conv2d_nchw_winograd",
                   [](PackedArgs args, tvm::ffi::Any*) {
                     // (data, transformed weight, stride_h, stride_w, pad_top, pad_left,

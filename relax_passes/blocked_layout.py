@@ -1,0 +1,242 @@
+"""Run regions of a CNN on channel-blocked data (NCHW{B}c: [N, C / B, H, W, B]), as
+onnxruntime's MLAS does, converting layouts only where a region meets an op it does not
+cover.
+
+1. Where it goes: after the imported graph's clean-up and graph fusion, right before the CPU
+   library's dispatch (`library_dispatch.library_passes`), which maps the blocked convs to
+   `gimlet.cpu.conv2d_nchw_direct` (blocked data and output) and
+   `gimlet.cpu.conv2d_nchwc_depthwise` and fuses the blocked epilogues into them. Kernel
+   selection's grouping run does not use it (every conv stays one generic library call there).
+2. B is the CPU's vector width (`dispatch_cpu_library.direct_conv_block`: 16 with AVX-512, 8
+   with AVX2); `$GIMLET_CPU_BLOCKED_LAYOUT` (0, 8 or 16) overrides it, 0 turning the pass off.
+   In dataflow order, it rewrites into blocked form
+   - `R.nn.conv2d` (NCHW data and output, OIHW float32 weight, static shapes) that is groups 1
+     or depthwise (one group per channel, channel multiplier 1), both channel counts multiples
+     of B, and that the CPU library would not run with Winograd (`winograd_tile_for`, on NCHW
+     only), as `R.nn.conv2d(data_layout="NCHW{B}c", kernel_layout="OIHW",
+     out_layout="NCHW{B}c")`;
+   - ops that do not care about the layout, once an operand is blocked: unary elementwise ops
+     (`ELEMENTWISE_UNARY`), binary ones (`ELEMENTWISE_BINARY`) whose other operand is blocked
+     too, a scalar, or a constant per-channel vector (reblocked here with numpy), and max /
+     average pooling (`layout="NCHW{B}c"`). The batch extent may be symbolic; the others
+     must be static.
+   An op it does not rewrite that reads a blocked value gets a conversion back to NCHW (once per
+   value), and so does a dataflow block's output; a blocked conv or binary op that reads an
+   NCHW tensor gets one into NCHW{B}c (once per tensor). Conversions are the CPU library's
+   `gimlet.cpu.nchw_to_nchwc` / `nchwc_to_nchw` calls (TVM's generated `R.layout_transform`
+   kernels took several times as long). So conversions of activations sit only at the regions'
+   edges (the network's input side, global pooling / flatten, outputs), never around each op.
+3. It does not handle: convs with channel counts that are not multiples of B (they stay NCHW,
+   and so do the ops between them), grouped convs other than depthwise, depthwise convs with a
+   channel multiplier, other dtypes, symbolic channel or spatial extents, and convs kernel selection already turned
+   into library calls. It does not weigh a region's edge transforms against what its kernels
+   save: `blocked_block` decides for the whole module.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import tvm
+from tvm import IRModule, relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ..errors import CompileError
+from ..targets.libraries import CPU_LIBRARY
+from .dispatch_cpu_library import direct_conv_block, winograd_override, winograd_tile_for
+
+BLOCKED_LAYOUT_ENV = "GIMLET_CPU_BLOCKED_LAYOUT"
+TO_BLOCKED_FUNC = f"{CPU_LIBRARY.name}.nchw_to_nchwc"
+FROM_BLOCKED_FUNC = f"{CPU_LIBRARY.name}.nchwc_to_nchw"
+
+ELEMENTWISE_UNARY = frozenset({
+    "relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh", "relax.nn.gelu", "relax.nn.silu",
+})
+ELEMENTWISE_BINARY = frozenset({
+    "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
+})
+POOLS = frozenset({"relax.nn.max_pool2d", "relax.nn.avg_pool2d"})
+
+
+def blocked_block() -> int:
+    """The channel block B of the blocked layout on this CPU, 0 for none: `$GIMLET_CPU_BLOCKED_LAYOUT`
+    (0, 8 or 16) where set, else `direct_conv_block()`."""
+    override = os.environ.get(BLOCKED_LAYOUT_ENV, "").strip()
+    if override:
+        if override not in ("0", "8", "16"):
+            raise CompileError(f"${BLOCKED_LAYOUT_ENV} must be 0, 8 or 16, not {override!r}")
+        return int(override)
+    return direct_conv_block()
+
+
+@tvm.transform.module_pass(opt_level=0, name="BlockedLayout")
+class BlockedLayout:  # pylint: disable=too-few-public-methods
+    """Rewrite regions of NCHW convs (with the layout-agnostic ops between them) to NCHW{B}c,
+    converting layouts at the regions' edges only."""
+
+    def __init__(self, block: int | None = None):
+        self.block = block
+
+    def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
+        """IRModule-level transformation."""
+        block = blocked_block() if self.block is None else self.block
+        if block == 0:
+            return mod
+        rewriter = _BlockedRewriter(mod)
+        rewriter.block = block
+        rewriter.winograd = winograd_override()
+        for g_var, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                rewriter.blocked, rewriter.nchw, rewriter.edges = {}, {}, {}
+                rewriter.builder_.update_func(g_var, rewriter.visit_expr(func))
+        return rewriter.builder_.get()
+
+
+def _shape(expr: relax.Expr) -> list[int | None] | None:
+    """The float32 tensor's shape, None for each symbolic extent; None for anything else."""
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.dtype != "float32":
+        return None
+    return [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in ty.shape]
+
+
+def _to_blocked(x: relax.Expr, block: int) -> relax.Expr:
+    n, c, h, w = x.ty.shape
+    out_ty = relax.TensorType([n, c // block, h, w, block], "float32")
+    return relax.call_dps_packed(TO_BLOCKED_FUNC, [x], out_ty)
+
+
+def _to_nchw(x: relax.Expr, block: int) -> relax.Expr:
+    n, blocks, h, w, _ = x.ty.shape
+    return relax.call_dps_packed(FROM_BLOCKED_FUNC, [x], relax.TensorType([n, blocks * block, h, w], "float32"))
+
+
+@mutator
+class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
+    block = 16
+    winograd: int | None = None
+    blocked: dict = {}  # NCHW var -> its blocked value (a var bound in the builder)
+    nchw: dict = {}  # NCHW var only blocked so far -> the transform back, once emitted
+    edges: dict = {}  # NCHW var a blocked op reads -> its transform into the blocked layout
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:  # pylint: disable=arguments-renamed
+        """A use that needs NCHW: the transform back from the blocked value (once)."""
+        if var in self.blocked:
+            if var not in self.nchw:
+                self.nchw[var] = self.builder_.emit(_to_nchw(self.blocked[var], self.block))
+            return self.nchw[var]
+        return super().visit_var_(var)
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:  # pylint: disable=arguments-renamed
+        return self.visit_var_(var)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:  # pylint: disable=arguments-renamed
+        value = binding.value
+        rewritten = None
+        if self.builder_.current_block_is_dataflow() and isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+            rewritten = self._blocked_op(value)
+        if rewritten is None:
+            super().visit_var_binding_(binding)
+            return
+        blocked_var = self.builder_.emit(rewritten)
+        self.blocked[binding.var] = blocked_var
+        if not isinstance(binding.var, relax.DataflowVar):  # a block's output leaves in NCHW
+            self.nchw[binding.var] = self.builder_.emit_output(_to_nchw(blocked_var, self.block))
+
+    def _operand(self, expr: relax.Expr) -> relax.Expr | None:
+        """`expr`'s blocked value, where it has one."""
+        return self.blocked.get(expr) if isinstance(expr, relax.Var) else None
+
+    def _edge(self, expr: relax.Expr) -> relax.Expr:
+        """`expr` (NCHW) in the blocked layout: its blocked value, else a transform (once)."""
+        blocked = self._operand(expr)
+        if blocked is not None:
+            return blocked
+        if expr not in self.edges:
+            self.edges[expr] = self.builder_.emit(_to_blocked(self.visit_expr(expr), self.block))
+        return self.edges[expr]
+
+    def _blocked_op(self, call: relax.Call) -> relax.Expr | None:
+        name = call.op.name
+        if name == "relax.nn.conv2d":
+            return self._blocked_conv(call)
+        if name in ELEMENTWISE_UNARY or name in POOLS:
+            data = self._operand(call.args[0])
+            if data is None:
+                return None
+            if name in POOLS:
+                if call.attrs.layout != "NCHW" or call.attrs.out_layout != "NCHW":
+                    return None
+                return self._pool(call, data)
+            return relax.Call(call.op, [data, *call.args[1:]], call.attrs)
+        if name in ELEMENTWISE_BINARY:
+            lhs, rhs = call.args
+            blocked_lhs, blocked_rhs = self._operand(lhs), self._operand(rhs)
+            if blocked_lhs is None and blocked_rhs is None:
+                return None
+            if blocked_lhs is None:
+                blocked_lhs = self._side_operand(lhs, call)
+            if blocked_rhs is None:
+                blocked_rhs = self._side_operand(rhs, call)
+            if blocked_lhs is None or blocked_rhs is None:
+                return None
+            return relax.Call(call.op, [blocked_lhs, blocked_rhs], call.attrs)
+        return None
+
+    def _side_operand(self, expr: relax.Expr, call: relax.Call) -> relax.Expr | None:
+        """The other operand of a binary op on a blocked tensor, as it broadcasts against the
+        blocked layout: a scalar as it is, a constant vector along the channels reblocked, a
+        tensor of the output's shape through a transform (an edge, as a conv's data)."""
+        shape, out_shape = _shape(expr), _shape(call)
+        if shape is None or out_shape is None or len(out_shape) != 4:
+            return None
+        if isinstance(expr, relax.Var) and len(shape) == 4:
+            analyzer = tvm.sym.Analyzer()
+            if all(analyzer.can_prove_equal(a, b) for a, b in zip(expr.ty.shape, call.ty.shape)):
+                return self._edge(expr)
+        if None in shape:
+            return None
+        if all(d == 1 for d in shape):
+            return expr if len(shape) <= 5 else None
+        channels = out_shape[1]
+        padded = [1] * (4 - len(shape)) + shape
+        if len(shape) > 4 or padded != [1, channels, 1, 1] or not isinstance(expr, tvm.ir.GenericConst):
+            return None
+        vector = expr.value.numpy().reshape(channels // self.block, self.block)
+        return relax.const(vector.reshape(1, channels // self.block, 1, 1, self.block))
+
+    def _pool(self, call: relax.Call, data: relax.Expr) -> relax.Expr:
+        attrs, layout = call.attrs, f"NCHW{self.block}c"
+        pool = relax.op.nn.max_pool2d if call.op.name == "relax.nn.max_pool2d" else relax.op.nn.avg_pool2d
+        return pool(data, attrs.pool_size, attrs.strides, attrs.padding, attrs.dilation, attrs.ceil_mode,
+                    attrs.count_include_pad, layout, layout)
+
+    def _blocked_conv(self, call: relax.Call) -> relax.Expr | None:
+        data, weight = call.args
+        attrs = call.attrs
+        data_shape, weight_shape, out_shape = _shape(data), _shape(weight), _shape(call)
+        if (data_shape is None or weight_shape is None or out_shape is None or attrs.data_layout != "NCHW"
+                or attrs.kernel_layout != "OIHW" or attrs.out_layout != "NCHW" or len(data_shape) != 4
+                or None in weight_shape or None in data_shape[1:] or None in out_shape[1:]):
+            return None
+        in_c, out_c, groups = data_shape[1], out_shape[1], int(attrs.groups)
+        depthwise = groups == in_c == out_c and weight_shape[1] == 1
+        if in_c % self.block or out_c % self.block or not (groups == 1 or depthwise):
+            return None
+        if groups == 1 and self._winograd(call, weight_shape, out_shape):
+            return None
+        layout = f"NCHW{self.block}c"
+        return relax.op.nn.conv2d(self._edge(data), self.visit_expr(weight), attrs.strides, attrs.padding, attrs.dilation,
+                                  groups, layout, "OIHW", layout)
+
+    def _winograd(self, call: relax.Call, weight_shape: list[int], out_shape: list[int]) -> bool:
+        """Whether the CPU library would run this groups-1 conv with Winograd (NCHW only)."""
+        attrs = call.attrs
+        if not (isinstance(call.args[1], tvm.ir.GenericConst) and tuple(weight_shape[2:]) == (3, 3)
+                and [int(s) for s in attrs.strides] == [1, 1] and [int(d) for d in attrs.dilation] == [1, 1]):
+            return False
+        if self.winograd is not None:
+            return self.winograd != 0
+        return winograd_tile_for(weight_shape[0], weight_shape[1], (3, 3), tuple(out_shape[2:]),
+                                 direct_conv_block()) != 0
