@@ -8,8 +8,10 @@ cover.
    `gimlet.cpu.conv2d_nchwc_depthwise` and fuses the blocked epilogues into them. Kernel
    selection's grouping run does not use it (every conv stays one generic library call there).
 2. B is the CPU's vector width (`dispatch_cpu_library.direct_conv_block`: 16 with AVX-512, 8
-   with AVX2); `$GIMLET_CPU_BLOCKED_LAYOUT` (0, 8 or 16) overrides it, 0 turning the pass off.
-   In dataflow order, it rewrites into blocked form
+   with AVX2). By default it converts only functions with a depthwise conv it can convert
+   (`blocked_layout_for`: where whole networks were measured faster); `$GIMLET_CPU_BLOCKED_LAYOUT`
+   (8 or 16) converts every function with that block, 0 none. In dataflow order, it rewrites
+   into blocked form
    - `R.nn.conv2d` (NCHW data and output, OIHW float32 weight, static shapes) that is groups 1
      or depthwise (one group per channel, channel multiplier 1), both channel counts multiples
      of B, and that the CPU library would not run with Winograd (`winograd_tile_for`, on NCHW
@@ -29,8 +31,8 @@ cover.
 3. It does not handle: convs with channel counts that are not multiples of B (they stay NCHW,
    and so do the ops between them), grouped convs other than depthwise, depthwise convs with a
    channel multiplier, other dtypes, symbolic channel or spatial extents, and convs kernel selection already turned
-   into library calls. It does not weigh a region's edge transforms against what its kernels
-   save: `blocked_block` decides for the whole module.
+   into library calls. It does not weigh a region's edge conversions against what its kernels
+   save: `blocked_layout_for` decides per function.
 """
 
 from __future__ import annotations
@@ -59,15 +61,38 @@ ELEMENTWISE_BINARY = frozenset({
 POOLS = frozenset({"relax.nn.max_pool2d", "relax.nn.avg_pool2d"})
 
 
-def blocked_block() -> int:
-    """The channel block B of the blocked layout on this CPU, 0 for none: `$GIMLET_CPU_BLOCKED_LAYOUT`
-    (0, 8 or 16) where set, else `direct_conv_block()`."""
+def blocked_override() -> int | None:
+    """`$GIMLET_CPU_BLOCKED_LAYOUT`: 8 or 16 runs every function the pass sees blocked with that
+    block, 0 none; None where it is unset (`blocked_layout_for` decides)."""
     override = os.environ.get(BLOCKED_LAYOUT_ENV, "").strip()
-    if override:
-        if override not in ("0", "8", "16"):
-            raise CompileError(f"${BLOCKED_LAYOUT_ENV} must be 0, 8 or 16, not {override!r}")
-        return int(override)
-    return direct_conv_block()
+    if not override:
+        return None
+    if override not in ("0", "8", "16"):
+        raise CompileError(f"${BLOCKED_LAYOUT_ENV} must be 0, 8 or 16, not {override!r}")
+    return int(override)
+
+
+def blocked_layout_for(func: relax.Function, cpu_block: int) -> bool:
+    """Whether a function runs blocked by default: one with a depthwise conv the pass converts
+    (MobileNets), on a CPU with blocked kernels (`cpu_block`, `direct_conv_block()`, not 0).
+
+    benchmarks/README.md ("Blocked layout") has the measurements: mobilenet_cnn ran in
+    less time blocked (its 1x1 convs as GEMM tiles on blocked data beat im2col + OpenBLAS, its
+    depthwise convs tie the generated TIR); resnet_cnn ran slower (its 16-channel 3x3 convs
+    are one block of 16 channels, where the NCHW kernel's two blocks of 8 are faster), and
+    ResNet-18's 3x3 stride-1 convs run Winograd on NCHW, so a region there would be cut at each
+    of them."""
+    if cpu_block == 0:
+        return False
+    found = []
+
+    def visit(expr: relax.Expr) -> None:
+        if (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.nn.conv2d"
+                and _depthwise(expr) and _convertible(expr, cpu_block)):
+            found.append(expr)
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return bool(found)
 
 
 @tvm.transform.module_pass(opt_level=0, name="BlockedLayout")
@@ -76,18 +101,21 @@ class BlockedLayout:  # pylint: disable=too-few-public-methods
     converting layouts at the regions' edges only."""
 
     def __init__(self, block: int | None = None):
+        """`block` (8 or 16) converts every function with that block, 0 none; None: as
+        `$GIMLET_CPU_BLOCKED_LAYOUT` or `blocked_layout_for` say."""
         self.block = block
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
         """IRModule-level transformation."""
-        block = blocked_block() if self.block is None else self.block
+        override = blocked_override() if self.block is None else self.block
+        block = direct_conv_block() if override is None else override
         if block == 0:
             return mod
         rewriter = _BlockedRewriter(mod)
         rewriter.block = block
         rewriter.winograd = winograd_override()
         for g_var, func in mod.functions_items():
-            if isinstance(func, relax.Function):
+            if isinstance(func, relax.Function) and (override is not None or blocked_layout_for(func, block)):
                 rewriter.blocked, rewriter.nchw, rewriter.edges = {}, {}, {}
                 rewriter.builder_.update_func(g_var, rewriter.visit_expr(func))
         return rewriter.builder_.get()
@@ -99,6 +127,39 @@ def _shape(expr: relax.Expr) -> list[int | None] | None:
     if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.dtype != "float32":
         return None
     return [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in ty.shape]
+
+
+def _depthwise(conv: relax.Call) -> bool:
+    """A conv2d with one group per channel and channel multiplier 1."""
+    data, weight, out = _shape(conv.args[0]), _shape(conv.args[1]), _shape(conv)
+    return (None not in (data, weight, out) and len(data) == len(weight) == len(out) == 4
+            and data[1] is not None and int(conv.attrs.groups) == data[1] == out[1] and weight[1] == 1)
+
+
+def _convertible(conv: relax.Call, block: int, winograd: int | None = None) -> bool:
+    """Whether the pass runs this conv2d blocked (see the module docstring; `winograd`:
+    `$GIMLET_CPU_WINOGRAD`)."""
+    attrs = conv.attrs
+    data_shape, weight_shape, out_shape = _shape(conv.args[0]), _shape(conv.args[1]), _shape(conv)
+    if (data_shape is None or weight_shape is None or out_shape is None or attrs.data_layout != "NCHW"
+            or attrs.kernel_layout != "OIHW" or attrs.out_layout != "NCHW" or len(data_shape) != 4
+            or None in weight_shape or None in data_shape[1:] or None in out_shape[1:]):
+        return False
+    in_c, out_c, groups = data_shape[1], out_shape[1], int(attrs.groups)
+    if in_c % block or out_c % block or not (groups == 1 or _depthwise(conv)):
+        return False
+    return groups != 1 or not _runs_winograd(conv, weight_shape, out_shape, winograd)
+
+
+def _runs_winograd(conv: relax.Call, weight_shape: list[int], out_shape: list[int], winograd: int | None) -> bool:
+    """Whether the CPU library would run this groups-1 conv with Winograd (NCHW only)."""
+    attrs = conv.attrs
+    if not (isinstance(conv.args[1], tvm.ir.GenericConst) and tuple(weight_shape[2:]) == (3, 3)
+            and [int(s) for s in attrs.strides] == [1, 1] and [int(d) for d in attrs.dilation] == [1, 1]):
+        return False
+    if winograd is not None:
+        return winograd != 0
+    return winograd_tile_for(weight_shape[0], weight_shape[1], (3, 3), tuple(out_shape[2:]), direct_conv_block()) != 0
 
 
 def _to_blocked(x: relax.Expr, block: int) -> relax.Expr:
@@ -215,28 +276,8 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
     def _blocked_conv(self, call: relax.Call) -> relax.Expr | None:
         data, weight = call.args
         attrs = call.attrs
-        data_shape, weight_shape, out_shape = _shape(data), _shape(weight), _shape(call)
-        if (data_shape is None or weight_shape is None or out_shape is None or attrs.data_layout != "NCHW"
-                or attrs.kernel_layout != "OIHW" or attrs.out_layout != "NCHW" or len(data_shape) != 4
-                or None in weight_shape or None in data_shape[1:] or None in out_shape[1:]):
-            return None
-        in_c, out_c, groups = data_shape[1], out_shape[1], int(attrs.groups)
-        depthwise = groups == in_c == out_c and weight_shape[1] == 1
-        if in_c % self.block or out_c % self.block or not (groups == 1 or depthwise):
-            return None
-        if groups == 1 and self._winograd(call, weight_shape, out_shape):
+        if not _convertible(call, self.block, self.winograd):
             return None
         layout = f"NCHW{self.block}c"
         return relax.op.nn.conv2d(self._edge(data), self.visit_expr(weight), attrs.strides, attrs.padding, attrs.dilation,
-                                  groups, layout, "OIHW", layout)
-
-    def _winograd(self, call: relax.Call, weight_shape: list[int], out_shape: list[int]) -> bool:
-        """Whether the CPU library would run this groups-1 conv with Winograd (NCHW only)."""
-        attrs = call.attrs
-        if not (isinstance(call.args[1], tvm.ir.GenericConst) and tuple(weight_shape[2:]) == (3, 3)
-                and [int(s) for s in attrs.strides] == [1, 1] and [int(d) for d in attrs.dilation] == [1, 1]):
-            return False
-        if self.winograd is not None:
-            return self.winograd != 0
-        return winograd_tile_for(weight_shape[0], weight_shape[1], (3, 3), tuple(out_shape[2:]),
-                                 direct_conv_block()) != 0
+                                  attrs.groups, layout, "OIHW", layout)
