@@ -16,9 +16,10 @@ With --models, whole suite models instead: built with Winograd (the default rule
 
     .venv/bin/python benchmarks/conv_direct.py --blocked --threads 2 --batch 8 --models mobilenet_cnn ...
 
-With --blocked and --models: whole models built with the blocked layout (NCHW{B}c regions,
-relax_passes/blocked_layout.py: the default) and without it (`$GIMLET_CPU_BLOCKED_LAYOUT=0`),
-and onnxruntime.
+With --blocked and --models: whole models built three ways, the default rule of the blocked
+layout (NCHW{B}c regions, relax_passes/blocked_layout.py), without it
+(`$GIMLET_CPU_BLOCKED_LAYOUT=0`) and with it on every function (`=16` or `=8`, this CPU's
+block), and onnxruntime.
 
 With --depthwise: the depthwise layers of MobileNetV2 (batch 1, 224x224) and mobilenet_cnn
 (batch 8, 64x64), each as a one-conv model (Conv + bias + Clip(0, 6), as in the networks)
@@ -192,7 +193,7 @@ def main() -> None:
     parser.add_argument("--depthwise", action="store_true",
                         help="depthwise layers: generated TIR vs the library kernel")
     parser.add_argument("--blocked", action="store_true",
-                        help="with --models: the blocked layout (default) vs NCHW throughout")
+                        help="with --models: the blocked layout's default rule vs NCHW vs blocked throughout")
     parser.add_argument("--models", nargs="+", default=[],
                         help="suite (batch: --batch) or torch_models.py models: Winograd (with "
                              "--depthwise: the depthwise kernel's settings) vs onnxruntime")
@@ -208,10 +209,11 @@ def main() -> None:
                            {"default": "", "none": "0", "all": "1"})
         return
     if args.blocked:
-        from gimlet_tvm.relax_passes.blocked_layout import BLOCKED_LAYOUT_ENV  # pylint: disable=import-outside-toplevel
+        # pylint: disable-next=import-outside-toplevel
+        from gimlet_tvm.relax_passes.blocked_layout import BLOCKED_LAYOUT_ENV, direct_conv_block
 
         compare_models(args.models, args.batch, args.threads, args.repeat, BLOCKED_LAYOUT_ENV,
-                       {"blocked": "", "nchw": "0"})
+                       {"default": "", "nchw": "0", "all": str(direct_conv_block())})
         return
     if args.models:
         from gimlet_tvm.relax_passes.dispatch_cpu_library import WINOGRAD_ENV  # pylint: disable=import-outside-toplevel

@@ -30,8 +30,8 @@ cover.
    edges (the network's input side, global pooling / flatten, outputs), never around each op.
 3. It does not handle: convs with channel counts that are not multiples of B (they stay NCHW,
    and so do the ops between them), grouped convs other than depthwise, depthwise convs with a
-   channel multiplier, other dtypes, symbolic channel or spatial extents, and convs kernel selection already turned
-   into library calls. It does not weigh a region's edge conversions against what its kernels
+   channel multiplier, other dtypes, symbolic channel or spatial extents, binary ops that
+   broadcast a blocked operand, and convs kernel selection already turned into library calls. It does not weigh a region's edge conversions against what its kernels
    save: `blocked_layout_for` decides per function.
 """
 
@@ -234,7 +234,10 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if name in ELEMENTWISE_BINARY:
             lhs, rhs = call.args
             blocked_lhs, blocked_rhs = self._operand(lhs), self._operand(rhs)
-            if blocked_lhs is None and blocked_rhs is None:
+            blocked_shapes = [x.ty.shape for x, b in ((lhs, blocked_lhs), (rhs, blocked_rhs)) if b is not None]
+            analyzer = tvm.sym.Analyzer()
+            if not blocked_shapes or not all(  # a blocked operand broadcast to the output: no
+                    analyzer.can_prove_equal(a, b) for shape in blocked_shapes for a, b in zip(shape, call.ty.shape)):
                 return None
             if blocked_lhs is None:
                 blocked_lhs = self._side_operand(lhs, call)
