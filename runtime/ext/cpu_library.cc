@@ -1618,11 +1618,11 @@ void DepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, in
 
 /*! \brief One blocked depthwise call: units of one output row of one channel block. */
 struct BlockedDepthwiseWork {
-  const float* x;  // [N, C / B, H, W, B], zero-padded when the conv pads
+  const float* x;  // [N, C / B, H, W, B]
   const float* w;  // [C / B, KH, KW, B]
   float* y;        // [N, C / B, OH, OW, B]
   const Epilogue* epilogue;
-  int64_t blocks, height, width;  // of x: C / B, and its (padded) plane
+  int64_t blocks, height, width;  // of x: C / B, H, W
   int64_t kernel_h, kernel_w, out_h, out_w;
   Conv2DParams p;
   int64_t block;         // B
@@ -1633,22 +1633,23 @@ struct BlockedDepthwiseWork {
 constexpr int kDepthwiseTile = 8;
 
 /*!
- * \brief T output pixels of a row from `x_row` (the input row of the first tap, at the first
- * pixel) into `y` (element offset `o` in the output), the block's K x K taps' weights in `wv`
- * (K 0: t.kernel_h x t.kernel_w, read from `w`), then the vector epilogue, if any.
+ * \brief T output pixels of a row into `y` (element offset `o` in the output): input column
+ * `ix0` + q * stride for pixel q at tap column 0, taps rows [kh0, kh1) (those inside the input,
+ * `rows[kh]` each), the block's K x K taps' weights in `wv` (K 0: t.kernel_h x t.kernel_w, read
+ * from `w`), then the vector epilogue, if any. With kChecked, taps outside the input's columns
+ * are skipped (zero padding); without, all are inside.
  */
-template <int L, int T, int K>
+template <int L, int T, int K, bool kChecked>
 __attribute__((always_inline)) inline void BlockedDepthwiseTile(
-    const BlockedDepthwiseWork& t, const float* x_row, const typename VectorOf<L>::Type* wv,
-    const float* w, const BlockedRowVectors& vectors, float* y, int64_t o) {
+    const BlockedDepthwiseWork& t, const float* const* rows, int64_t kh0, int64_t kh1, int64_t ix0,
+    const typename VectorOf<L>::Type* wv, const float* w, const BlockedRowVectors& vectors,
+    float* y, int64_t o) {
   using V = typename VectorOf<L>::Type;
   const Conv2DParams& p = t.p;
-  const int64_t kernel_h = K ? K : t.kernel_h, kernel_w = K ? K : t.kernel_w;
-  const int64_t pixel_step = p.stride_w * L;
+  const int64_t kernel_w = K ? K : t.kernel_w;
   V acc[T];
   for (int q = 0; q < T; ++q) acc[q] = V{};
-  for (int64_t kh = 0; kh < kernel_h; ++kh) {
-    const float* row = x_row + kh * p.dilation_h * t.width * L;
+  for (int64_t kh = kh0; kh < kh1; ++kh) {
     for (int64_t kw = 0; kw < kernel_w; ++kw) {
       V weight;
       if (K) {
@@ -1656,10 +1657,11 @@ __attribute__((always_inline)) inline void BlockedDepthwiseTile(
       } else {
         std::memcpy(&weight, w + (kh * kernel_w + kw) * L, sizeof(V));
       }
-      const float* tap = row + kw * p.dilation_w * L;
       for (int q = 0; q < T; ++q) {
+        const int64_t ix = ix0 + q * p.stride_w + kw * p.dilation_w;
+        if (kChecked && (ix < 0 || ix >= t.width)) continue;
         V v;
-        std::memcpy(&v, tap + q * pixel_step, sizeof(V));
+        std::memcpy(&v, rows[kh] + ix * L, sizeof(V));
         acc[q] += v * weight;
       }
     }
@@ -1671,29 +1673,48 @@ __attribute__((always_inline)) inline void BlockedDepthwiseTile(
   }
 }
 
-/*! \brief Units [begin, end) (unit = plane * OH + output row) with K x K taps (K 0: any). */
+/*! \brief Units [begin, end) (unit = plane * OH + output row) with K x K taps (K 0: any): tiles
+ * of kDepthwiseTile pixels whose taps are all inside the input, pixel by pixel (bounds
+ * checked) at the padded borders; no padded copy of the data. */
 template <int L, int K>
 __attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDepthwiseWork& t,
                                                                 int64_t begin, int64_t end) {
   using V = typename VectorOf<L>::Type;
+  constexpr int kMaxRows = 16;  // taps rows (BlockedDepthwiseConv2D checks)
   const Conv2DParams& p = t.p;
+  const int64_t reach = (t.kernel_w - 1) * p.dilation_w;  // of a pixel's taps, in columns
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t oy = unit % t.out_h, plane = unit / t.out_h;  // plane: image * blocks + block
-    const float* x_row = t.x + (plane * t.height + oy * p.stride_h) * t.width * L;
+    const float* x_plane = t.x + plane * t.height * t.width * L;
     const float* w = t.w + plane % t.blocks * t.kernel_h * t.kernel_w * L;
     float* y = t.y + (plane * t.out_h + oy) * t.out_w * L;
     const int64_t o = y - t.y;
+    // The taps rows inside the input: [kh0, kh1).
+    const float* rows[kMaxRows];
+    int64_t kh0 = t.kernel_h, kh1 = 0;
+    for (int64_t kh = 0; kh < t.kernel_h; ++kh) {
+      const int64_t iy = oy * p.stride_h - p.pad_top + kh * p.dilation_h;
+      rows[kh] = x_plane + iy * t.width * L;
+      if (iy >= 0 && iy < t.height) {
+        kh0 = std::min(kh0, kh);
+        kh1 = kh + 1;
+      }
+    }
     V wv[K ? K * K : 1];
     for (int i = 0; i < K * K; ++i) std::memcpy(&wv[i], w + i * L, sizeof(V));
     const BlockedRowVectors vectors(*t.epilogue, o);
-    int64_t ox = 0;
-    for (; ox + kDepthwiseTile <= t.out_w; ox += kDepthwiseTile) {
-      BlockedDepthwiseTile<L, kDepthwiseTile, K>(t, x_row + ox * p.stride_w * L, wv, w, vectors,
-                                                 y + ox * L, o + ox * L);
-    }
-    for (; ox < t.out_w; ++ox) {
-      BlockedDepthwiseTile<L, 1, K>(t, x_row + ox * p.stride_w * L, wv, w, vectors, y + ox * L,
-                                    o + ox * L);
+    for (int64_t ox = 0; ox < t.out_w;) {
+      const int64_t ix0 = ox * p.stride_w - p.pad_left;
+      if (ox + kDepthwiseTile <= t.out_w && ix0 >= 0 &&
+          ix0 + (kDepthwiseTile - 1) * p.stride_w + reach < t.width) {
+        BlockedDepthwiseTile<L, kDepthwiseTile, K, false>(t, rows, kh0, kh1, ix0, wv, w, vectors,
+                                                          y + ox * L, o + ox * L);
+        ox += kDepthwiseTile;
+      } else {
+        BlockedDepthwiseTile<L, 1, K, true>(t, rows, kh0, kh1, ix0, wv, w, vectors, y + ox * L,
+                                            o + ox * L);
+        ox += 1;
+      }
     }
     if (!t.vector_epilogue && !t.epilogue->empty()) {
       ApplyEpilogue(*t.epilogue, y, o, 1, t.out_w * L, 0);
@@ -1760,24 +1781,11 @@ void BlockedDepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams
   TVM_FFI_ICHECK(p.stride_h > 0 && p.stride_w > 0 && p.dilation_h > 0 && p.dilation_w > 0 &&
                  p.pad_top >= 0 && p.pad_left >= 0)
       << name << ": strides and dilations must be positive, pads not negative";
+  TVM_FFI_ICHECK(weight->shape[2] <= 16) << name << ": kernels of at most 16 rows";
   BlockedDepthwiseWork t{Data(data), Data(weight), Data(out), &epilogue, blocks, data->shape[2],
                          data->shape[3], weight->shape[2], weight->shape[3], out->shape[2],
                          out->shape[3], p, block, IsBlockedVectorEpilogue(epilogue, block)};
   if (batch == 0 || blocks == 0 || t.out_h * t.out_w == 0) return;
-  const int64_t padded_h = PaddedExtent(t.height, p.pad_top, t.out_h, p.stride_h, t.kernel_h,
-                                        p.dilation_h);
-  const int64_t padded_w = PaddedExtent(t.width, p.pad_left, t.out_w, p.stride_w, t.kernel_w,
-                                        p.dilation_w);
-  thread_local std::vector<float> padded;
-  if (padded_h != t.height || padded_w != t.width) {
-    padded.resize(batch * blocks * padded_h * padded_w * block);
-    PadPlanes pad{t.x, padded.data(), batch * blocks, t.height, t.width * block, padded_h,
-                  padded_w * block, p.pad_top, p.pad_left * block};
-    Launch(RunPadPlanes, &pad, padded.size() >= kMinParallelGemm);
-    t.x = padded.data();
-    t.height = padded_h;
-    t.width = padded_w;
-  }
   t.num_units = batch * blocks * t.out_h;
   const int64_t work = t.num_units * t.out_w * block * t.kernel_h * t.kernel_w;
   Launch(RunBlockedDepthwiseUnits, &t, work >= kMinParallelGemm / 4);
