@@ -31,20 +31,29 @@ OpenBLAS-backed CPU library.
      `grouping`), where `depthwise_conv_for` says so (inputs at least 112 wide;
      `$GIMLET_CPU_DEPTHWISE` 1 or 0: all or none), into `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchw_depthwise", (data, weight, strides, pads, dilations, lanes))`;
+   - `R.nn.conv2d` on channel-blocked data and output (`data_layout` and `out_layout`
+     "NCHW{B}c", OIHW weight: what `blocked_layout.BlockedLayout` writes; also with
+     `grouping`, where nothing else could run it): groups 1 into the direct kernel (its 5-D
+     data and output variant, `R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed,
+     strides, pads, dilations))`, the weight packed as above with block B; 1x1 stride-1 convs
+     run as GEMM tiles), depthwise into `R.call_dps_packed("gimlet.cpu.conv2d_nchwc_depthwise",
+     (data, packed, strides, pads, dilations))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
    - epilogues of those matmul and conv2d calls (all conv2d kernels), into the same call: an
      `R.add` of a tensor of the output's shape (residual) or of a tensor broadcast along one
-     axis (bias, any scalar), `R.nn.relu`, `R.nn.gelu`, and `R.maximum` / `R.minimum` with a
-     scalar constant (a clip step; a maximum followed by a minimum, as the ONNX importer
+     axis (bias, any scalar) or, for a 5-D output [N, C / B, H, W, B], along axes 1 and 4 (a
+     blocked per-channel bias: `ADD_BLOCKED_VECTOR`, applied on vectors), `R.nn.relu`,
+     `R.nn.gelu`, and `R.maximum` / `R.minimum` with a scalar constant (a clip step; a maximum followed by a minimum, as the ONNX importer
      writes Clip and ReLU6, is one), in any order and number, when the call's result has no
      other use. The library applies them to each output block right after computing it.
    Epilogues are not fused within `graph_fusion.graph_fusion_disabled()`.
    Only calls on the host are rewritten: tensors without a virtual device, or with one whose
    target's spec lists the CPU library.
 3. It does not handle: other dtypes or mixed-precision `out_dtype`, rank-1 matmul operands,
-   transposes of other axes than the last two, other layouts, depthwise conv2d on smaller
+   transposes of other axes than the last two, layouts other than NCHW and NCHW{B}c (blocked
+   convs with a weight in another layout than OIHW), NCHW depthwise conv2d on smaller
    inputs or a CPU without AVX2 (it stays in TIR, where FuseOps fuses its epilogue: there it
    ran faster), and operands or results whose shape is unknown; epilogue adds that broadcast
    the output or whose vector axis is followed by symbolic axes; other activations (sigmoid,

@@ -19,6 +19,7 @@ from onnx import helper
 import gimlet_tvm
 from gimlet_tvm import models
 from gimlet_tvm.compiler import graph_passes
+from gimlet_tvm.errors import CompileError
 from gimlet_tvm.frontend import import_model
 from gimlet_tvm.relax_passes.blocked_layout import BLOCKED_LAYOUT_ENV, FROM_BLOCKED_FUNC, TO_BLOCKED_FUNC
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
@@ -207,3 +208,21 @@ def test_blocked_models_against_onnxruntime(name, setting, monkeypatch) -> None:
                                              providers=["CPUExecutionProvider"]).run(None, inputs)
     for got, expected in zip(ours, reference):
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_layout_conversions_against_numpy(block) -> None:
+    load_extensions()
+    x = rand(3, 2 * block, 5, 7, seed=6)
+    blocked = tvm.runtime.tensor(np.full((3, 2, 5, 7, block), np.nan, np.float32))
+    tvm.get_global_func(TO_BLOCKED_FUNC)(tvm.runtime.tensor(x), blocked)
+    np.testing.assert_array_equal(blocked.numpy(), to_blocked(x, block))
+    back = tvm.runtime.tensor(np.full(x.shape, np.nan, np.float32))
+    tvm.get_global_func(FROM_BLOCKED_FUNC)(blocked, back)
+    np.testing.assert_array_equal(back.numpy(), x)
+
+
+def test_bad_setting_is_a_compile_error(monkeypatch) -> None:
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, "4")
+    with pytest.raises(CompileError, match="GIMLET_CPU_BLOCKED_LAYOUT must be 0, 8 or 16"):
+        gimlet_tvm.build(block_net(), "llvm")
