@@ -5,7 +5,8 @@ cover.
 1. Where it goes: after the imported graph's clean-up and graph fusion, right before the CPU
    library's dispatch (`library_dispatch.library_passes`), which maps the blocked convs to
    `gimlet.cpu.conv2d_nchw_direct` (blocked data and output) and
-   `gimlet.cpu.conv2d_nchwc_depthwise` and fuses the blocked epilogues into them. Kernel
+   `gimlet.cpu.conv2d_nchwc_depthwise` and fuses the blocked epilogues into them; only for
+   this machine's CPU (a cross-compiled CPU's vector width is not known here). Kernel
    selection's grouping run does not use it (every conv stays one generic library call there).
 2. B is the CPU's vector width (`dispatch_cpu_library.direct_conv_block`: 16 with AVX-512, 8
    with AVX2). By default it converts only functions with a depthwise conv it can convert
@@ -31,8 +32,9 @@ cover.
 3. It does not handle: convs with channel counts that are not multiples of B (they stay NCHW,
    and so do the ops between them), grouped convs other than depthwise, depthwise convs with a
    channel multiplier, other dtypes, symbolic channel or spatial extents, binary ops that
-   broadcast a blocked operand, and convs kernel selection already turned into library calls. It does not weigh a region's edge conversions against what its kernels
-   save: `blocked_layout_for` decides per function.
+   broadcast a blocked operand, and convs kernel selection already turned into library calls.
+   It does not weigh a region's edge conversions against what its kernels save:
+   `blocked_layout_for` decides per function.
 """
 
 from __future__ import annotations
@@ -195,7 +197,8 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:  # pylint: disable=arguments-renamed
         value = binding.value
         rewritten = None
-        if self.builder_.current_block_is_dataflow() and isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+        if (self.builder_.current_block_is_dataflow() and isinstance(value, relax.Call)
+                and isinstance(value.op, tvm.ir.Op)):
             rewritten = self._blocked_op(value)
         if rewritten is None:
             super().visit_var_binding_(binding)
@@ -282,5 +285,5 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if not _convertible(call, self.block, self.winograd):
             return None
         layout = f"NCHW{self.block}c"
-        return relax.op.nn.conv2d(self._edge(data), self.visit_expr(weight), attrs.strides, attrs.padding, attrs.dilation,
-                                  attrs.groups, layout, "OIHW", layout)
+        return relax.op.nn.conv2d(self._edge(data), self.visit_expr(weight), attrs.strides, attrs.padding,
+                                  attrs.dilation, attrs.groups, layout, "OIHW", layout)

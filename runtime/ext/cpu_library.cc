@@ -1073,7 +1073,8 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   const bool y_blocked = out->ndim == 5;
   DirectConvWork t{Data(data), Data(weight), Data(out), &epilogue, in_c, data->shape[2],
                    data->shape[3], x_block, y_blocked,
-                   y_blocked && IsBlockedVectorEpilogue(epilogue, block), out->shape[1] * (y_blocked ? out->shape[4] : 1), weight->shape[2],
+                   y_blocked && IsBlockedVectorEpilogue(epilogue, block),
+                   out->shape[1] * (y_blocked ? out->shape[4] : 1), weight->shape[2],
                    weight->shape[3], out->shape[2], out->shape[3], p, block};
   TVM_FFI_ICHECK(t.block == 8 || t.block == 16)
       << "gimlet.cpu.conv2d_nchw_direct: channel block " << t.block << " is neither 8 nor 16";
