@@ -14,6 +14,13 @@ With --models, whole suite models instead: built with Winograd (the default rule
 
     .venv/bin/python benchmarks/conv_direct.py --depthwise --threads 1 [--models mobilenet_cnn ...]
 
+    .venv/bin/python benchmarks/conv_direct.py --blocked --threads 2 --batch 8 --models mobilenet_cnn ...
+
+With --blocked and --models: whole models built three ways, the default rule of the blocked
+layout (NCHW{B}c regions, relax_passes/blocked_layout.py), without it
+(`$GIMLET_CPU_BLOCKED_LAYOUT=0`) and with it on every function (`=16` or `=8`, this CPU's
+block), and onnxruntime.
+
 With --depthwise: the depthwise layers of MobileNetV2 (batch 1, 224x224) and mobilenet_cnn
 (batch 8, 64x64), each as a one-conv model (Conv + bias + Clip(0, 6), as in the networks)
 built by `gimlet_tvm.build` twice, with the depthwise kernel (`gimlet.cpu.conv2d_nchw_depthwise`,
@@ -185,6 +192,8 @@ def main() -> None:
                         help="direct kernel vs Winograd F(2x2) and F(4x4) on the 3x3 stride-1 shapes")
     parser.add_argument("--depthwise", action="store_true",
                         help="depthwise layers: generated TIR vs the library kernel")
+    parser.add_argument("--blocked", action="store_true",
+                        help="with --models: the blocked layout's default rule vs NCHW vs blocked throughout")
     parser.add_argument("--models", nargs="+", default=[],
                         help="suite (batch: --batch) or torch_models.py models: Winograd (with "
                              "--depthwise: the depthwise kernel's settings) vs onnxruntime")
@@ -198,6 +207,13 @@ def main() -> None:
         if args.models:
             compare_models(args.models, args.batch, args.threads, args.repeat, DEPTHWISE_ENV,
                            {"default": "", "none": "0", "all": "1"})
+        return
+    if args.blocked:
+        # pylint: disable-next=import-outside-toplevel
+        from gimlet_tvm.relax_passes.blocked_layout import BLOCKED_LAYOUT_ENV, direct_conv_block
+
+        compare_models(args.models, args.batch, args.threads, args.repeat, BLOCKED_LAYOUT_ENV,
+                       {"default": "", "nchw": "0", "all": str(direct_conv_block())})
         return
     if args.models:
         from gimlet_tvm.relax_passes.dispatch_cpu_library import WINOGRAD_ENV  # pylint: disable=import-outside-toplevel

@@ -31,20 +31,30 @@ OpenBLAS-backed CPU library.
      `grouping`), where `depthwise_conv_for` says so (inputs at least 112 wide;
      `$GIMLET_CPU_DEPTHWISE` 1 or 0: all or none), into `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchw_depthwise", (data, weight, strides, pads, dilations, lanes))`;
+   - `R.nn.conv2d` on channel-blocked data and output (`data_layout` and `out_layout`
+     "NCHW{B}c", OIHW weight: what `blocked_layout.BlockedLayout` writes; also with
+     `grouping`, where nothing else could run it): groups 1 into the direct kernel (its 5-D
+     data and output variant, `R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed,
+     strides, pads, dilations))`, the weight packed as above with block B; 1x1 stride-1 convs
+     run as GEMM tiles), depthwise into `R.call_dps_packed("gimlet.cpu.conv2d_nchwc_depthwise",
+     (data, packed, strides, pads, dilations))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
    - epilogues of those matmul and conv2d calls (all conv2d kernels), into the same call: an
      `R.add` of a tensor of the output's shape (residual) or of a tensor broadcast along one
-     axis (bias, any scalar), `R.nn.relu`, `R.nn.gelu`, and `R.maximum` / `R.minimum` with a
-     scalar constant (a clip step; a maximum followed by a minimum, as the ONNX importer
-     writes Clip and ReLU6, is one), in any order and number, when the call's result has no
-     other use. The library applies them to each output block right after computing it.
+     axis (bias, any scalar) or, for a 5-D output [N, C / B, H, W, B], along axes 1 and 4 (a
+     blocked per-channel bias: `ADD_BLOCKED_VECTOR`, applied on vectors), `R.nn.relu`,
+     `R.nn.gelu`, and `R.maximum` / `R.minimum` with a scalar constant (a clip step; a
+     maximum followed by a minimum, as the ONNX importer writes Clip and ReLU6, is one), in
+     any order and number, when the call's result has no other use. The library applies
+     them to each output block right after computing it.
    Epilogues are not fused within `graph_fusion.graph_fusion_disabled()`.
    Only calls on the host are rewritten: tensors without a virtual device, or with one whose
    target's spec lists the CPU library.
 3. It does not handle: other dtypes or mixed-precision `out_dtype`, rank-1 matmul operands,
-   transposes of other axes than the last two, other layouts, depthwise conv2d on smaller
+   transposes of other axes than the last two, layouts other than NCHW and NCHW{B}c (blocked
+   convs with a weight in another layout than OIHW), NCHW depthwise conv2d on smaller
    inputs or a CPU without AVX2 (it stays in TIR, where FuseOps fuses its epilogue: there it
    ran faster), and operands or results whose shape is unknown; epilogue adds that broadcast
    the output or whose vector axis is followed by symbolic axes; other activations (sigmoid,
@@ -78,6 +88,7 @@ CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw"
 DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct"
 ROW_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_rows"
 DEPTHWISE_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_depthwise"
+BLOCKED_DEPTHWISE_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchwc_depthwise"
 DEPTHWISE_ENV = "GIMLET_CPU_DEPTHWISE"
 DIRECT_CONV_BLOCK_ENV = "GIMLET_CPU_CONV_BLOCK"
 WINOGRAD_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_winograd"
@@ -85,12 +96,13 @@ WINOGRAD_ENV = "GIMLET_CPU_WINOGRAD"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
 # weight, 6 params, groups); after (data, packed weight, 6 params); after (data, weight, 6
-# params, lanes) for the row and depthwise kernels; after (data, transformed weight, 6 params).
+# params, lanes) for the row and depthwise kernels; after (data, transformed or blocked weight, 6
+# params) for the Winograd and blocked depthwise kernels.
 _EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8, ROW_CONV2D_FUNC: 9,
-                   DEPTHWISE_CONV2D_FUNC: 9, WINOGRAD_CONV2D_FUNC: 8}
+                   DEPTHWISE_CONV2D_FUNC: 9, WINOGRAD_CONV2D_FUNC: 8, BLOCKED_DEPTHWISE_CONV2D_FUNC: 8}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
-ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU = 0, 1, 2, 3, 4
+ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU, ADD_BLOCKED_VECTOR = 0, 1, 2, 3, 4, 5
 ACTIVATIONS = {"relax.nn.relu": RELU, "relax.nn.gelu": GELU}
 
 
@@ -300,7 +312,8 @@ def _calls(call: relax.Expr, func: str) -> bool:
 
 def _epilogue_steps(args: list[relax.Expr]) -> list:
     """A library call's epilogue arguments as steps (see `library_matmul`; a clip step is
-    `("clip", lo, hi)`)."""
+    `("clip", lo, hi)`, a blocked output's per-channel vector `("add_blocked", vector, divisor,
+    block)`)."""
     names = {code: name for name, code in ACTIVATIONS.items()}
     steps, index = [], 0
     while index < len(args):
@@ -311,6 +324,9 @@ def _epilogue_steps(args: list[relax.Expr]) -> list:
         elif kind == ADD_TENSOR:
             steps.append(("add", args[index + 1], 1))
             index += 2
+        elif kind == ADD_BLOCKED_VECTOR:
+            steps.append(("add_blocked", args[index + 1], int(args[index + 2].value), int(args[index + 3].value)))
+            index += 4
         elif kind == CLIP:
             steps.append(("clip", float(args[index + 1].value), float(args[index + 2].value)))
             index += 3
@@ -455,6 +471,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         # A vector along one axis (aligned from the right); all other extents 1.
         offset = len(out_shape) - len(shape)
         axes = [i for i, d in enumerate(shape) if not (isinstance(d, tvm.tirx.IntImm) and int(d) == 1)]
+        if len(shape) == len(out_shape) == 5 and axes in ([1, 4], [4]):
+            return self._with_blocked_vector(result, addend, out_shape, shape)
         if len(axes) > 1:
             return None
         axis = offset + axes[0] if axes else len(out_shape) - 1
@@ -464,6 +482,19 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if divisor is None:
             return None
         step = [relax.prim_value(ADD_VECTOR), addend, relax.prim_value(math.prod(divisor))]
+        return self._with_epilogue(result, step)
+
+    def _with_blocked_vector(self, result: relax.Expr, addend: relax.Expr, out_shape: list,
+                             shape: list) -> relax.Expr | None:
+        """`result + addend` for a 5-D output [N, C / B, H, W, B] (channel-blocked) and a
+        per-channel vector [1, C / B, 1, 1, B] (or [1, 1, 1, 1, B]) as a blocked-vector
+        epilogue step, which the blocked kernels apply on vectors."""
+        analyzer = tvm.sym.Analyzer()
+        dims = _static_ints(out_shape[2:])
+        if dims is None or not all(analyzer.can_prove_equal(shape[i], out_shape[i]) for i in (1, 4)):
+            return None
+        step = [relax.prim_value(ADD_BLOCKED_VECTOR), addend, relax.prim_value(math.prod(dims)),
+                relax.prim_value(dims[2])]
         return self._with_epilogue(result, step)
 
     def _rewrite_attention(self, call: relax.Call) -> relax.Expr | None:
@@ -536,6 +567,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     def _rewrite_conv2d(self, call: relax.Call) -> relax.Expr | None:
         data, weight = call.args
         attrs = call.attrs
+        if attrs.data_layout != "NCHW" and attrs.data_layout == attrs.out_layout:
+            return self._rewrite_blocked_conv2d(call)
         if not (
             _is_float32_tensor(data.ty, 4)
             and _is_float32_tensor(weight.ty, 4)
@@ -561,6 +594,28 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         args = [data, weight, *(relax.prim_value(p) for p in params), relax.prim_value(groups)]
         generic = relax.call_dps_packed(CONV2D_FUNC, args, call.ty)
         return self._conv_kernel(generic) if self.conv_kernels else generic
+
+    def _rewrite_blocked_conv2d(self, call: relax.Call) -> relax.Expr | None:
+        """A conv2d on NCHW{B}c data and output with an OIHW weight (what `blocked_layout`
+        writes), groups 1 or depthwise, on the direct or blocked depthwise kernel, its weight
+        packed into blocks of B output channels."""
+        data, weight = call.args
+        attrs = call.attrs
+        layout = str(attrs.data_layout)
+        block = _static_ints([data.ty.shape[4]]) if data.ty.ndim == 5 else None
+        params = _static_ints([*attrs.strides, *attrs.padding[:2], *attrs.dilation])
+        if not (block is not None and layout == f"NCHW{block[0]}c" and attrs.kernel_layout == "OIHW"
+                and _is_float32_tensor(weight.ty, 4) and _is_float32_tensor(call.ty, 5) and params is not None):
+            return None
+        block = block[0]
+        groups, func = int(attrs.groups), DIRECT_CONV2D_FUNC
+        if groups > 1:
+            func = BLOCKED_DEPTHWISE_CONV2D_FUNC
+            if _static_ints([weight.ty.shape[1]]) != [1]:
+                return None
+        packed = self.builder_.emit(relax.op.layout_transform(
+            weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
+        return relax.call_dps_packed(func, [data, packed, *(relax.prim_value(p) for p in params)], call.ty)
 
     def _conv_kernel(self, call: relax.Call) -> relax.Expr:
         """A `gimlet.cpu.conv2d_nchw` call (with its epilogue) on the kernel chosen for its

@@ -1,7 +1,9 @@
 """The passes that hand a target's ops to its kernel libraries: `library_passes(spec)`.
 
 Where it goes: after graph fusion (and kernel selection's rewrites), before LegalizeOps, which
-would otherwise turn the ops into TIR. Each library a target's spec lists
+would otherwise turn the ops into TIR. This machine's CPU, with the CPU library, first gets
+`BlockedLayout` (regions of a CNN in channel-blocked NCHW{B}c, for the library's blocked conv
+kernels). Each library a target's spec lists
 (`TargetSpec.libraries`) that has a dispatch pass gets it, in the spec's order; then, where the
 spec asks for fast math, `FastMathTransform` and `fast_activations` (GELU ops); where it asks for transposed-matmul kernels,
 `transposed_matmul_kernels` (after the dispatch, so a library still gets the pairs it takes). A
@@ -18,6 +20,7 @@ from tvm import relax
 
 from ..targets import TargetSpec
 from ..targets.libraries import CPU_LIBRARY
+from .blocked_layout import BlockedLayout
 from .dispatch_cpu_library import DispatchCPULibrary
 from .fast_activations import fast_activations
 from .transposed_matmul import transposed_matmul_kernels
@@ -35,8 +38,12 @@ def dispatch_passes(spec: TargetSpec, grouping: bool = False) -> list[tvm.transf
 
 
 def library_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:
-    """`dispatch_passes`, then fast math and transposed-matmul kernels where the spec asks."""
+    """For this machine's CPU with the CPU library, `BlockedLayout` (CNN regions in NCHW{B}c
+    for its blocked kernels, B this CPU's vector width; not for a cross-compiled CPU, whose
+    vector width this machine does not know); `dispatch_passes`, then fast math and
+    transposed-matmul kernels where the spec asks."""
     return [
+        *([BlockedLayout()] if CPU_LIBRARY in spec.libraries and spec.runs_here() else []),
         *dispatch_passes(spec),
         *([relax.transform.FastMathTransform(), fast_activations] if spec.fast_math else []),
         *([transposed_matmul_kernels] if spec.transposed_matmul_kernels else []),

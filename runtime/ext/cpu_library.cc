@@ -2,8 +2,9 @@
  * \file cpu_library.cc
  * \brief fp32 matmul, NCHW conv2d (both with fused elementwise epilogues) and BSNH attention on
  * OpenBLAS (scipy-openblas32), direct NCHW conv2d kernels (on blocks of output channels, on
- * vectors of a row's output pixels, depthwise; AVX2 or AVX-512, chosen at run time) and a
- * Winograd conv2d, as TVM packed functions.
+ * vectors of a row's output pixels, depthwise; AVX2 or AVX-512, chosen at run time), direct and
+ * depthwise kernels on channel-blocked NCHW{B}c data, and a Winograd conv2d, as TVM packed
+ * functions.
  *
  * All functions use destination-passing style: inputs first, the output tensor last.
  * Tensors must be compact row-major float32 on the CPU.
@@ -132,10 +133,17 @@ void MapInPlace(float* data, int64_t n, F f) {
 
 /*! \brief One epilogue step (the codes are the packed arguments' step kinds). */
 struct EpilogueStep {
-  enum Kind : int64_t { kAddVector = 0, kAddTensor = 1, kRelu = 2, kClip = 3, kGelu = 4 };
+  enum Kind : int64_t {
+    kAddVector = 0, kAddTensor = 1, kRelu = 2, kClip = 3, kGelu = 4, kAddBlockedVector = 5
+  };
   Kind kind;
-  const float* data = nullptr;  // kAddVector: the vector; kAddTensor: an output-shaped tensor
+  const float* data = nullptr;  // kAddVector / kAddBlockedVector: the vector; kAddTensor: an
+                                // output-shaped tensor
   int64_t divisor = 1, length = 1;  // kAddVector: element at output offset o is (o / divisor) % length
+  // kAddBlockedVector (a per-channel vector of a channel-blocked output [N, C / B, H, W, B]):
+  // element at output offset o is ((o / divisor) % (length / block)) * block + o % block, with
+  // divisor H * W * B.
+  int64_t block = 1;
   float lo = 0.0f, hi = 0.0f;       // kClip
 };
 
@@ -169,6 +177,17 @@ void ApplyEpilogue(const Epilogue& epilogue, float* c, int64_t offset, int64_t r
         case EpilogueStep::kAddTensor:
           for (int64_t j = 0; j < cols; ++j) row[j] += step.data[o + j];
           break;
+        case EpilogueStep::kAddBlockedVector:
+          // Runs of up to `block` elements read consecutive vector elements (one channel block).
+          for (int64_t j = 0; j < cols;) {
+            const int64_t lane = (o + j) % step.block;
+            const int64_t run = std::min(cols - j, step.block - lane);
+            const float* v = step.data +
+                             (o + j) / step.divisor % (step.length / step.block) * step.block + lane;
+            for (int64_t k = 0; k < run; ++k) row[j + k] += v[k];
+            j += run;
+          }
+          break;
         case EpilogueStep::kRelu:
           for (int64_t j = 0; j < cols; ++j) row[j] = std::max(row[j], 0.0f);
           break;
@@ -194,13 +213,20 @@ Epilogue ParseEpilogue(const PackedArgs& args, int begin, int end, const DLTenso
   const int64_t out_size = Product(out->shape, out->shape + out->ndim);
   for (int i = begin; i < end;) {
     EpilogueStep step{static_cast<EpilogueStep::Kind>(args[i++].cast<int64_t>())};
-    if (step.kind == EpilogueStep::kAddVector || step.kind == EpilogueStep::kAddTensor) {
+    if (step.kind == EpilogueStep::kAddVector || step.kind == EpilogueStep::kAddTensor ||
+        step.kind == EpilogueStep::kAddBlockedVector) {
       DLTensor* t = args[i++].cast<DLTensor*>();
       CheckCompactFloat32(t, "epilogue operand");
       step.data = Data(t);
       step.length = Product(t->shape, t->shape + t->ndim);
       if (step.kind == EpilogueStep::kAddVector) {
         step.divisor = args[i++].cast<int64_t>();
+      } else if (step.kind == EpilogueStep::kAddBlockedVector) {
+        step.divisor = args[i++].cast<int64_t>();
+        step.block = args[i++].cast<int64_t>();
+        TVM_FFI_ICHECK(step.divisor > 0 && step.block > 0 && step.length % step.block == 0)
+            << "gimlet.cpu: blocked vector of " << step.length << " elements in blocks of "
+            << step.block;
       } else {
         TVM_FFI_ICHECK_EQ(step.length, out_size) << "gimlet.cpu: residual size differs from output";
       }
@@ -640,8 +666,11 @@ void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t gro
 
 // ---------------------------------------------------------------------------------------------
 // conv2d, direct: output channels in blocks of one vector's lanes (onnxruntime's MLAS NCHWc
-// convolutions work the same way). Data and output stay NCHW; the weights come packed once, at
-// build time, as [ceil(O / B), C, KH, KW, B] (B output channels per block, zero past O). A
+// convolutions work the same way). Data and output are NCHW, or channel-blocked NCHW{B}c
+// ([N, C / B, H, W, B], what relax_passes/blocked_layout.py converts regions of a network to:
+// then a tile's stores are contiguous and a 1x1 conv is a GEMM without a column matrix); the
+// weights come packed once, at build time, as [ceil(O / B), C, KH, KW, B] (B output channels
+// per block, zero past O), the same for either layout. A
 // register tile is P output pixels x NB channel blocks: each weight vector is loaded once per
 // tap and multiplied with P broadcast input values, so no column matrix is written or read.
 // The pixels of a tile are consecutive in the output plane (across rows, so small deep-layer
@@ -651,11 +680,14 @@ void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t gro
 /*! \brief One direct conv2d call (groups 1), cut into units of `chunk` output pixels of one
  * image and kBlocks channel blocks. */
 struct DirectConvWork {
-  const float* x;  // [N, C, H, W]: the data, zero-padded when the conv pads
+  const float* x;  // [N, C, H, W] or [N, C / XB, H, W, XB]: the data, zero-padded when the conv pads
   const float* w;  // [ceil(O / B), C, KH, KW, B]
-  float* y;        // [N, O, OH, OW]
+  float* y;        // [N, O, OH, OW] or [N, O / B, OH, OW, B]
   const Epilogue* epilogue;
   int64_t in_c, height, width;  // of x
+  int64_t x_block;              // XB, the data's channel block; 1 for NCHW data
+  bool y_blocked;               // the output is [N, O / B, OH, OW, B]
+  bool vector_epilogue;         // y_blocked and IsBlockedVectorEpilogue
   int64_t out_c, kernel_h, kernel_w, out_h, out_w;
   Conv2DParams p;        // its padding is in x already
   int64_t block;         // B, the weights' last extent
@@ -664,6 +696,7 @@ struct DirectConvWork {
   int64_t chunk;         // output pixels per unit
   int64_t chunks;        // ceil(out_h * out_w / chunk)
   int64_t num_units;     // images * block_pairs * chunks
+  bool pointwise;        // y_blocked, XB = B, 1x1, stride 1, no padding (PointwiseTile)
 };
 
 constexpr int64_t kBlocks = 2;  // channel blocks per register tile
@@ -689,6 +722,88 @@ struct VectorOf<16> {
   using Type = float __attribute__((vector_size(64)));
 };
 
+/*! \brief Whether `epilogue` has only steps `BlockedEpilogueRows` applies on vectors of a
+ * channel-blocked output with blocks of `block` (bias of blocks of `block`, residual, ReLU, clip). */
+constexpr size_t kMaxVectorEpilogue = 8;  // steps
+
+bool IsBlockedVectorEpilogue(const Epilogue& epilogue, int64_t block) {
+  if (epilogue.size() > kMaxVectorEpilogue) return false;
+  for (const EpilogueStep& step : epilogue) {
+    const bool fits = step.kind == EpilogueStep::kAddTensor || step.kind == EpilogueStep::kRelu ||
+                      step.kind == EpilogueStep::kClip ||
+                      (step.kind == EpilogueStep::kAddBlockedVector && step.block == block);
+    if (!fits) return false;
+  }
+  return true;
+}
+
+/*! \brief The per-channel vectors' L elements each kAddBlockedVector step of `epilogue` adds to
+ * the pixels of one channel block (`row`: the block's output plane, from element offset
+ * `o`), by step position. */
+struct BlockedRowVectors {
+  const float* at[kMaxVectorEpilogue];
+
+  BlockedRowVectors(const Epilogue& epilogue, int64_t o) {
+    for (size_t i = 0; i < epilogue.size(); ++i) {
+      const EpilogueStep& step = epilogue[i];
+      at[i] = step.kind != EpilogueStep::kAddBlockedVector
+                  ? nullptr
+                  : step.data + o / step.divisor % (step.length / step.block) * step.block;
+    }
+  }
+};
+
+/*! \brief `epilogue` (IsBlockedVectorEpilogue) on the vector `v` of L channels of one pixel of a
+ * channel-blocked output, at element offset `o` in the output, `vectors` its channel block's:
+ * each step while it is in a register. */
+template <int L>
+__attribute__((always_inline)) inline typename VectorOf<L>::Type BlockedEpilogueVector(
+    const Epilogue& epilogue, const BlockedRowVectors& vectors, typename VectorOf<L>::Type v,
+    int64_t o) {
+  using V = typename VectorOf<L>::Type;
+  for (size_t i = 0; i < epilogue.size(); ++i) {
+    const EpilogueStep& step = epilogue[i];
+    V operand;
+    switch (step.kind) {
+      case EpilogueStep::kAddBlockedVector:
+        std::memcpy(&operand, vectors.at[i], sizeof(V));
+        v += operand;
+        break;
+      case EpilogueStep::kAddTensor:
+        std::memcpy(&operand, step.data + o, sizeof(V));
+        v += operand;
+        break;
+      case EpilogueStep::kRelu:
+        v = v < V{} ? V{} : v;
+        break;
+      default:  // kClip
+        v = v < step.lo ? V{} + step.lo : v;
+        v = v > step.hi ? V{} + step.hi : v;
+        break;
+    }
+  }
+  return v;
+}
+
+/*! \brief BlockedEpilogueVector on `rows` rows of `pixels` pixels at `y` (element offset
+ * `offset` in the output), rows `row_stride` floats apart. */
+template <int L>
+__attribute__((always_inline)) inline void BlockedEpilogueRows(const Epilogue& epilogue, float* y,
+                                                               int64_t offset, int64_t rows,
+                                                               int64_t pixels, int64_t row_stride) {
+  using V = typename VectorOf<L>::Type;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = y + r * row_stride;
+    const BlockedRowVectors vectors(epilogue, offset + r * row_stride);
+    for (int64_t q = 0; q < pixels; ++q) {
+      V v;
+      std::memcpy(&v, row + q * L, sizeof(V));
+      v = BlockedEpilogueVector<L>(epilogue, vectors, v, offset + r * row_stride + q * L);
+      std::memcpy(row + q * L, &v, sizeof(V));
+    }
+  }
+}
+
 /*!
  * \brief n <= P output pixels from flat index `pixel0` for NB channel blocks starting at `w`
  * (the blocks' weights `w_stride` floats apart) of the image `x`, into `tile` as [NB][P][L].
@@ -702,10 +817,12 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
   using V = typename VectorOf<L>::Type;
   static_assert(sizeof(V) == L * sizeof(float));
   const Conv2DParams& p = t.p;
+  // Channel c = cb * XB + ci of pixel (y, x) is at ((cb * H + y) * W + x) * XB + ci.
+  const int64_t xb = t.x_block, plane = t.height * t.width * xb;
   int64_t offset[P];
   int64_t oy = pixel0 / t.out_w, ox = pixel0 % t.out_w;
   for (int q = 0; q < P; ++q) {
-    offset[q] = oy * p.stride_h * t.width + ox * p.stride_w;
+    offset[q] = (oy * p.stride_h * t.width + ox * p.stride_w) * xb;
     if (q + 1 < n && ++ox == t.out_w) {
       ox = 0;
       ++oy;
@@ -715,17 +832,47 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
   for (int j = 0; j < NB; ++j)
     for (int q = 0; q < P; ++q) acc[j][q] = V{};
   for (int64_t c = 0; c < t.in_c; ++c) {
+    const float* channel = x + (xb == 1 ? c * plane : c / xb * plane + c % xb);
     for (int64_t kh = 0; kh < t.kernel_h; ++kh) {
-      const float* row = x + (c * t.height + kh * p.dilation_h) * t.width;
+      const float* row = channel + kh * p.dilation_h * t.width * xb;
       const float* wk = w + (c * t.kernel_h + kh) * kernel_w * L;
       for (int64_t kw = 0; kw < kernel_w; ++kw) {
         V wv[NB];
         for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], wk + kw * L + j * w_stride, sizeof(V));
-        const float* tap = row + kw * p.dilation_w;
+        const float* tap = row + kw * p.dilation_w * xb;
         for (int q = 0; q < P; ++q) {
           const float v = tap[offset[q]];
           for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
         }
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int q = 0; q < P; ++q) std::memcpy(tile + (j * P + q) * L, &acc[j][q], sizeof(V));
+}
+
+/*!
+ * \brief DirectTile for a pointwise conv (1x1, stride 1, no padding) on data blocked like the
+ * output (XB = L), P whole pixels: a GEMM tile, the pixels' inputs consecutive, no offsets.
+ */
+template <int L, int P, int NB>
+__attribute__((always_inline)) inline void PointwiseTile(const DirectConvWork& t, const float* x,
+                                                         const float* w, int64_t w_stride,
+                                                         int64_t pixel0, float* tile) {
+  using V = typename VectorOf<L>::Type;
+  const int64_t plane = t.height * t.width * L;
+  V acc[NB][P];
+  for (int j = 0; j < NB; ++j)
+    for (int q = 0; q < P; ++q) acc[j][q] = V{};
+  for (int64_t cb = 0; cb < t.in_c / L; ++cb) {
+    const float* xc = x + cb * plane + pixel0 * L;
+    const float* wc = w + cb * L * L;
+    for (int ci = 0; ci < L; ++ci) {
+      V wv[NB];
+      for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], wc + ci * L + j * w_stride, sizeof(V));
+      for (int q = 0; q < P; ++q) {
+        const float v = xc[q * L + ci];
+        for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
       }
     }
   }
@@ -745,6 +892,26 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
   const int64_t spatial = t.out_h * t.out_w;
   const int64_t ch0 = b0 * L, channels = std::min<int64_t>(t.out_c - ch0, NB * L);
   float* y = y_img + ch0 * spatial;
+  if (t.y_blocked) {  // blocks of whole L channels, [NB][pixels][L] at y: tiles go as they are
+    for (int64_t pixel = pixel0; pixel < pixel1; pixel += P) {
+      const int64_t n = std::min<int64_t>(P, pixel1 - pixel);
+      if (KW == 1 && n == P) {  // KW 1: the pointwise instance (DirectUnits)
+        PointwiseTile<L, P, NB>(t, x, w, w_stride, pixel, tile);
+      } else {
+        DirectTile<L, P, NB, KW>(t, x, w, w_stride, pixel, n, tile);
+      }
+      for (int j = 0; j < NB; ++j) {
+        std::memcpy(y + (j * spatial + pixel) * L, tile + j * P * L, n * L * sizeof(float));
+      }
+    }
+    float* first = y + pixel0 * L;
+    if (t.vector_epilogue) {
+      BlockedEpilogueRows<L>(*t.epilogue, first, first - t.y, NB, pixel1 - pixel0, spatial * L);
+    } else {
+      ApplyEpilogue(*t.epilogue, first, first - t.y, NB, (pixel1 - pixel0) * L, spatial * L);
+    }
+    return;
+  }
   for (int64_t pixel = pixel0; pixel < pixel1; pixel += P) {
     const int64_t n = std::min<int64_t>(P, pixel1 - pixel);
     DirectTile<L, P, NB, KW>(t, x, w, w_stride, pixel, n, tile);
@@ -760,10 +927,13 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
 }
 
 /*! \brief Units [begin, end): unit = (image * block_pairs + pair) * chunks + chunk; a tile is
- * kPixels pixels of two blocks, or twice as many pixels of a last odd block. */
+ * kPixels pixels of two blocks, or twice as many (at most 12) pixels of a last odd block: 24
+ * pixels' offsets and accumulators spilled (AVX-512: a 16-channel one-block conv, e.g.
+ * resnet_cnn's 16->16, took 1.4x as long as with 12, 5x5 kernels 1.2-1.6x). */
 template <int L, int kPixels>
 __attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, int64_t begin,
                                                        int64_t end) {
+  constexpr int kOddBlockPixels = std::min(kPixels * static_cast<int>(kBlocks), 12);
   const int64_t spatial = t.out_h * t.out_w;
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t chunk = unit % t.chunks, pair = unit / t.chunks % t.block_pairs;
@@ -774,13 +944,17 @@ __attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, 
     const int64_t pixel0 = chunk * t.chunk, pixel1 = std::min(spatial, pixel0 + t.chunk);
     // 3-wide kernels (most) get their taps unrolled.
     if (b0 + kBlocks <= t.blocks) {
-      if (t.kernel_w == 3) {
+      if (t.pointwise) {
+        DirectChunk<L, kPixels, kBlocks, 1>(t, x, b0, pixel0, pixel1, y_img);
+      } else if (t.kernel_w == 3) {
         DirectChunk<L, kPixels, kBlocks, 3>(t, x, b0, pixel0, pixel1, y_img);
       } else {
         DirectChunk<L, kPixels, kBlocks, 0>(t, x, b0, pixel0, pixel1, y_img);
       }
+    } else if (t.kernel_w == 3) {  // a last odd block (one-block convs: all of them)
+      DirectChunk<L, kOddBlockPixels, 1, 3>(t, x, b0, pixel0, pixel1, y_img);
     } else {
-      DirectChunk<L, kPixels * kBlocks, 1, 0>(t, x, b0, pixel0, pixel1, y_img);
+      DirectChunk<L, kOddBlockPixels, 1, 0>(t, x, b0, pixel0, pixel1, y_img);
     }
   }
 }
@@ -878,8 +1052,9 @@ int64_t PaddedExtent(int64_t size, int64_t pad, int64_t out, int64_t stride, int
 }
 
 /*!
- * \brief NCHW conv2d (groups 1) with weights packed as [ceil(O / B), C, KH, KW, B], B 8 or 16
- * (see DirectConvBlock); data: [N, C, H, W], out: [N, O, OH, OW]. Units of a chunk of output
+ * \brief conv2d (groups 1) with weights packed as [ceil(O / B), C, KH, KW, B], B 8 or 16 (see
+ * DirectConvBlock); data: [N, C, H, W] or channel-blocked [N, C / XB, H, W, XB] (any XB), out:
+ * [N, O, OH, OW] or [N, O / B, OH, OW, B]. Units of a chunk of output
  * pixels of two channel blocks run on TVM's pool, consecutive chunks of the same blocks on one
  * thread (their weights stay in cache).
  */
@@ -888,20 +1063,28 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   CheckCompactFloat32(data, "data");
   CheckCompactFloat32(weight, "weight");
   CheckCompactFloat32(out, "out");
-  TVM_FFI_ICHECK(data->ndim == 4 && weight->ndim == 5 && out->ndim == 4)
-      << "gimlet.cpu.conv2d_nchw_direct: data and out must be 4-D, the packed weight 5-D";
-  const int64_t batch = data->shape[0], in_c = data->shape[1];
+  TVM_FFI_ICHECK((data->ndim == 4 || data->ndim == 5) && weight->ndim == 5 &&
+                 (out->ndim == 4 || out->ndim == 5))
+      << "gimlet.cpu.conv2d_nchw_direct: data and out must be 4-D (NCHW) or 5-D (NCHW{B}c), the "
+         "packed weight 5-D";
+  const int64_t x_block = data->ndim == 5 ? data->shape[4] : 1;
+  const int64_t batch = data->shape[0], in_c = data->shape[1] * x_block;
+  const int64_t block = weight->shape[4];
+  const bool y_blocked = out->ndim == 5;
   DirectConvWork t{Data(data), Data(weight), Data(out), &epilogue, in_c, data->shape[2],
-                   data->shape[3], out->shape[1], weight->shape[2], weight->shape[3],
-                   out->shape[2], out->shape[3], p, weight->shape[4]};
+                   data->shape[3], x_block, y_blocked,
+                   y_blocked && IsBlockedVectorEpilogue(epilogue, block),
+                   out->shape[1] * (y_blocked ? out->shape[4] : 1), weight->shape[2],
+                   weight->shape[3], out->shape[2], out->shape[3], p, block};
   TVM_FFI_ICHECK(t.block == 8 || t.block == 16)
       << "gimlet.cpu.conv2d_nchw_direct: channel block " << t.block << " is neither 8 nor 16";
   TVM_FFI_ICHECK(DirectConvBlock() != 0)
       << "gimlet.cpu.conv2d_nchw_direct needs a CPU with AVX2 and FMA";
   t.blocks = (t.out_c + t.block - 1) / t.block;
   TVM_FFI_ICHECK(weight->shape[0] == t.blocks && weight->shape[1] == in_c &&
-                 out->shape[0] == batch)
-      << "gimlet.cpu.conv2d_nchw_direct: shapes differ";
+                 out->shape[0] == batch && (!y_blocked || out->shape[4] == block))
+      << "gimlet.cpu.conv2d_nchw_direct: shapes differ (a blocked output's block must be the "
+         "packed weight's)";
   TVM_FFI_ICHECK(p.stride_h > 0 && p.stride_w > 0 && p.dilation_h > 0 && p.dilation_w > 0 &&
                  p.pad_top >= 0 && p.pad_left >= 0);
   const int64_t spatial = t.out_h * t.out_w;
@@ -912,14 +1095,17 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
                                         p.dilation_w);
   thread_local std::vector<float> padded;
   if (padded_h != t.height || padded_w != t.width) {
+    // A blocked plane's rows are W * XB floats.
     padded.resize(batch * in_c * padded_h * padded_w);
-    PadPlanes pad{t.x, padded.data(), batch * in_c, t.height, t.width, padded_h, padded_w,
-                  p.pad_top, p.pad_left};
+    PadPlanes pad{t.x, padded.data(), batch * in_c / x_block, t.height, t.width * x_block,
+                  padded_h, padded_w * x_block, p.pad_top, p.pad_left * x_block};
     Launch(RunPadPlanes, &pad, padded.size() >= kMinParallelGemm);
     t.x = padded.data();
     t.height = padded_h;
     t.width = padded_w;
   }
+  t.pointwise = y_blocked && x_block == block && t.kernel_h == 1 && t.kernel_w == 1 &&
+                t.height == t.out_h && t.width == t.out_w && p.stride_h == 1 && p.stride_w == 1;
   t.block_pairs = (t.blocks + kBlocks - 1) / kBlocks;
   const int64_t tile = t.block == 8 ? kPixelsAvx2 : DirectConvBlock() == 16 ? kPixelsAvx512
                                                                            : kPixelsAvx2Wide;
@@ -1431,6 +1617,234 @@ void DepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, in
 }
 
 // ---------------------------------------------------------------------------------------------
+// conv2d, depthwise on channel-blocked data (NCHW{B}c: [N, C / B, H, W, B]): one vector holds
+// the B channels of one pixel, so every tap is a vector load of the (zero-padded) input and one
+// multiply-add with the tap's B weights, whatever the stride and dilation; a register tile is
+// kDepthwiseTile consecutive output pixels of a row, the taps' weights in registers.
+
+/*! \brief One blocked depthwise call: units of one output row of one channel block. */
+struct BlockedDepthwiseWork {
+  const float* x;  // [N, C / B, H, W, B]
+  const float* w;  // [C / B, KH, KW, B]
+  float* y;        // [N, C / B, OH, OW, B]
+  const Epilogue* epilogue;
+  int64_t blocks, height, width;  // of x: C / B, H, W
+  int64_t kernel_h, kernel_w, out_h, out_w;
+  Conv2DParams p;
+  int64_t block;         // B
+  bool vector_epilogue;  // IsBlockedVectorEpilogue
+  int64_t num_units;     // N * C / B * OH
+};
+
+constexpr int kDepthwiseTile = 8;
+
+/*!
+ * \brief T output pixels of a row into `y` (element offset `o` in the output): input column
+ * `ix0` + q * stride for pixel q at tap column 0, taps rows [kh0, kh1) (those inside the input,
+ * `rows[kh]` each), the block's K x K taps' weights in `wv` (K 0: t.kernel_h x t.kernel_w, read
+ * from `w`), then the vector epilogue, if any. With kChecked, taps outside the input's columns
+ * are skipped (zero padding); without, all are inside.
+ */
+template <int L, int T, int K, bool kChecked>
+__attribute__((always_inline)) inline void BlockedDepthwiseTile(
+    const BlockedDepthwiseWork& t, const float* const* rows, int64_t kh0, int64_t kh1, int64_t ix0,
+    const typename VectorOf<L>::Type* wv, const float* w, const BlockedRowVectors& vectors,
+    float* y, int64_t o) {
+  using V = typename VectorOf<L>::Type;
+  const Conv2DParams& p = t.p;
+  const int64_t kernel_w = K ? K : t.kernel_w;
+  V acc[T];
+  for (int q = 0; q < T; ++q) acc[q] = V{};
+  for (int64_t kh = kh0; kh < kh1; ++kh) {
+    for (int64_t kw = 0; kw < kernel_w; ++kw) {
+      V weight;
+      if (K) {
+        weight = wv[kh * K + kw];
+      } else {
+        std::memcpy(&weight, w + (kh * kernel_w + kw) * L, sizeof(V));
+      }
+      for (int q = 0; q < T; ++q) {
+        const int64_t ix = ix0 + q * p.stride_w + kw * p.dilation_w;
+        if (kChecked && (ix < 0 || ix >= t.width)) continue;
+        V v;
+        std::memcpy(&v, rows[kh] + ix * L, sizeof(V));
+        acc[q] += v * weight;
+      }
+    }
+  }
+  for (int q = 0; q < T; ++q) {
+    const V v = t.vector_epilogue ? BlockedEpilogueVector<L>(*t.epilogue, vectors, acc[q], o + q * L)
+                                  : acc[q];
+    std::memcpy(y + q * L, &v, sizeof(V));
+  }
+}
+
+/*! \brief Units [begin, end) (unit = plane * OH + output row) with K x K taps (K 0: any): tiles
+ * of kDepthwiseTile pixels whose taps are all inside the input, pixel by pixel (bounds
+ * checked) at the padded borders; no padded copy of the data. */
+template <int L, int K>
+__attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDepthwiseWork& t,
+                                                                int64_t begin, int64_t end) {
+  using V = typename VectorOf<L>::Type;
+  constexpr int kMaxRows = 16;  // taps rows (BlockedDepthwiseConv2D checks)
+  const Conv2DParams& p = t.p;
+  const int64_t reach = (t.kernel_w - 1) * p.dilation_w;  // of a pixel's taps, in columns
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t oy = unit % t.out_h, plane = unit / t.out_h;  // plane: image * blocks + block
+    const float* x_plane = t.x + plane * t.height * t.width * L;
+    const float* w = t.w + plane % t.blocks * t.kernel_h * t.kernel_w * L;
+    float* y = t.y + (plane * t.out_h + oy) * t.out_w * L;
+    const int64_t o = y - t.y;
+    // The taps rows inside the input: [kh0, kh1).
+    const float* rows[kMaxRows];
+    int64_t kh0 = t.kernel_h, kh1 = 0;
+    for (int64_t kh = 0; kh < t.kernel_h; ++kh) {
+      const int64_t iy = oy * p.stride_h - p.pad_top + kh * p.dilation_h;
+      rows[kh] = x_plane + iy * t.width * L;
+      if (iy >= 0 && iy < t.height) {
+        kh0 = std::min(kh0, kh);
+        kh1 = kh + 1;
+      }
+    }
+    V wv[K ? K * K : 1];
+    for (int i = 0; i < K * K; ++i) std::memcpy(&wv[i], w + i * L, sizeof(V));
+    const BlockedRowVectors vectors(*t.epilogue, o);
+    for (int64_t ox = 0; ox < t.out_w;) {
+      const int64_t ix0 = ox * p.stride_w - p.pad_left;
+      if (ox + kDepthwiseTile <= t.out_w && ix0 >= 0 &&
+          ix0 + (kDepthwiseTile - 1) * p.stride_w + reach < t.width) {
+        BlockedDepthwiseTile<L, kDepthwiseTile, K, false>(t, rows, kh0, kh1, ix0, wv, w, vectors,
+                                                          y + ox * L, o + ox * L);
+        ox += kDepthwiseTile;
+      } else {
+        BlockedDepthwiseTile<L, 1, K, true>(t, rows, kh0, kh1, ix0, wv, w, vectors, y + ox * L,
+                                            o + ox * L);
+        ox += 1;
+      }
+    }
+    if (!t.vector_epilogue && !t.epilogue->empty()) {
+      ApplyEpilogue(*t.epilogue, y, o, 1, t.out_w * L, 0);
+    }
+  }
+}
+
+/*! \brief Units [begin, end); 3x3 kernels (MobileNet's) keep their taps' weights in registers. */
+template <int L>
+__attribute__((always_inline)) inline void BlockedDepthwiseUnits(const BlockedDepthwiseWork& t,
+                                                                 int64_t begin, int64_t end) {
+  if (t.kernel_h == 3 && t.kernel_w == 3) {
+    BlockedDepthwiseRows<L, 3>(t, begin, end);
+  } else {
+    BlockedDepthwiseRows<L, 0>(t, begin, end);
+  }
+}
+
+GIMLET_TARGET("avx2,fma")
+void BlockedDepthwiseUnitsAvx2x8(const BlockedDepthwiseWork& t, int64_t begin, int64_t end) {
+  BlockedDepthwiseUnits<8>(t, begin, end);
+}
+GIMLET_TARGET("avx2,fma")
+void BlockedDepthwiseUnitsAvx2x16(const BlockedDepthwiseWork& t, int64_t begin, int64_t end) {
+  BlockedDepthwiseUnits<16>(t, begin, end);
+}
+GIMLET_TARGET("avx512f,avx2,fma")
+void BlockedDepthwiseUnitsAvx512(const BlockedDepthwiseWork& t, int64_t begin, int64_t end) {
+  BlockedDepthwiseUnits<16>(t, begin, end);
+}
+
+int RunBlockedDepthwiseUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const BlockedDepthwiseWork*>(cdata);
+  const auto [begin, end] = TaskRange(task_id, penv, t.num_units);
+  if (t.block == 8) {
+    BlockedDepthwiseUnitsAvx2x8(t, begin, end);
+  } else if (DirectConvBlock() == 16) {
+    BlockedDepthwiseUnitsAvx512(t, begin, end);
+  } else {
+    BlockedDepthwiseUnitsAvx2x16(t, begin, end);
+  }
+  return 0;
+}
+
+/*!
+ * \brief Depthwise conv2d (one group per channel, channel multiplier 1) on channel-blocked data:
+ * data [N, C / B, H, W, B], weight [C / B, 1, KH, KW, B] (OIHW with the output channels
+ * blocked), out [N, C / B, OH, OW, B]; B 8 or 16.
+ */
+void BlockedDepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
+                            const Epilogue& epilogue, DLTensor* out) {
+  CheckCompactFloat32(data, "data");
+  CheckCompactFloat32(weight, "weight");
+  CheckCompactFloat32(out, "out");
+  const char* name = "gimlet.cpu.conv2d_nchwc_depthwise";
+  TVM_FFI_ICHECK(data->ndim == 5 && weight->ndim == 5 && out->ndim == 5)
+      << name << ": data, weight and out must be 5-D (channel-blocked)";
+  const int64_t batch = data->shape[0], blocks = data->shape[1], block = data->shape[4];
+  TVM_FFI_ICHECK(block == 8 || block == 16) << name << ": channel block " << block;
+  TVM_FFI_ICHECK(DirectConvBlock() != 0) << name << " needs a CPU with AVX2 and FMA";
+  TVM_FFI_ICHECK(weight->shape[0] == blocks && weight->shape[1] == 1 && weight->shape[4] == block &&
+                 out->shape[0] == batch && out->shape[1] == blocks && out->shape[4] == block)
+      << name << ": shapes differ (weight must be [C / B, 1, KH, KW, B], out [N, C / B, OH, OW, B])";
+  TVM_FFI_ICHECK(p.stride_h > 0 && p.stride_w > 0 && p.dilation_h > 0 && p.dilation_w > 0 &&
+                 p.pad_top >= 0 && p.pad_left >= 0)
+      << name << ": strides and dilations must be positive, pads not negative";
+  TVM_FFI_ICHECK(weight->shape[2] <= 16) << name << ": kernels of at most 16 rows";
+  BlockedDepthwiseWork t{Data(data), Data(weight), Data(out), &epilogue, blocks, data->shape[2],
+                         data->shape[3], weight->shape[2], weight->shape[3], out->shape[2],
+                         out->shape[3], p, block, IsBlockedVectorEpilogue(epilogue, block)};
+  if (batch == 0 || blocks == 0 || t.out_h * t.out_w == 0) return;
+  t.num_units = batch * blocks * t.out_h;
+  const int64_t work = t.num_units * t.out_w * block * t.kernel_h * t.kernel_w;
+  Launch(RunBlockedDepthwiseUnits, &t, work >= kMinParallelGemm / 4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layout conversion at the edges of a channel-blocked region: NCHW <-> NCHW{B}c
+
+/*! \brief One conversion: `planes` (N * C / B) blocks of B channel planes of `spatial` pixels. */
+struct BlockedLayoutWork {
+  const float* x;
+  float* y;
+  int64_t planes, spatial, block;
+  bool to_blocked;  // NCHW -> NCHW{B}c, else back
+};
+
+int RunBlockedLayout(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const BlockedLayoutWork*>(cdata);
+  const auto [begin, end] = TaskRange(task_id, penv, t.planes);
+  const int64_t size = t.spatial * t.block;
+  for (int64_t plane = begin; plane < end; ++plane) {
+    const float* x = t.x + plane * size;
+    float* y = t.y + plane * size;
+    // The blocked side in order, the B channel planes as B streams.
+    for (int64_t i = 0; i < t.spatial; ++i) {
+      if (t.to_blocked) {
+        for (int64_t c = 0; c < t.block; ++c) y[i * t.block + c] = x[c * t.spatial + i];
+      } else {
+        for (int64_t c = 0; c < t.block; ++c) y[c * t.spatial + i] = x[i * t.block + c];
+      }
+    }
+  }
+  return 0;
+}
+
+/*! \brief data [N, C, H, W] into out [N, C / B, H, W, B] (`to_blocked`), or back. */
+void ConvertBlockedLayout(DLTensor* data, DLTensor* out, bool to_blocked) {
+  CheckCompactFloat32(data, "data");
+  CheckCompactFloat32(out, "out");
+  const DLTensor* nchw = to_blocked ? data : out;
+  const DLTensor* blocked = to_blocked ? out : data;
+  TVM_FFI_ICHECK(nchw->ndim == 4 && blocked->ndim == 5 && blocked->shape[4] > 0 &&
+                 nchw->shape[0] == blocked->shape[0] &&
+                 nchw->shape[1] == blocked->shape[1] * blocked->shape[4] &&
+                 nchw->shape[2] == blocked->shape[2] && nchw->shape[3] == blocked->shape[3])
+      << "gimlet.cpu: layout conversion between [N, C, H, W] and [N, C / B, H, W, B] with shapes "
+         "that do not match";
+  BlockedLayoutWork t{Data(data), Data(out), blocked->shape[0] * blocked->shape[1],
+                      blocked->shape[2] * blocked->shape[3], blocked->shape[4], to_blocked};
+  Launch(RunBlockedLayout, &t, t.planes * t.spatial * t.block >= kMinParallelGemm / 8);
+}
+
+// ---------------------------------------------------------------------------------------------
 // conv2d, Winograd F(m x m, 3 x 3) (Lavin and Gray, "Fast Algorithms for Convolutional Neural
 // Networks", 2015) for 3x3 stride-1 convs (groups 1): an m x m output tile of channel o is
 // A^T [sum_c U[o, c] . V[c]] A, with V[c] = B^T d B for the tile's alpha x alpha input patch d
@@ -1837,6 +2251,19 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                                     Conv2DParamsOf(args), args[8].cast<int64_t>(),
                                     ParseEpilogue(args, 9, args.size() - 1, out), out);
                   })
+      .def_packed("gimlet.cpu.conv2d_nchwc_depthwise",
+                  [](PackedArgs args, tvm::ffi::Any*) {
+                    // (data, blocked weight, stride_h, stride_w, pad_top, pad_left,
+                    //  dilation_h, dilation_w, epilogue steps..., out)
+                    DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
+                    BlockedDepthwiseConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
+                                           Conv2DParamsOf(args),
+                                           ParseEpilogue(args, 8, args.size() - 1, out), out);
+                  })
+      .def("gimlet.cpu.nchw_to_nchwc",
+           [](DLTensor* data, DLTensor* out) { ConvertBlockedLayout(data, out, true); })
+      .def("gimlet.cpu.nchwc_to_nchw",
+           [](DLTensor* data, DLTensor* out) { ConvertBlockedLayout(data, out, false); })
       .def_packed("gimlet.cpu.conv2d_nchw_winograd",
                   [](PackedArgs args, tvm::ffi::Any*) {
                     // (data, transformed weight, stride_h, stride_w, pad_top, pad_left,

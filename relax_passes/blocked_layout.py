@@ -1,0 +1,289 @@
+"""Run regions of a CNN on channel-blocked data (NCHW{B}c: [N, C / B, H, W, B]), as
+onnxruntime's MLAS does, converting layouts only where a region meets an op it does not
+cover.
+
+1. Where it goes: after the imported graph's clean-up and graph fusion, right before the CPU
+   library's dispatch (`library_dispatch.library_passes`), which maps the blocked convs to
+   `gimlet.cpu.conv2d_nchw_direct` (blocked data and output) and
+   `gimlet.cpu.conv2d_nchwc_depthwise` and fuses the blocked epilogues into them; only for
+   this machine's CPU (a cross-compiled CPU's vector width is not known here). Kernel
+   selection's grouping run does not use it (every conv stays one generic library call there).
+2. B is the CPU's vector width (`dispatch_cpu_library.direct_conv_block`: 16 with AVX-512, 8
+   with AVX2). By default it converts only functions with a depthwise conv it can convert
+   (`blocked_layout_for`: where whole networks were measured faster); `$GIMLET_CPU_BLOCKED_LAYOUT`
+   (8 or 16) converts every function with that block, 0 none. In dataflow order, it rewrites
+   into blocked form
+   - `R.nn.conv2d` (NCHW data and output, OIHW float32 weight, static shapes) that is groups 1
+     or depthwise (one group per channel, channel multiplier 1), both channel counts multiples
+     of B, and that the CPU library would not run with Winograd (`winograd_tile_for`, on NCHW
+     only), as `R.nn.conv2d(data_layout="NCHW{B}c", kernel_layout="OIHW",
+     out_layout="NCHW{B}c")`;
+   - ops that do not care about the layout, once an operand is blocked: unary elementwise ops
+     (`ELEMENTWISE_UNARY`), binary ones (`ELEMENTWISE_BINARY`) whose other operand is blocked
+     too, a scalar, or a constant per-channel vector (reblocked here with numpy), and max /
+     average pooling (`layout="NCHW{B}c"`). The batch extent may be symbolic; the others
+     must be static.
+   An op it does not rewrite that reads a blocked value gets a conversion back to NCHW (once per
+   value), and so does a dataflow block's output; a blocked conv or binary op that reads an
+   NCHW tensor gets one into NCHW{B}c (once per tensor). Conversions are the CPU library's
+   `gimlet.cpu.nchw_to_nchwc` / `nchwc_to_nchw` calls (TVM's generated `R.layout_transform`
+   kernels took several times as long). So conversions of activations sit only at the regions'
+   edges (the network's input side, global pooling / flatten, outputs), never around each op.
+3. It does not handle: convs with channel counts that are not multiples of B (they stay NCHW,
+   and so do the ops between them), grouped convs other than depthwise, depthwise convs with a
+   channel multiplier, other dtypes, symbolic channel or spatial extents, binary ops that
+   broadcast a blocked operand, and convs kernel selection already turned into library calls.
+   It does not weigh a region's edge conversions against what its kernels save:
+   `blocked_layout_for` decides per function.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import tvm
+from tvm import IRModule, relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ..errors import CompileError
+from ..targets.libraries import CPU_LIBRARY
+from .dispatch_cpu_library import direct_conv_block, winograd_override, winograd_tile_for
+
+BLOCKED_LAYOUT_ENV = "GIMLET_CPU_BLOCKED_LAYOUT"
+TO_BLOCKED_FUNC = f"{CPU_LIBRARY.name}.nchw_to_nchwc"
+FROM_BLOCKED_FUNC = f"{CPU_LIBRARY.name}.nchwc_to_nchw"
+
+ELEMENTWISE_UNARY = frozenset({
+    "relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh", "relax.nn.gelu", "relax.nn.silu",
+})
+ELEMENTWISE_BINARY = frozenset({
+    "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
+})
+POOLS = frozenset({"relax.nn.max_pool2d", "relax.nn.avg_pool2d"})
+
+
+def blocked_override() -> int | None:
+    """`$GIMLET_CPU_BLOCKED_LAYOUT`: 8 or 16 runs every function the pass sees blocked with that
+    block, 0 none; None where it is unset (`blocked_layout_for` decides)."""
+    override = os.environ.get(BLOCKED_LAYOUT_ENV, "").strip()
+    if not override:
+        return None
+    if override not in ("0", "8", "16"):
+        raise CompileError(f"${BLOCKED_LAYOUT_ENV} must be 0, 8 or 16, not {override!r}")
+    return int(override)
+
+
+def blocked_layout_for(func: relax.Function, cpu_block: int) -> bool:
+    """Whether a function runs blocked by default: one with a depthwise conv the pass converts
+    (MobileNets), on a CPU with blocked kernels (`cpu_block`, `direct_conv_block()`, not 0).
+
+    benchmarks/README.md ("Blocked layout") has the measurements: mobilenet_cnn ran in
+    less time blocked (its 1x1 convs as GEMM tiles on blocked data beat im2col + OpenBLAS, its
+    depthwise convs tie the generated TIR); resnet_cnn ran slower (its 16-channel 3x3 convs
+    are one block of 16 channels, where the NCHW kernel's two blocks of 8 are faster), and
+    ResNet-18's 3x3 stride-1 convs run Winograd on NCHW, so a region there would be cut at each
+    of them."""
+    if cpu_block == 0:
+        return False
+    found = []
+
+    def visit(expr: relax.Expr) -> None:
+        if (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.nn.conv2d"
+                and _depthwise(expr) and _convertible(expr, cpu_block)):
+            found.append(expr)
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return bool(found)
+
+
+@tvm.transform.module_pass(opt_level=0, name="BlockedLayout")
+class BlockedLayout:  # pylint: disable=too-few-public-methods
+    """Rewrite regions of NCHW convs (with the layout-agnostic ops between them) to NCHW{B}c,
+    converting layouts at the regions' edges only."""
+
+    def __init__(self, block: int | None = None):
+        """`block` (8 or 16) converts every function with that block, 0 none; None: as
+        `$GIMLET_CPU_BLOCKED_LAYOUT` or `blocked_layout_for` say."""
+        self.block = block
+
+    def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
+        """IRModule-level transformation."""
+        override = blocked_override() if self.block is None else self.block
+        block = direct_conv_block() if override is None else override
+        if block == 0:
+            return mod
+        rewriter = _BlockedRewriter(mod)
+        rewriter.block = block
+        rewriter.winograd = winograd_override()
+        for g_var, func in mod.functions_items():
+            if isinstance(func, relax.Function) and (override is not None or blocked_layout_for(func, block)):
+                rewriter.blocked, rewriter.nchw, rewriter.edges = {}, {}, {}
+                rewriter.builder_.update_func(g_var, rewriter.visit_expr(func))
+        return rewriter.builder_.get()
+
+
+def _shape(expr: relax.Expr) -> list[int | None] | None:
+    """The float32 tensor's shape, None for each symbolic extent; None for anything else."""
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.dtype != "float32":
+        return None
+    return [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in ty.shape]
+
+
+def _depthwise(conv: relax.Call) -> bool:
+    """A conv2d with one group per channel and channel multiplier 1."""
+    data, weight, out = _shape(conv.args[0]), _shape(conv.args[1]), _shape(conv)
+    return (None not in (data, weight, out) and len(data) == len(weight) == len(out) == 4
+            and data[1] is not None and int(conv.attrs.groups) == data[1] == out[1] and weight[1] == 1)
+
+
+def _convertible(conv: relax.Call, block: int, winograd: int | None = None) -> bool:
+    """Whether the pass runs this conv2d blocked (see the module docstring; `winograd`:
+    `$GIMLET_CPU_WINOGRAD`)."""
+    attrs = conv.attrs
+    data_shape, weight_shape, out_shape = _shape(conv.args[0]), _shape(conv.args[1]), _shape(conv)
+    if (data_shape is None or weight_shape is None or out_shape is None or attrs.data_layout != "NCHW"
+            or attrs.kernel_layout != "OIHW" or attrs.out_layout != "NCHW" or len(data_shape) != 4
+            or None in weight_shape or None in data_shape[1:] or None in out_shape[1:]):
+        return False
+    in_c, out_c, groups = data_shape[1], out_shape[1], int(attrs.groups)
+    if in_c % block or out_c % block or not (groups == 1 or _depthwise(conv)):
+        return False
+    return groups != 1 or not _runs_winograd(conv, weight_shape, out_shape, winograd)
+
+
+def _runs_winograd(conv: relax.Call, weight_shape: list[int], out_shape: list[int], winograd: int | None) -> bool:
+    """Whether the CPU library would run this groups-1 conv with Winograd (NCHW only)."""
+    attrs = conv.attrs
+    if not (isinstance(conv.args[1], tvm.ir.GenericConst) and tuple(weight_shape[2:]) == (3, 3)
+            and [int(s) for s in attrs.strides] == [1, 1] and [int(d) for d in attrs.dilation] == [1, 1]):
+        return False
+    if winograd is not None:
+        return winograd != 0
+    return winograd_tile_for(weight_shape[0], weight_shape[1], (3, 3), tuple(out_shape[2:]), direct_conv_block()) != 0
+
+
+def _to_blocked(x: relax.Expr, block: int) -> relax.Expr:
+    n, c, h, w = x.ty.shape
+    out_ty = relax.TensorType([n, c // block, h, w, block], "float32")
+    return relax.call_dps_packed(TO_BLOCKED_FUNC, [x], out_ty)
+
+
+def _to_nchw(x: relax.Expr, block: int) -> relax.Expr:
+    n, blocks, h, w, _ = x.ty.shape
+    return relax.call_dps_packed(FROM_BLOCKED_FUNC, [x], relax.TensorType([n, blocks * block, h, w], "float32"))
+
+
+@mutator
+class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
+    block = 16
+    winograd: int | None = None
+    blocked: dict = {}  # NCHW var -> its blocked value (a var bound in the builder)
+    nchw: dict = {}  # NCHW var only blocked so far -> the transform back, once emitted
+    edges: dict = {}  # NCHW var a blocked op reads -> its transform into the blocked layout
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:  # pylint: disable=arguments-renamed
+        """A use that needs NCHW: the transform back from the blocked value (once)."""
+        if var in self.blocked:
+            if var not in self.nchw:
+                self.nchw[var] = self.builder_.emit(_to_nchw(self.blocked[var], self.block))
+            return self.nchw[var]
+        return super().visit_var_(var)
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:  # pylint: disable=arguments-renamed
+        return self.visit_var_(var)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:  # pylint: disable=arguments-renamed
+        value = binding.value
+        rewritten = None
+        if (self.builder_.current_block_is_dataflow() and isinstance(value, relax.Call)
+                and isinstance(value.op, tvm.ir.Op)):
+            rewritten = self._blocked_op(value)
+        if rewritten is None:
+            super().visit_var_binding_(binding)
+            return
+        blocked_var = self.builder_.emit(rewritten)
+        self.blocked[binding.var] = blocked_var
+        if not isinstance(binding.var, relax.DataflowVar):  # a block's output leaves in NCHW
+            self.nchw[binding.var] = self.builder_.emit_output(_to_nchw(blocked_var, self.block))
+
+    def _operand(self, expr: relax.Expr) -> relax.Expr | None:
+        """`expr`'s blocked value, where it has one."""
+        return self.blocked.get(expr) if isinstance(expr, relax.Var) else None
+
+    def _edge(self, expr: relax.Expr) -> relax.Expr:
+        """`expr` (NCHW) in the blocked layout: its blocked value, else a transform (once)."""
+        blocked = self._operand(expr)
+        if blocked is not None:
+            return blocked
+        if expr not in self.edges:
+            self.edges[expr] = self.builder_.emit(_to_blocked(self.visit_expr(expr), self.block))
+        return self.edges[expr]
+
+    def _blocked_op(self, call: relax.Call) -> relax.Expr | None:
+        name = call.op.name
+        if name == "relax.nn.conv2d":
+            return self._blocked_conv(call)
+        if name in ELEMENTWISE_UNARY or name in POOLS:
+            data = self._operand(call.args[0])
+            if data is None:
+                return None
+            if name in POOLS:
+                if call.attrs.layout != "NCHW" or call.attrs.out_layout != "NCHW":
+                    return None
+                return self._pool(call, data)
+            return relax.Call(call.op, [data, *call.args[1:]], call.attrs)
+        if name in ELEMENTWISE_BINARY:
+            lhs, rhs = call.args
+            blocked_lhs, blocked_rhs = self._operand(lhs), self._operand(rhs)
+            blocked_shapes = [x.ty.shape for x, b in ((lhs, blocked_lhs), (rhs, blocked_rhs)) if b is not None]
+            analyzer = tvm.sym.Analyzer()
+            if not blocked_shapes or not all(  # a blocked operand broadcast to the output: no
+                    analyzer.can_prove_equal(a, b) for shape in blocked_shapes for a, b in zip(shape, call.ty.shape)):
+                return None
+            if blocked_lhs is None:
+                blocked_lhs = self._side_operand(lhs, call)
+            if blocked_rhs is None:
+                blocked_rhs = self._side_operand(rhs, call)
+            if blocked_lhs is None or blocked_rhs is None:
+                return None
+            return relax.Call(call.op, [blocked_lhs, blocked_rhs], call.attrs)
+        return None
+
+    def _side_operand(self, expr: relax.Expr, call: relax.Call) -> relax.Expr | None:
+        """The other operand of a binary op on a blocked tensor, as it broadcasts against the
+        blocked layout: a scalar as it is, a constant vector along the channels reblocked, a
+        tensor of the output's shape through a transform (an edge, as a conv's data)."""
+        shape, out_shape = _shape(expr), _shape(call)
+        if shape is None or out_shape is None or len(out_shape) != 4:
+            return None
+        if isinstance(expr, relax.Var) and len(shape) == 4:
+            analyzer = tvm.sym.Analyzer()
+            if all(analyzer.can_prove_equal(a, b) for a, b in zip(expr.ty.shape, call.ty.shape)):
+                return self._edge(expr)
+        if None in shape:
+            return None
+        if all(d == 1 for d in shape):
+            return expr if len(shape) <= 5 else None
+        channels = out_shape[1]
+        padded = [1] * (4 - len(shape)) + shape
+        if len(shape) > 4 or padded != [1, channels, 1, 1] or not isinstance(expr, tvm.ir.GenericConst):
+            return None
+        vector = expr.value.numpy().reshape(channels // self.block, self.block)
+        return relax.const(vector.reshape(1, channels // self.block, 1, 1, self.block))
+
+    def _pool(self, call: relax.Call, data: relax.Expr) -> relax.Expr:
+        attrs, layout = call.attrs, f"NCHW{self.block}c"
+        pool = relax.op.nn.max_pool2d if call.op.name == "relax.nn.max_pool2d" else relax.op.nn.avg_pool2d
+        return pool(data, attrs.pool_size, attrs.strides, attrs.padding, attrs.dilation, attrs.ceil_mode,
+                    attrs.count_include_pad, layout, layout)
+
+    def _blocked_conv(self, call: relax.Call) -> relax.Expr | None:
+        data, weight = call.args
+        attrs = call.attrs
+        if not _convertible(call, self.block, self.winograd):
+            return None
+        layout = f"NCHW{self.block}c"
+        return relax.op.nn.conv2d(self._edge(data), self.visit_expr(weight), attrs.strides, attrs.padding,
+                                  attrs.dilation, attrs.groups, layout, "OIHW", layout)

@@ -1,0 +1,228 @@
+"""Kernels on channel-blocked NCHW{B}c data (`gimlet.cpu.conv2d_nchw_direct` with 5-D data
+and output, `gimlet.cpu.conv2d_nchwc_depthwise`) against numpy, and the blocked-layout pass
+(`relax_passes.blocked_layout`) on whole models against onnxruntime, with its layout
+transforms of activations only at the edges of the blocked regions.
+
+8-channel blocks run the AVX2 instances, 16-channel blocks the AVX-512 ones (or the AVX2 ones
+on 16-lane vectors on a CPU without AVX-512).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import tvm
+from onnx import helper
+
+import gimlet_tvm
+from gimlet_tvm import models
+from gimlet_tvm.compiler import graph_passes
+from gimlet_tvm.errors import CompileError
+from gimlet_tvm.frontend import import_model
+from gimlet_tvm.relax_passes.blocked_layout import BLOCKED_LAYOUT_ENV, FROM_BLOCKED_FUNC, TO_BLOCKED_FUNC
+from gimlet_tvm.relax_passes.dispatch_cpu_library import (
+    BLOCKED_DEPTHWISE_CONV2D_FUNC, DIRECT_CONV2D_FUNC, direct_conv_block, pack_conv_weight)
+from gimlet_tvm.relax_passes.library_dispatch import library_passes
+from gimlet_tvm.runtime.extensions import load_extensions
+from gimlet_tvm.targets import host_spec
+
+from .test_cpu_direct_conv import reference_conv
+from .test_cpu_library import onnx_model, rand
+
+ADD_TENSOR, RELU, CLIP, ADD_BLOCKED_VECTOR = 1, 2, 3, 5
+BLOCKS = [8, 16]
+
+
+def to_blocked(x: np.ndarray, block: int) -> np.ndarray:
+    """NCHW as NCHW{block}c (channels a multiple of block)."""
+    n, c, h, w = x.shape
+    return np.ascontiguousarray(x.reshape(n, c // block, block, h, w).transpose(0, 1, 3, 4, 2))
+
+
+def from_blocked(x: np.ndarray) -> np.ndarray:
+    n, cb, h, w, b = x.shape
+    return x.transpose(0, 1, 4, 2, 3).reshape(n, cb * b, h, w)
+
+
+def out_size(size, kernel, stride, pads, dilation):
+    return tuple((s + 2 * p - d * (k - 1) - 1) // st + 1
+                 for s, k, st, p, d in zip(size, kernel, stride, pads, dilation))
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("blocked_in", [True, False])
+@pytest.mark.parametrize(
+    "batch, in_c, size, out_c, kernel, stride, pads, dilation",
+    [
+        (2, 32, (7, 9), 48, (1, 1), (1, 1), (0, 0), (1, 1)),  # 1x1: a GEMM, odd plane
+        (1, 16, (9, 11), 32, (1, 1), (2, 2), (0, 0), (1, 1)),  # 1x1 stride 2
+        (2, 16, (13, 11), 16, (3, 3), (1, 1), (1, 1), (1, 1)),  # one output block
+        (1, 32, (15, 14), 64, (3, 3), (2, 2), (1, 1), (1, 1)),  # stride 2
+        (1, 16, (12, 10), 32, (3, 3), (1, 1), (2, 2), (2, 2)),  # dilated
+    ],
+)
+def test_blocked_direct_conv2d_against_numpy(block, blocked_in, batch, in_c, size, out_c, kernel,
+                                             stride, pads, dilation) -> None:
+    load_extensions()
+    oh, ow = out_size(size, kernel, stride, pads, dilation)
+    x, weight = rand(batch, in_c, *size, seed=1), rand(out_c, in_c, *kernel, seed=2)
+    bias = rand(out_c, seed=3)
+    residual = rand(batch, out_c, oh, ow, seed=4)
+    y = tvm.runtime.tensor(np.full((batch, out_c // block, oh, ow, block), np.nan, np.float32))
+    data = to_blocked(x, block) if blocked_in else x
+    tvm.get_global_func(DIRECT_CONV2D_FUNC)(
+        tvm.runtime.tensor(data), tvm.runtime.tensor(pack_conv_weight(weight, block)),
+        *stride, *pads, *dilation,
+        ADD_BLOCKED_VECTOR, tvm.runtime.tensor(bias), oh * ow * block, block,
+        ADD_TENSOR, tvm.runtime.tensor(to_blocked(residual, block)), CLIP, 0.0, 6.0, y)
+    expected = reference_conv(x, weight, stride, pads, dilation, (oh, ow))
+    expected = np.clip(expected + bias[:, None, None] + residual, 0.0, 6.0)
+    np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize(
+    "batch, channels, size, kernel, stride, pads, dilation",
+    [
+        (2, 32, (9, 13), (3, 3), (1, 1), (1, 1), (1, 1)),
+        (1, 16, (15, 17), (3, 3), (2, 2), (1, 1), (1, 1)),  # stride 2, odd sizes
+        (1, 48, (8, 8), (3, 3), (2, 2), (0, 0), (1, 1)),  # no padding
+        (1, 16, (11, 12), (3, 3), (1, 1), (2, 2), (2, 2)),  # dilated
+        (1, 32, (10, 10), (5, 5), (1, 2), (2, 2), (1, 1)),  # 5x5, uneven strides
+    ],
+)
+def test_blocked_depthwise_against_numpy(block, batch, channels, size, kernel, stride, pads,
+                                         dilation) -> None:
+    load_extensions()
+    oh, ow = out_size(size, kernel, stride, pads, dilation)
+    x, weight = rand(batch, channels, *size, seed=1), rand(channels, 1, *kernel, seed=2)
+    bias = rand(channels, seed=3)
+    packed = np.ascontiguousarray(weight.reshape(channels // block, block, 1, *kernel).transpose(0, 2, 3, 4, 1))
+    y = tvm.runtime.tensor(np.full((batch, channels // block, oh, ow, block), np.nan, np.float32))
+    tvm.get_global_func(BLOCKED_DEPTHWISE_CONV2D_FUNC)(
+        tvm.runtime.tensor(to_blocked(x, block)), tvm.runtime.tensor(packed), *stride, *pads,
+        *dilation, ADD_BLOCKED_VECTOR, tvm.runtime.tensor(bias), oh * ow * block, block, RELU, y)
+    expected = np.zeros((batch, channels, oh, ow))
+    for c in range(channels):
+        expected[:, c:c + 1] = reference_conv(x[:, c:c + 1], weight[c:c + 1], stride, pads, dilation, (oh, ow))[:, :1]
+    expected = np.maximum(expected + bias[:, None, None], 0.0)
+    np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-4, atol=1e-4)
+
+
+def block_net(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
+    """A small CNN with every op the pass converts: 3x3 conv + ReLU, max pool, a stride-2 3x3
+    conv, a 1x1 conv with a residual add, a depthwise conv with Clip (ReLU6), then global
+    pooling and flatten (the edge), on [N, channels, 15, 15] (odd sizes, padding)."""
+    rng = np.random.default_rng(seed)
+    c, c2 = channels, 2 * channels
+    weights = {
+        "w1": rng.standard_normal((c, c, 3, 3), dtype=np.float32) * 0.2,
+        "b1": rng.standard_normal(c, dtype=np.float32),
+        "w2": rng.standard_normal((c2, c, 3, 3), dtype=np.float32) * 0.2,
+        "b2": rng.standard_normal(c2, dtype=np.float32),
+        "w3": rng.standard_normal((c2, c2, 1, 1), dtype=np.float32) * 0.2,
+        "w4": rng.standard_normal((c2, 1, 3, 3), dtype=np.float32) * 0.5,
+        "b4": rng.standard_normal(c2, dtype=np.float32),
+        "lo": np.array(0.0, np.float32), "hi": np.array(6.0, np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        helper.make_node("Conv", ["r2", "w3"], ["c3"]),
+        helper.make_node("Add", ["c3", "r2"], ["a3"]),
+        helper.make_node("Relu", ["a3"], ["r3"]),
+        helper.make_node("Conv", ["r3", "w4", "b4"], ["c4"], pads=[1, 1, 1, 1], group=c2),
+        helper.make_node("Clip", ["c4", "lo", "hi"], ["r4"]),
+        helper.make_node("GlobalAveragePool", ["r4"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["y"]),
+    ]
+    return onnx_model(nodes, [("x", ["N", c, 15, 15])], ("y", ["N", c2]), weights)
+
+
+def dispatched(model: onnx.ModelProto) -> str:
+    """The model's main function after the graph and library passes, as TVMScript."""
+    mod, _ = import_model(model)
+    mod = tvm.transform.Sequential([*graph_passes(), *library_passes(host_spec())])(mod)
+    return mod["main"].script()
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_conversions_only_at_the_edges(block, monkeypatch) -> None:
+    """One conversion into the blocked layout (before the first conv) and one back (before
+    global pooling): none around the pool, the residual add or the epilogues; activations
+    get no `R.layout_transform` (only constant weights do, folded at build time)."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
+    script = dispatched(block_net())
+    assert script.count(f'"{TO_BLOCKED_FUNC}"') == 1
+    assert script.count(f'"{FROM_BLOCKED_FUNC}"') == 1
+    assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == 3
+    assert script.count(f'"{BLOCKED_DEPTHWISE_CONV2D_FUNC}"') == 1
+    assert f'layout="NCHW{block}c"' in script  # the max pool
+    for line in script.splitlines():
+        if "R.layout_transform(" in line:
+            assert 'R.layout_transform(metadata["ir.GenericConst"]' in line, line
+    # Bias, residual and clip went into the kernels' epilogues.
+    assert "R.add(" not in script and "R.minimum(" not in script and "R.nn.relu(" not in script
+
+
+def test_channels_off_the_block_stay_nchw(monkeypatch) -> None:
+    """20 and 40 channels are no multiples of 16: nothing is converted. With 8-channel blocks,
+    the convs reading 20 channels stay NCHW, the 40-channel region (1x1 conv, residual add,
+    depthwise conv) is blocked, entered once."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, "16")
+    assert TO_BLOCKED_FUNC not in dispatched(block_net(20))
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, "8")
+    script = dispatched(block_net(20))
+    assert script.count(f'"{TO_BLOCKED_FUNC}"') == 1 and script.count(f'"{FROM_BLOCKED_FUNC}"') == 1
+    assert script.count(f'"{BLOCKED_DEPTHWISE_CONV2D_FUNC}"') == 1
+
+
+def test_default_rule_converts_networks_with_depthwise_convs(monkeypatch) -> None:
+    monkeypatch.delenv(BLOCKED_LAYOUT_ENV, raising=False)
+    block = direct_conv_block()
+    if block == 0:
+        pytest.skip("no blocked kernels on this CPU")
+    assert TO_BLOCKED_FUNC in dispatched(models.SUITE["mobilenet_cnn"].build())
+    assert TO_BLOCKED_FUNC not in dispatched(models.SUITE["resnet_cnn"].build())
+
+
+@pytest.mark.parametrize("setting", ["", "8", "16"])
+@pytest.mark.parametrize("name", ["block_net", "block_net_20", "mobilenet_cnn", "resnet_cnn"])
+def test_blocked_models_against_onnxruntime(name, setting, monkeypatch) -> None:
+    """Whole models built with the pass (default rule, or every function with 8- or 16-channel
+    blocks) against onnxruntime."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, setting)
+    if name.startswith("block_net"):
+        channels = 20 if name.endswith("20") else 16
+        model, inputs = block_net(channels), {"x": rand(3, channels, 15, 15, seed=5)}
+    else:
+        model, inputs = models.SUITE[name].build(), models.SUITE[name].example_inputs(batch=3)
+    compiled = gimlet_tvm.build(model, "llvm")
+    ours = compiled(*inputs.values())
+    reference = onnxruntime.InferenceSession(model.SerializeToString(),
+                                             providers=["CPUExecutionProvider"]).run(None, inputs)
+    for got, expected in zip(ours, reference):
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_layout_conversions_against_numpy(block) -> None:
+    load_extensions()
+    x = rand(3, 2 * block, 5, 7, seed=6)
+    blocked = tvm.runtime.tensor(np.full((3, 2, 5, 7, block), np.nan, np.float32))
+    tvm.get_global_func(TO_BLOCKED_FUNC)(tvm.runtime.tensor(x), blocked)
+    np.testing.assert_array_equal(blocked.numpy(), to_blocked(x, block))
+    back = tvm.runtime.tensor(np.full(x.shape, np.nan, np.float32))
+    tvm.get_global_func(FROM_BLOCKED_FUNC)(blocked, back)
+    np.testing.assert_array_equal(back.numpy(), x)
+
+
+def test_bad_setting_is_a_compile_error(monkeypatch) -> None:
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, "4")
+    with pytest.raises(CompileError, match="GIMLET_CPU_BLOCKED_LAYOUT must be 0, 8 or 16"):
+        gimlet_tvm.build(block_net(), "llvm")
