@@ -91,6 +91,10 @@ def test_blocked_direct_conv2d_against_numpy(block, blocked_in, batch, in_c, siz
         (1, 48, (8, 8), (3, 3), (2, 2), (0, 0), (1, 1)),  # no padding
         (1, 16, (11, 12), (3, 3), (1, 1), (2, 2), (2, 2)),  # dilated
         (1, 32, (10, 10), (5, 5), (1, 2), (2, 2), (1, 1)),  # 5x5, uneven strides
+        # 3x3 with stride-1 / stride-2 / other columns (the kernel's column-stride variants)
+        (1, 16, (12, 14), (3, 3), (2, 1), (1, 1), (1, 1)),
+        (1, 16, (13, 13), (3, 3), (1, 3), (1, 1), (1, 1)),
+        (1, 16, (12, 12), (3, 3), (1, 2), (2, 1), (2, 1)),  # rows dilated, columns not
     ],
 )
 def test_blocked_depthwise_against_numpy(block, batch, channels, size, kernel, stride, pads,

@@ -1645,14 +1645,14 @@ constexpr int kDepthwiseTile = 8;
  * from `w`), then the vector epilogue, if any. With kChecked, taps outside the input's columns
  * are skipped (zero padding); without, all are inside.
  */
-template <int L, int T, int K, bool kChecked>
+template <int L, int T, int K, int S, bool kChecked>
 __attribute__((always_inline)) inline void BlockedDepthwiseTile(
     const BlockedDepthwiseWork& t, const float* const* rows, int64_t kh0, int64_t kh1, int64_t ix0,
     const typename VectorOf<L>::Type* wv, const float* w, const BlockedRowVectors& vectors,
     float* y, int64_t o) {
   using V = typename VectorOf<L>::Type;
-  const Conv2DParams& p = t.p;
   const int64_t kernel_w = K ? K : t.kernel_w;
+  const int64_t stride_w = S ? S : t.p.stride_w, dilation_w = S ? 1 : t.p.dilation_w;
   V acc[T];
   for (int q = 0; q < T; ++q) acc[q] = V{};
   for (int64_t kh = kh0; kh < kh1; ++kh) {
@@ -1664,7 +1664,7 @@ __attribute__((always_inline)) inline void BlockedDepthwiseTile(
         std::memcpy(&weight, w + (kh * kernel_w + kw) * L, sizeof(V));
       }
       for (int q = 0; q < T; ++q) {
-        const int64_t ix = ix0 + q * p.stride_w + kw * p.dilation_w;
+        const int64_t ix = ix0 + q * stride_w + kw * dilation_w;
         if (kChecked && (ix < 0 || ix >= t.width)) continue;
         V v;
         std::memcpy(&v, rows[kh] + ix * L, sizeof(V));
@@ -1679,10 +1679,11 @@ __attribute__((always_inline)) inline void BlockedDepthwiseTile(
   }
 }
 
-/*! \brief Units [begin, end) (unit = plane * OH + output row) with K x K taps (K 0: any): tiles
- * of kDepthwiseTile pixels whose taps are all inside the input, pixel by pixel (bounds
- * checked) at the padded borders; no padded copy of the data. */
-template <int L, int K>
+/*! \brief Units [begin, end) (unit = plane * OH + output row) with K x K taps (K 0: any) at
+ * column stride S with dilation 1 (S 0: any stride and dilation): tiles of kDepthwiseTile pixels
+ * whose taps are all inside the input, pixel by pixel (bounds checked) at the padded borders;
+ * no padded copy of the data. */
+template <int L, int K, int S>
 __attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDepthwiseWork& t,
                                                                 int64_t begin, int64_t end) {
   using V = typename VectorOf<L>::Type;
@@ -1713,12 +1714,12 @@ __attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDep
       const int64_t ix0 = ox * p.stride_w - p.pad_left;
       if (ox + kDepthwiseTile <= t.out_w && ix0 >= 0 &&
           ix0 + (kDepthwiseTile - 1) * p.stride_w + reach < t.width) {
-        BlockedDepthwiseTile<L, kDepthwiseTile, K, false>(t, rows, kh0, kh1, ix0, wv, w, vectors,
-                                                          y + ox * L, o + ox * L);
+        BlockedDepthwiseTile<L, kDepthwiseTile, K, S, false>(t, rows, kh0, kh1, ix0, wv, w,
+                                                             vectors, y + ox * L, o + ox * L);
         ox += kDepthwiseTile;
       } else {
-        BlockedDepthwiseTile<L, 1, K, true>(t, rows, kh0, kh1, ix0, wv, w, vectors, y + ox * L,
-                                            o + ox * L);
+        BlockedDepthwiseTile<L, 1, K, S, true>(t, rows, kh0, kh1, ix0, wv, w, vectors, y + ox * L,
+                                               o + ox * L);
         ox += 1;
       }
     }
@@ -1728,14 +1729,20 @@ __attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDep
   }
 }
 
-/*! \brief Units [begin, end); 3x3 kernels (MobileNet's) keep their taps' weights in registers. */
+/*! \brief Units [begin, end); 3x3 kernels (MobileNet's) keep their taps' weights in registers,
+ * and at stride 1 or 2 (dilation 1) their tiles' column offsets are constants. */
 template <int L>
 __attribute__((always_inline)) inline void BlockedDepthwiseUnits(const BlockedDepthwiseWork& t,
                                                                  int64_t begin, int64_t end) {
-  if (t.kernel_h == 3 && t.kernel_w == 3) {
-    BlockedDepthwiseRows<L, 3>(t, begin, end);
+  const bool k3 = t.kernel_h == 3 && t.kernel_w == 3, dense = t.p.dilation_w == 1;
+  if (k3 && dense && t.p.stride_w == 1) {
+    BlockedDepthwiseRows<L, 3, 1>(t, begin, end);
+  } else if (k3 && dense && t.p.stride_w == 2) {
+    BlockedDepthwiseRows<L, 3, 2>(t, begin, end);
+  } else if (k3) {
+    BlockedDepthwiseRows<L, 3, 0>(t, begin, end);
   } else {
-    BlockedDepthwiseRows<L, 0>(t, begin, end);
+    BlockedDepthwiseRows<L, 0, 0>(t, begin, end);
   }
 }
 
