@@ -1,5 +1,6 @@
 """Rewriting a module's op groups into chosen candidates: `rewrite_ops` and the build's pass,
-`ApplyKernelSelection` (before the target's library passes). Op groups are formed first by
+`ApplyKernelSelection` (before the target's library passes), which applies a selection's
+winners and the target's default kernels (`defaults`) alike. Op groups are formed first by
 `grouping_passes`: the dispatch passes of the target's libraries (on the CPU
 `DispatchCPULibrary`, whose matmul calls carry the epilogue they absorb); a library choice is
 left as that call, any other is rewritten out of it (and so out of the library pass's reach
