@@ -113,3 +113,26 @@ def test_cpu_rule(shapes, weight: bool, dtype: str, chosen: bool) -> None:
     _, target = resolve_target("llvm")
     sig = OpSignature("matmul", shapes, dtype, weight=weight)
     assert cpu_default_kernel(target, sig) == (f"handwritten:{PACKED}" if chosen else None)
+
+
+def test_a_model_the_rule_leaves_alone_builds_as_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conv and a one-row linear layer: no default applies, and the build's calls are the
+    ones it makes with the rule off (its op groups are not even formed)."""
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in {"w": (8, 4, 3, 3), "fc": (8 * 6 * 6, 256)}.items()]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]), helper.make_node("Flatten", ["r"], ["f"]),
+             helper.make_node("MatMul", ["f", "fc"], ["y"])]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 256])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((1, 4, 6, 6)).astype(np.float32)
+    with_rule = gimlet_tvm.build(model, "llvm")
+    monkeypatch.setenv(DEFAULT_KERNELS_ENV, "0")
+    without = gimlet_tvm.build(model, "llvm")
+    assert with_rule.targets[0]["default_kernels"] == 0
+    names = calls(with_rule, x)
+    assert names == calls(without, x) and names.get(LIBRARY_MATMUL) == 1, names
+    (expected,) = onnxruntime_session(model, threads=1).run(None, {"x": x})
+    np.testing.assert_allclose(with_rule(x)[0], expected, rtol=1e-4, atol=1e-4)

@@ -68,7 +68,8 @@ def rewrite_ops(mod: tvm.IRModule, choose: Choose, target: tvm.target.Target) ->
 @tvm.transform.module_pass(opt_level=0, name="ApplyKernelSelection")
 class ApplyKernelSelection:  # pylint: disable=too-few-public-methods
     """Rewrite each op group the selection has a winner for (on `target`) into that winner;
-    `applied`: how many were."""
+    `applied`: how many were. With none, the module is left as it came (not even grouped), so
+    a build the defaults leave alone is the target's ordinary one."""
 
     def __init__(self, choose: Choose, target: tvm.target.Target) -> None:
         self.choose = choose
@@ -76,5 +77,5 @@ class ApplyKernelSelection:  # pylint: disable=too-few-public-methods
         self.applied = 0
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        mod, self.applied = rewrite_ops(mod, self.choose, self.target)
-        return mod
+        rewritten, self.applied = rewrite_ops(mod, self.choose, self.target)
+        return rewritten if self.applied else mod
