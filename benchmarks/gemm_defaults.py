@@ -78,8 +78,8 @@ def measure(name: str, m: int, k: int, n: int, rounds: int) -> str:
     times = time_interleaved(calls, repeat=rounds)
     library = times[CANDIDATES[0]].median_ms
     gflop = 2 * m * n * k / 1e9
-    cells = [f"{t.median_ms:.3f} ({t.p10_ms:.3f}-{t.p90_ms:.3f}) {gflop / t.median_ms * 1e3:.0f} GF/s x{t.median_ms / library:.2f}"
-             for t in times.values()]
+    cells = [f"{t.median_ms:.3f} ({t.p10_ms:.3f}-{t.p90_ms:.3f}) {gflop / t.median_ms * 1e3:.0f} GF/s "
+             f"x{t.median_ms / library:.2f}" for t in times.values()]
     return f"| {name} | {m}x{k}x{n} | " + " | ".join(cells) + " |"
 
 
