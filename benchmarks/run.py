@@ -3,6 +3,9 @@
     .venv/bin/python benchmarks/run.py [--models mlp ...] [--repeat N] [--threads 2]
                                        [--out benchmarks/results.md]
 
+Engine `ours_nodefaults` is gimlet_tvm built with `$GIMLET_TVM_DEFAULT_KERNELS=0` (the untuned
+build before the targets' default kernels), to time both builds in one run.
+
 `--models` also takes models the suite does not contain, exported from torch
 (`torch_models.py`: torch_resnet18, torch_resnet50, torch_mobilenetv2 at 224x224, torch_bert
 and torch_gpt2 at 128 tokens, all batch 1); those run only when named.
@@ -46,8 +49,11 @@ Builder = Callable[[onnx.ModelProto, Path], Runner]
 
 # Batch used for each model; models not listed run at batch 1.
 BATCH = {"mlp": 32, "resnet_cnn": 8, "mobilenet_cnn": 8, "transformer_encoder": 8}
-ENGINES = ("ours", "ort", "iree")
-LABEL = {"ours": "gimlet_tvm", "ort": "onnxruntime", "iree": "IREE llvm-cpu"}
+DEFAULT_ENGINES = ("ours", "ort", "iree")
+ENGINES = (*DEFAULT_ENGINES, "ours_nodefaults")
+LABEL = {"ours": "gimlet_tvm", "ort": "onnxruntime", "iree": "IREE llvm-cpu",
+         "ours_nodefaults": "gimlet_tvm without default kernels"}
+DEFAULT_KERNELS_ENV = "GIMLET_TVM_DEFAULT_KERNELS"  # gimlet_tvm's, read at build time
 VENV_BIN = Path(sys.executable).parent
 IREE_FLAGS = [
     "--iree-hal-target-device=local",
@@ -81,6 +87,20 @@ def build_ours(model: onnx.ModelProto, workdir: Path) -> Runner:
 
     compiled = gimlet_tvm.build(model, "llvm")
     return lambda inputs: compiled(*inputs.values())
+
+
+def build_ours_without_defaults(model: onnx.ModelProto, workdir: Path) -> Runner:
+    """gimlet_tvm.build with `$GIMLET_TVM_DEFAULT_KERNELS=0`: no target's default kernels
+    (every layer on the library, as untuned builds ran before issue #26's defaults)."""
+    previous = os.environ.get(DEFAULT_KERNELS_ENV)
+    os.environ[DEFAULT_KERNELS_ENV] = "0"
+    try:
+        return build_ours(model, workdir)
+    finally:
+        if previous is None:
+            del os.environ[DEFAULT_KERNELS_ENV]
+        else:
+            os.environ[DEFAULT_KERNELS_ENV] = previous
 
 
 def build_ort(model: onnx.ModelProto, workdir: Path, threads: int) -> Runner:
@@ -138,6 +158,7 @@ def make_builders(engines: list[str], threads: int) -> dict[str, Builder]:
     """Builders for the chosen engines, all limited to ``threads`` worker threads."""
     builders: dict[str, Builder] = {
         "ours": build_ours,
+        "ours_nodefaults": build_ours_without_defaults,
         "ort": lambda model, workdir: build_ort(model, workdir, threads),
     }
     if "iree" in engines:
@@ -299,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+",
                         help=f"suite names (default: all) or torch-exported ones: {', '.join(TORCH_MODELS)}")
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(DEFAULT_ENGINES))
     parser.add_argument("--repeat", type=int, help="timed rounds (default: fit --budget)")
     parser.add_argument("--budget", type=float, default=15.0,
                         help="seconds of timed rounds per model when --repeat is not given")

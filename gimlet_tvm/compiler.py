@@ -36,6 +36,7 @@ from .relax_passes.placement import Device, Pins
 from .relax_passes.planned_memory import RecordPlannedMemory
 from .runtime import CompiledModel
 from .schedules.kernel_selection.choices import KernelSelection
+from .schedules.kernel_selection.defaults import kernel_choices
 from .schedules.rules import default_rules
 from .schedules.tuning.records import ApplyRecords, RecordsDB
 from .targets import DEFAULT_TARGET, DeviceCode, TargetLike, TargetSpec, host_spec, lookup, spec_for
@@ -281,7 +282,9 @@ def build(
     records have no time for it.
     `selection`: the kernels `gimlet-tvm select` (or `tune`) chose for the first target; by
     default the one stored in `records`, if any (`targets[0]["selected_kernels"]`: op groups
-    it rewrote).
+    it rewrote). Op groups without a selection's entry get the target's default kernels, a
+    built-in rule (`TargetSpec.default_kernel`; `targets[0]["default_kernels"]`: op groups it
+    rewrote; `$GIMLET_TVM_DEFAULT_KERNELS=0` turns it off).
 
     Gathers and scatters check their run-time indices: an index outside its axis raises
     `InputError` when the model runs (see `$GIMLET_TVM_INDEX_CHECKS`).
@@ -349,13 +352,14 @@ def _build(
     tuned = ApplyRecords(database, target) if database is not None else None
     if selection is None and records is not None:
         selection = KernelSelection.load(records, target)
-    chosen = selection.pass_for(target) if selection is not None else None
+    chosen, defaults = kernel_choices(selection, target)
     memory = RecordPlannedMemory()
     with target, contextlib.ExitStack() as stack:
         codegen = [stack.enter_context(spec.codegen_hooks(t)) for spec, t in devices]
         with _compile_errors(devices):
             pipeline = device_pipeline(devices, tuned, memory, chosen)
             executable = tvm.compile(mod, target, relax_pipeline=pipeline)
+    default_kernels = defaults.chosen if defaults is not None else 0
     built_for = []
     for index, ((spec, target), record) in enumerate(zip(devices, codegen)):
         if len(devices) > 1 and not record.kernels:
@@ -371,7 +375,8 @@ def _build(
             "target": json.loads(json.dumps(dict(target.export()), default=list)),
             "device_code": device_code.to_json(),
             "tuned_tasks": tuned.applied if tuned is not None and index == 0 else 0,
-            "selected_kernels": chosen.applied if chosen is not None and index == 0 else 0,
+            "selected_kernels": chosen.applied - default_kernels if chosen is not None and index == 0 else 0,
+            "default_kernels": default_kernels if index == 0 else 0,
             "planned_memory": memory.bytes_per_device.get(index, 0),
         })
     return CompiledModel(executable.mod, io, built_for, placement=placement, linker=devices[0][0].linker), proto

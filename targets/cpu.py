@@ -1,5 +1,6 @@
-"""What CPU targets share: vector registers from LLVM's feature tables, cores, a roofline, and
-the hand-written CPU kernels (sized to the target's vector registers)."""
+"""What CPU targets share: vector registers from LLVM's feature tables, cores, a roofline, the
+hand-written CPU kernels (sized to the target's vector registers) and the rule that picks one
+of them for untuned builds (`cpu_default_kernel`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import tvm
 
 from .kernels import HandwrittenKernel
 from .kernels.cpu_gemm import cpu_gemm, cpu_gemv, packed_shape
-from .spec import PerfFacts
+from .spec import OpGroup, PerfFacts
 
 # Main-memory bandwidth one socket's share of DDR4/DDR5 channels gives a few cores: an estimate.
 HOST_MEMORY_GBPS = 20.0
@@ -108,10 +109,36 @@ def _cpu_gemm(mr: int | None, packed: bool) -> HandwrittenKernel:
     )
 
 
+PACKED_TALL_GEMM = _cpu_gemm(None, packed=True)
+
 CPU_KERNELS = (
     _cpu_gemm(6, packed=False),
     _cpu_gemm(4, packed=True),
-    _cpu_gemm(None, packed=True),
+    PACKED_TALL_GEMM,
     HandwrittenKernel("cpu_gemv_k4", "matmul", lambda target, *group: cpu_gemv(4, _cores(target), *group),
                       _CPU_GEMM_FILE, fuses_epilogue=True),
 )
+
+
+PACKED_GEMM_ROWS = (2, 512)
+PACKED_GEMM_MIN_WEIGHT = 256 * 256
+"""The linear layers the default build gives the packed GEMM: rows (M, batch axes folded in)
+in `PACKED_GEMM_ROWS`, and a weight (K x N) of at least `PACKED_GEMM_MIN_WEIGHT` elements.
+Every float32 matmul by a constant weight measured in that range ran faster on it than on
+OpenBLAS, at 1 and 2 threads (the MLP at batch 8 and 32, BERT's and GPT-2's layers at 128
+tokens, the suite's encoder at 64 and 512 rows, 4 and 16 rows by 4096x4096, 32 rows by
+256x256: 0.2-0.9x the library's time). Outside it: at 1 row all ran at memory speed alike; on
+small weights (64x96, 1024x10) the packed GEMM's tasks cost more than they save at 2 threads;
+from 1024 rows by 1024 columns on, OpenBLAS, which blocks the rows, was faster
+(benchmarks/gemm_defaults.py, results in benchmarks/README.md)."""
+
+
+def cpu_default_kernel(target: tvm.target.Target, group: OpGroup) -> str | None:
+    """The CPU's default kernel (`TargetSpec.default_kernel`): a float32 matmul by a constant
+    weight of the size above runs on the packed GEMM with the tallest register tile (B packed
+    once, at build time); anything else stays with the CPU library."""
+    if group.op != "matmul" or group.dtype != "float32" or not group.weight:
+        return None
+    m, n, k = group.gemm
+    low, high = PACKED_GEMM_ROWS
+    return f"handwritten:{PACKED_TALL_GEMM.name}" if low <= m <= high and k * n >= PACKED_GEMM_MIN_WEIGHT else None

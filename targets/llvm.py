@@ -9,7 +9,7 @@ from typing import Any
 import tvm
 
 from .cpu_attention import replace_attention_kernels
-from .cpu import CPU_KERNELS, cpu_perf, num_cores, vector_bits
+from .cpu import CPU_KERNELS, cpu_default_kernel, cpu_perf, num_cores, vector_bits
 from .libraries import CPU_LIBRARY
 from .spec import PerfFacts, TargetSpec
 
@@ -59,6 +59,7 @@ LLVM_CPU = TargetSpec(
     fix_library_kernels=replace_attention_kernels,
     can_run=lambda: None,
     perf_facts=host_perf,
+    default_kernel=cpu_default_kernel,
 )
 
 TARGET = LLVM_CPU

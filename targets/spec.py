@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, ContextManager, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Protocol, Sequence
 
 import tvm
 
@@ -55,6 +55,29 @@ class PerfFacts:
 
 # A discrete GPU of the A100 class behind PCIe 4: for GPU targets that say nothing better.
 DISCRETE_GPU = PerfFacts(peak_gflops=19500, memory_gbps=1500, launch_us=8, link_gbps=20)
+
+
+class OpGroup(Protocol):
+    """What a target's default-kernel rule (`TargetSpec.default_kernel`) reads of an op group
+    (kernel selection's `OpSignature` is one): the op, its dtype, whether its second operand is
+    a constant weight, and for a matmul its (M, N, K), batch axes folded into M."""
+
+    @property
+    def op(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def weight(self) -> bool: ...
+
+    @property
+    def gemm(self) -> tuple[int, int, int]: ...
+
+
+DefaultKernel = Callable[[tvm.target.Target, OpGroup], str | None]
+"""The candidate (kernel selection's id, `source:name`) a build without a selection runs an op
+group on, chosen by a rule without measuring; None: the target's ordinary path."""
 
 
 @dataclasses.dataclass
@@ -123,6 +146,9 @@ class TargetSpec:
       none (`runtime.libraries.VULKAN_RUNTIME`); artifacts record it with its libraries'
       (`runtime_libraries`), so a device loads what they need without the compiler.
     perf_facts: the device's roofline, for cross-device placement.
+    default_kernel: the target's built-in choices for builds without a kernel selection (a
+      rule of op group and shape, made from measurements, not a tuning run); a selection's
+      entries win over it, `$GIMLET_TVM_DEFAULT_KERNELS=0` turns it off.
     """
 
     name: str
@@ -149,6 +175,7 @@ class TargetSpec:
     device_runtime: str | None = None
     linker: Callable[..., Any] | None = None
     perf_facts: Callable[[], PerfFacts] = lambda: DISCRETE_GPU
+    default_kernel: DefaultKernel = lambda target, group: None
 
     @property
     def is_cpu(self) -> bool:

@@ -183,7 +183,7 @@ def test_packed_gemm_only_for_weights_and_packs_at_build_time():
     weight = np.random.default_rng(3).standard_normal((K, N)).astype(np.float32)
     mod, rewritten = rewrite_ops(WEIGHT_SIG.module([weight]), lambda sig: packed, resolve_target("llvm")[1])
     assert rewritten == 1
-    assert "R.permute_dims" in mod.script()
+    assert "R.permute_dims" not in mod.script()  # packed into a constant as the group was rewritten
     executable = gimlet_tvm.compiler.compile_alone(mod, resolve_target("llvm"))
     assert "permute_dims" not in executable.as_text()  # folded into a packed constant
     x = np.random.default_rng(4).standard_normal((M, K)).astype(np.float32)

@@ -1,5 +1,6 @@
 """Rewriting a module's op groups into chosen candidates: `rewrite_ops` and the build's pass,
-`ApplyKernelSelection` (before the target's library passes). Op groups are formed first by
+`ApplyKernelSelection` (before the target's library passes), which applies a selection's
+winners and the target's default kernels (`defaults`) alike. Op groups are formed first by
 `grouping_passes`: the dispatch passes of the target's libraries (on the CPU
 `DispatchCPULibrary`, whose matmul calls carry the epilogue they absorb); a library choice is
 left as that call, any other is rewritten out of it (and so out of the library pass's reach
@@ -67,7 +68,8 @@ def rewrite_ops(mod: tvm.IRModule, choose: Choose, target: tvm.target.Target) ->
 @tvm.transform.module_pass(opt_level=0, name="ApplyKernelSelection")
 class ApplyKernelSelection:  # pylint: disable=too-few-public-methods
     """Rewrite each op group the selection has a winner for (on `target`) into that winner;
-    `applied`: how many were."""
+    `applied`: how many were. With none, the module is left as it came (not even grouped), so
+    a build the defaults leave alone is the target's ordinary one."""
 
     def __init__(self, choose: Choose, target: tvm.target.Target) -> None:
         self.choose = choose
@@ -75,5 +77,5 @@ class ApplyKernelSelection:  # pylint: disable=too-few-public-methods
         self.applied = 0
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        mod, self.applied = rewrite_ops(mod, self.choose, self.target)
-        return mod
+        rewritten, self.applied = rewrite_ops(mod, self.choose, self.target)
+        return rewritten if self.applied else mod

@@ -317,12 +317,26 @@ class Candidate:
 
 def pack_panels(bb: relax.BlockBuilder, b: relax.Expr, packed: tuple[int, int, int]) -> relax.Expr:
     """B[K, N] as `packed` = [panels, K, width]: zero-padded along N to panels x width, each
-    panel's columns one contiguous run (folded into a constant at build time when B is one)."""
+    panel's columns one contiguous run. A constant B (a weight) is packed here, once, into a
+    constant (in numpy: folding Relax ops into one compiles and runs a kernel for each weight);
+    any other B by Relax ops, at run time."""
     panels, k, width = packed
     n = int(b.ty.shape[1])
+    if isinstance(b, tvm.ir.expr.Constant):
+        weight = b.value.numpy()
+        padded = np.zeros((k, panels * width), weight.dtype)
+        padded[:, :n] = weight
+        return relax.const(np.ascontiguousarray(padded.reshape(k, panels, width).transpose(1, 0, 2)))
     if panels * width > n:
         b = bb.emit(relax.op.nn.pad(b, [0, 0, 0, panels * width - n]))
     return bb.emit(relax.op.permute_dims(relax.op.reshape(b, (k, panels, width)), [1, 0, 2]))
+
+
+def _reshaped(bb: relax.BlockBuilder, x: relax.Expr, shape: tuple[int, ...]) -> relax.Expr:
+    """`x` reshaped: a constant (a bias) here, in numpy, any other by a Relax op."""
+    if isinstance(x, tvm.ir.expr.Constant):
+        return relax.const(x.value.numpy().reshape(shape))
+    return bb.emit(relax.op.reshape(x, shape))
 
 
 def call_prim_func(bb: relax.BlockBuilder, call: relax.Call, func: tvm.tirx.PrimFunc,
@@ -342,7 +356,7 @@ def call_prim_func(bb: relax.BlockBuilder, call: relax.Call, func: tvm.tirx.Prim
     # several shapes of one kernel in a model each get theirs from their GlobalVar.
     func = func.with_attr("op_pattern", 8).without_attr("global_symbol")
     gvar = bb.add_func(func, name)
-    flat = [bb.emit(relax.op.reshape(x, shape)) for x, (_, shape) in zip(addends, arrays[len(operands):-1])]
+    flat = [_reshaped(bb, x, shape) for x, (_, shape) in zip(addends, arrays[len(operands):-1])]
     if sig.op != "matmul" and sig.kind.rows_generic:  # its output the call's own (rows symbolic, maybe)
         return relax.call_tir(gvar, [*operands, *flat], call.ty)
     if sig.op != "matmul":

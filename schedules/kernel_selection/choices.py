@@ -5,7 +5,8 @@ reason, its time and digest), the kernel generator's rounds where one ran, and t
 provenance in the records directory as `gimlet_kernel_selection.json` (beside MetaSchedule's
 files, under the same lock, written atomically), per target key; `pass_for` is the build pass
 that rewrites each op group into its winner (a winner whose source changed since it was
-verified, or that is no longer offered, is refused). Making the choices is
+verified, or that is no longer offered, is refused), the op groups it has no entry for into
+the target's default kernels (`defaults`). Making the choices is
 `gimlet_tvm.selection`.
 """
 
@@ -21,7 +22,7 @@ import tvm
 from ...errors import GimletError
 from ...files import atomic_path
 from ..tuning.records import RecordsDB, target_key
-from .apply import ApplyKernelSelection
+from .apply import ApplyKernelSelection, Choose
 from .candidates import Candidate, OpSignature
 from .sources import find
 
@@ -99,11 +100,18 @@ class KernelSelection:
         choices = {key: dataclasses.replace(c, winner=c.best_of(source)) for key, c in self.choices.items()}
         return dataclasses.replace(self, choices=choices)
 
-    def pass_for(self, target: tvm.target.Target) -> ApplyKernelSelection:
-        """The build pass applying the winners on `target`."""
+    def pass_for(self, target: tvm.target.Target, otherwise: Choose | None = None) -> ApplyKernelSelection:
+        """The build pass applying the winners on `target`; an op group the selection has no
+        entry for gets what `otherwise` chooses (the target's default kernels), if given."""
         if target_key(target) != self.target:
             raise GimletError(f"kernel selection was made for {self.target}, not {target_key(target)}")
-        return ApplyKernelSelection(lambda sig: self.winner(sig, target), target)
+
+        def choose(sig: OpSignature) -> Candidate | None:
+            if sig.key in self.choices or otherwise is None:
+                return self.winner(sig, target)
+            return otherwise(sig)
+
+        return ApplyKernelSelection(choose, target)
 
     def winner(self, sig: OpSignature, target: tvm.target.Target) -> Candidate | None:
         choice = self.choices.get(sig.key)

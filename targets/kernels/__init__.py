@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import inspect
 import json
+import os
+from pathlib import Path
 from typing import Callable
 
 import tvm
+
+from ...runtime.extensions import cache_dir
 
 Shape = tuple[int, ...]
 Step = tuple[str, Shape]
@@ -36,14 +42,27 @@ class HandwrittenKernel:
 
     def prim_func(self, target: tvm.target.Target, m: int, n: int, k: int,
                   epilogue: tuple[Step, ...], addends: list[tuple[int, int]]) -> tvm.tirx.PrimFunc:
-        """`make`'s PrimFunc, made once per target, shape and epilogue in a process: parsing
-        the TVMScript takes about half a second, and a model repeats its layers' shapes (a
-        cold timing builds 64 copies of one group)."""
+        """`make`'s PrimFunc, made once per target, shape and epilogue in a process and kept
+        on disk (`_made`): parsing the TVMScript takes about a second, a default build makes
+        one per distinct layer, and a cold timing builds 64 copies of one group."""
         return _made(self, str(target), m, n, k, tuple(epilogue), tuple(addends))
 
 
 @functools.lru_cache(maxsize=256)
 def _made(kernel: HandwrittenKernel, target_json: str, m: int, n: int, k: int,
           epilogue: tuple[Step, ...], addends: tuple[tuple[int, int], ...]) -> tvm.tirx.PrimFunc:
-    """`kernel.make` on hashable arguments (the target as its JSON text)."""
-    return kernel.make(tvm.target.Target(json.loads(target_json)), m, n, k, epilogue, list(addends))
+    """`kernel.make` on hashable arguments (the target as its JSON text), read from the cache
+    directory where an earlier process made it: keyed by the arguments, the TVM version and
+    the source of the kernel's file and of the module defining `make`."""
+    sources = sorted({kernel.file, inspect.getsourcefile(kernel.make) or ""})
+    key = hashlib.sha256(json.dumps([kernel.name, target_json, m, n, k, epilogue, addends, tvm.__version__,
+                                     *(Path(path).read_text() for path in sources if path)]).encode())
+    path = cache_dir() / "handwritten" / f"{kernel.name}-{key.hexdigest()[:32]}.json"
+    if path.is_file():
+        return tvm.ir.load_json(path.read_text())
+    func = kernel.make(tvm.target.Target(json.loads(target_json)), m, n, k, epilogue, list(addends))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(tvm.ir.save_json(func))
+    os.replace(tmp, path)  # whole or not at all, for processes building at once
+    return func
