@@ -114,8 +114,12 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
     groups-1 convs, also those of generic calls a grouping run wrote, go to the Winograd,
     direct or row-vectorized kernel where it wins."""
 
-    def __init__(self, grouping: bool = False):
+    def __init__(self, grouping: bool = False, host: bool = True):
+        """`host`: the module is compiled for this machine's CPU. The conv kernels are chosen
+        by this CPU's instruction sets (AVX2, AVX-512), so a cross-compiled module (another
+        CPU) gets the generic conv2d call only."""
         self.grouping = grouping
+        self.host = host
 
     def transform_module(self, mod: IRModule, _ctx: tvm.transform.PassContext) -> IRModule:
         """IRModule-level transformation."""
@@ -123,7 +127,7 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
         rewriter = _LibraryCallRewriter(mod)
         rewriter.fuse_epilogues = graph_fusion_enabled()
         rewriter.conv_kernels = not self.grouping
-        rewriter.direct_block = direct_conv_block()
+        rewriter.direct_block = direct_conv_block() if self.host else 0
         rewriter.winograd = winograd_override()
         rewriter.depthwise_wanted = depthwise_kernel_wanted()
         for g_var, func in mod.functions_items():
@@ -551,10 +555,11 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     def _winograd_tile(self, call: relax.Call, weight: relax.Expr, params: list[int]) -> int:
         """The Winograd tile (2 or 4) for a groups-1 conv2d with these params (strides, top and
         left padding, dilations), 0 for none: it needs a 3x3 constant weight (transformed here),
-        stride 1, dilation 1 and a static output size."""
+        stride 1, dilation 1, a static output size and the direct kernel's instruction sets
+        (`direct_block` not 0: not on a cross-compiled module)."""
         out_shape = call.ty_args[0].shape  # the call's output (it may not be normalized yet)
         out_hw = _static_ints([out_shape[2], out_shape[3]])
-        if not (isinstance(weight, tvm.ir.GenericConst) and out_hw is not None
+        if not (self.direct_block and isinstance(weight, tvm.ir.GenericConst) and out_hw is not None
                 and params[0:2] == [1, 1] and params[4:6] == [1, 1]):
             return 0
         out_c, in_c, *kernel = (int(d) for d in weight.ty.shape)

@@ -25,16 +25,18 @@ from .dispatch_cpu_library import DispatchCPULibrary
 from .fast_activations import fast_activations
 from .transposed_matmul import transposed_matmul_kernels
 
-LIBRARY_DISPATCH: dict[str, Callable[[bool], tvm.transform.Pass]] = {CPU_LIBRARY.name: DispatchCPULibrary}
-"""Each library's dispatch pass, made with `grouping`: True where it forms kernel selection's
-op groups (each op one generic library call, whichever of the library's kernels would run it),
-False where it also picks those kernels."""
+LIBRARY_DISPATCH: dict[str, Callable[[bool, bool], tvm.transform.Pass]] = {CPU_LIBRARY.name: DispatchCPULibrary}
+"""Each library's dispatch pass, made with `grouping` (True where it forms kernel selection's
+op groups: each op one generic library call, whichever of the library's kernels would run it;
+False where it also picks those kernels) and `host` (the target is this machine's: kernels
+chosen by this machine's instruction sets may run)."""
 
 
 def dispatch_passes(spec: TargetSpec, grouping: bool = False) -> list[tvm.transform.Pass]:
     """The dispatch passes of the spec's libraries; with `grouping`, as they form kernel
     selection's op groups (an op with the epilogue its library call absorbs)."""
-    return [LIBRARY_DISPATCH[lib.name](grouping) for lib in spec.libraries if lib.name in LIBRARY_DISPATCH]
+    return [LIBRARY_DISPATCH[lib.name](grouping, spec.runs_here())
+            for lib in spec.libraries if lib.name in LIBRARY_DISPATCH]
 
 
 def library_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:

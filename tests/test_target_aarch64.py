@@ -7,9 +7,14 @@ import re
 import subprocess
 
 import pytest
+import tvm
+from tvm.relax.frontend.onnx import from_onnx
 
 import gimlet_tvm
 from gimlet_tvm import models
+from gimlet_tvm.compiler import graph_passes
+from gimlet_tvm.relax_passes.dispatch_cpu_library import direct_conv_block
+from gimlet_tvm.relax_passes.library_dispatch import library_passes
 from gimlet_tvm.errors import GimletError
 from gimlet_tvm.targets import lookup, spec_for
 from gimlet_tvm.targets.gpu import device_modules
@@ -65,3 +70,20 @@ def test_exported_artifact_is_an_aarch64_library_refused_here(tmp_path) -> None:
         pytest.skip("this machine is AArch64")
     with pytest.raises(GimletError, match="for aarch64; this machine is"):
         gimlet_tvm.load(path).run(models.SUITE["mlp"].example_inputs())
+
+
+@pytest.mark.parametrize("name", ["resnet_cnn", "mobilenet_cnn"])
+def test_conv_kernels_picked_by_this_cpu_stay_off_a_cross_build(name: str) -> None:
+    """The CPU library's direct, Winograd, row and depthwise conv kernels are chosen by this
+    machine's instruction sets (AVX2, AVX-512): an AArch64 build gets the generic conv call,
+    while the host build of the same model takes them (where this CPU has them)."""
+    mod = from_onnx(models.SUITE[name].build(), keep_params_in_input=False)
+    calls = {}
+    for spec in (SPEC, lookup("llvm")[0]):
+        dispatched = tvm.transform.Sequential([*graph_passes(), *library_passes(spec)])(mod)
+        calls[spec.name] = set(re.findall(r'"(gimlet\.cpu\.\w+)"', dispatched.script()))
+    assert "gimlet.cpu.conv2d_nchw" in calls[SPEC.name]
+    assert not {c for c in calls[SPEC.name] if c.startswith("gimlet.cpu.conv2d_") or "nchwc" in c} - {
+        "gimlet.cpu.conv2d_nchw"}
+    if direct_conv_block():
+        assert calls["llvm"] - calls[SPEC.name]
