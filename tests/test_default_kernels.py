@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import tvm
 from onnx import TensorProto, helper, numpy_helper
 
 import gimlet_tvm
@@ -19,6 +20,7 @@ from gimlet_tvm.schedules.kernel_selection.choices import KernelSelection, OpCho
 from gimlet_tvm.schedules.kernel_selection.defaults import DEFAULT_KERNELS_ENV
 from gimlet_tvm.schedules.tuning.records import target_key
 from gimlet_tvm.targets.cpu import PACKED_TALL_GEMM, cpu_default_kernel
+from gimlet_tvm.targets.kernels import _made
 from gimlet_tvm.targets.libraries import CPU_LIBRARY
 
 PACKED = PACKED_TALL_GEMM.name
@@ -136,3 +138,17 @@ def test_a_model_the_rule_leaves_alone_builds_as_without_it(monkeypatch: pytest.
     assert names == calls(without, x) and names.get(LIBRARY_MATMUL) == 1, names
     (expected,) = onnxruntime_session(model, threads=1).run(None, {"x": x})
     np.testing.assert_allclose(with_rule(x)[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_damaged_kernel_cache_file_is_made_again(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parsed hand-written kernels kept on disk: a file cut short (a full disk, a killed
+    writer) is not an error; the kernel is made again and the file rewritten whole."""
+    monkeypatch.setenv("GIMLET_TVM_CACHE", str(tmp_path))
+    target = resolve_target("llvm")[1]
+    made = PACKED_TALL_GEMM.prim_func(target, 24, 64, 48, (), [])
+    [path] = (tmp_path / "handwritten").iterdir()
+    path.write_text(path.read_text()[:100])
+    _made.cache_clear()
+    remade = PACKED_TALL_GEMM.prim_func(target, 24, 64, 48, (), [])
+    tvm.ir.assert_structural_equal(made, remade)
+    tvm.ir.assert_structural_equal(tvm.ir.load_json(path.read_text()), made)

@@ -59,7 +59,10 @@ def _made(kernel: HandwrittenKernel, target_json: str, m: int, n: int, k: int,
                                      *(Path(path).read_text() for path in sources if path)]).encode())
     path = cache_dir() / "handwritten" / f"{kernel.name}-{key.hexdigest()[:32]}.json"
     if path.is_file():
-        return tvm.ir.load_json(path.read_text())
+        try:
+            return tvm.ir.load_json(path.read_text())
+        except (OSError, ValueError):  # unreadable or damaged: made again and rewritten
+            pass
     func = kernel.make(tvm.target.Target(json.loads(target_json)), m, n, k, epilogue, list(addends))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
