@@ -331,7 +331,8 @@ def measure(engines: Engines, problem: Problem, names: list[str], budget: float,
             call()
             once = time.perf_counter() - start
             runs = int(np.clip(budget / max(once, 1e-6), 10, 200))
-            latency = time_interleaved({engine: call}, repeat=runs, warmup=min(3, runs), settle=0)[engine]
+            latency = time_interleaved({engine: call}, repeat=runs, warmup=min(3, runs),
+                                      settle=0, settle_s=0)[engine]
         except NotRun as reason:
             cell.skipped = str(reason)
             continue

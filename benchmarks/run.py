@@ -4,7 +4,12 @@
                                        [--out benchmarks/results.md]
 
 Engine `ours_nodefaults` is gimlet_tvm built with `$GIMLET_TVM_DEFAULT_KERNELS=0` (the untuned
-build before the targets' default kernels), to time both builds in one run.
+build before the targets' default kernels), to time both builds in one run. Engine
+`ours_tuned` is gimlet_tvm built with the records in `--records DIR/<model>`; with
+`--tune DURATION` each model is first tuned into them (`gimlet_tvm.tune` with that time
+budget, kernel selection included; the tuning time is noted under the table):
+
+    .venv/bin/python benchmarks/run.py --engines ours ours_tuned ort iree --records /tmp/rec --tune 10m
 
 `--models` also takes models the suite does not contain, exported from torch
 (`torch_models.py`: torch_resnet18, torch_resnet50, torch_mobilenetv2 at 224x224, torch_bert
@@ -45,14 +50,16 @@ if TYPE_CHECKING:
     from gimlet_tvm.runtime import BenchmarkResult
 
 Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
-Builder = Callable[[onnx.ModelProto, Path], Runner]
+Builder = Callable[[str, onnx.ModelProto, Path], Runner]  # (model name, model, work directory)
 
 # Batch used for each model; models not listed run at batch 1.
 BATCH = {"mlp": 32, "resnet_cnn": 8, "mobilenet_cnn": 8, "transformer_encoder": 8}
 DEFAULT_ENGINES = ("ours", "ort", "iree")
-ENGINES = (*DEFAULT_ENGINES, "ours_nodefaults")
+ENGINES = (*DEFAULT_ENGINES, "ours_nodefaults", "ours_tuned")
+OUR_BUILDS = ("ours", "ours_nodefaults", "ours_tuned")  # the rest are peers
 LABEL = {"ours": "gimlet_tvm", "ort": "onnxruntime", "iree": "IREE llvm-cpu",
-         "ours_nodefaults": "gimlet_tvm without default kernels"}
+         "ours_nodefaults": "gimlet_tvm without default kernels", "ours_tuned": "gimlet_tvm tuned"}
+RATIO_LABEL = {"ours": "ours", "ours_nodefaults": "no defaults", "ours_tuned": "tuned"}
 DEFAULT_KERNELS_ENV = "GIMLET_TVM_DEFAULT_KERNELS"  # gimlet_tvm's, read at build time
 VENV_BIN = Path(sys.executable).parent
 IREE_FLAGS = [
@@ -81,21 +88,21 @@ def static_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
     return fixed
 
 
-def build_ours(model: onnx.ModelProto, workdir: Path) -> Runner:
-    """gimlet_tvm.build for the llvm target."""
+def build_ours(model: onnx.ModelProto, records: Path | None = None) -> Runner:
+    """gimlet_tvm.build for the llvm target (with the tuning `records`, if given)."""
     import gimlet_tvm
 
-    compiled = gimlet_tvm.build(model, "llvm")
+    compiled = gimlet_tvm.build(model, "llvm", records=str(records) if records else None)
     return lambda inputs: compiled(*inputs.values())
 
 
-def build_ours_without_defaults(model: onnx.ModelProto, workdir: Path) -> Runner:
+def build_ours_without_defaults(model: onnx.ModelProto) -> Runner:
     """gimlet_tvm.build with `$GIMLET_TVM_DEFAULT_KERNELS=0`: no target's default kernels
     (every layer on the library, as untuned builds ran before issue #26's defaults)."""
     previous = os.environ.get(DEFAULT_KERNELS_ENV)
     os.environ[DEFAULT_KERNELS_ENV] = "0"
     try:
-        return build_ours(model, workdir)
+        return build_ours(model)
     finally:
         if previous is None:
             del os.environ[DEFAULT_KERNELS_ENV]
@@ -103,7 +110,7 @@ def build_ours_without_defaults(model: onnx.ModelProto, workdir: Path) -> Runner
             os.environ[DEFAULT_KERNELS_ENV] = previous
 
 
-def build_ort(model: onnx.ModelProto, workdir: Path, threads: int) -> Runner:
+def build_ort(model: onnx.ModelProto, threads: int) -> Runner:
     """onnxruntime CPU EP, all graph optimisations, workers spinning as by default."""
     from gimlet_tvm.peers import onnxruntime_session
 
@@ -154,12 +161,22 @@ def mismatch(outputs: list[np.ndarray], reference: list[np.ndarray]) -> str | No
     return None
 
 
-def make_builders(engines: list[str], threads: int) -> dict[str, Builder]:
+def tune_ours(name: str, records: Path, budget: str) -> float:
+    """Tune model `name` into `records/<name>` within `budget`; the seconds it took."""
+    import gimlet_tvm
+
+    _, model, _ = model_and_inputs(name)
+    print(f"[bench] tuning {name} for at most {budget} ...", file=sys.stderr, flush=True)
+    return gimlet_tvm.tune(model, "llvm", str(records / name), time_budget=budget).seconds
+
+
+def make_builders(engines: list[str], threads: int, records: Path | None) -> dict[str, Builder]:
     """Builders for the chosen engines, all limited to ``threads`` worker threads."""
     builders: dict[str, Builder] = {
-        "ours": build_ours,
-        "ours_nodefaults": build_ours_without_defaults,
-        "ort": lambda model, workdir: build_ort(model, workdir, threads),
+        "ours": lambda name, model, workdir: build_ours(model),
+        "ours_nodefaults": lambda name, model, workdir: build_ours_without_defaults(model),
+        "ours_tuned": lambda name, model, workdir: build_ours(model, records / name),
+        "ort": lambda name, model, workdir: build_ort(model, threads),
     }
     if "iree" in engines:
         import iree.runtime as rt
@@ -167,7 +184,7 @@ def make_builders(engines: list[str], threads: int) -> dict[str, Builder]:
         # Flags must be parsed before the local-task driver starts its workers.
         rt.flags.parse_flags(f"--task_topology_max_group_count={threads}")
         config = rt.Config("local-task")
-        builders["iree"] = lambda model, workdir: build_iree(model, workdir, config)
+        builders["iree"] = lambda name, model, workdir: build_iree(model, workdir, config)
     return {e: builders[e] for e in engines}
 
 
@@ -189,7 +206,7 @@ def bench_model(
             workdir.mkdir()
             start = time.perf_counter()
             try:
-                runners[engine] = build(model, workdir)
+                runners[engine] = build(name, model, workdir)
             except Exception as exc:  # noqa: BLE001 - any failure is a result to report
                 traceback.print_exc()
                 results[engine].error = f"compile failed: {_brief(exc)}"
@@ -259,19 +276,31 @@ def _ratio(ours: EngineResult, peer: EngineResult) -> str:
     return f"{ours.latency.median_ms / peer.latency.median_ms:.2f}"
 
 
+def ratio_pairs(engines: list[str]) -> list[tuple[str, str]]:
+    """The (numerator, denominator) engine pairs the report gives ratios for: each of our
+    builds against each peer, and our other builds against the default one."""
+    ours = [e for e in engines if e in OUR_BUILDS]
+    pairs = [(o, e) for o in ours for e in engines if e not in OUR_BUILDS]
+    return pairs + [(o, "ours") for o in ours if o != "ours" and "ours" in engines]
+
+
 def report(
-    rows: list[tuple[str, int, dict[str, EngineResult]]], engines: list[str], threads: int
+    rows: list[tuple[str, int, dict[str, EngineResult]]], engines: list[str], threads: int,
+    tuning: dict[str, tuple[str, float]],
 ) -> str:
-    """The Markdown report: a header naming machine and versions, then one row per model."""
+    """The Markdown report: a header naming machine and versions, then one row per model;
+    `tuning`: model -> (time budget, seconds its tuning took) for the models tuned in this run."""
+    from gimlet_tvm.peers import SETTLE_SECONDS
+
+    pairs = ratio_pairs(engines)
     header = ["model", "batch", *(f"{LABEL[e]} ms" for e in engines)]
-    if "ours" in engines:
-        header += [f"ours/{LABEL[e]}" for e in engines if e != "ours"]
+    header += [f"{RATIO_LABEL[a]}/{RATIO_LABEL.get(b, LABEL[b])}" for a, b in pairs]
     header += ["compile s (" + " / ".join(LABEL[e] for e in engines) + ")"]
     lines = [
         f"Date: {datetime.date.today().isoformat()}. Machine: {_cpu_name()}, "
         f"{os.cpu_count()} logical cores, {platform.system()} {platform.machine()}. "
         f"Threads: {threads} per engine, spinning as by default, interleaved rounds (each engine "
-        "settling 3 calls before its timed one) after warm-up. "
+        f"settling at least 3 calls and {SETTLE_SECONDS * 1e3:.0f} ms before its timed one) after warm-up. "
         f"Load average at the end: {os.getloadavg()[0]:.2f}.",
         f"Versions: {_versions()}.",
         "Times: median (p10–p90) in ms over the timed rounds; a ratio below 1 means "
@@ -283,15 +312,15 @@ def report(
     notes = []
     for name, batch, results in rows:
         cells = [name, str(batch), *(_ms(results[e]) for e in engines)]
-        if "ours" in engines:
-            cells += [_ratio(results["ours"], results[e]) for e in engines if e != "ours"]
+        cells += [_ratio(results[a], results[b]) for a, b in pairs]
         cells.append(" / ".join(
             f"{results[e].compile_s:.1f}" if results[e].compile_s is not None else "—"
             for e in engines
         ))
         lines.append("| " + " | ".join(cells) + " |")
         rounds = max((r.latency.runs for r in results.values() if r.latency), default=0)
-        notes.append(f"- {name}: {rounds} timed rounds.")
+        notes.append(f"- {name}: {rounds} timed rounds." + (
+            f" Tuned in {tuning[name][1]:.0f} s (time budget {tuning[name][0]})." if name in tuning else ""))
         notes += [f"- {name}, {LABEL[e]}: {r.error}" for e, r in results.items() if r.error]
     return "\n".join([*lines, "", *notes]) + "\n"
 
@@ -326,7 +355,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds of timed rounds per model when --repeat is not given")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.md")
+    parser.add_argument("--records", type=Path, metavar="DIR",
+                        help="engine ours_tuned builds with the tuning records in DIR/<model>")
+    parser.add_argument("--tune", metavar="DURATION",
+                        help="first tune each model into --records within this time budget (10m)")
     args = parser.parse_args(argv)
+    if ("ours_tuned" in args.engines or args.tune) and args.records is None:
+        parser.error("engine ours_tuned and --tune need --records DIR")
 
     # Thread pools read these when they start, so set them before any engine is imported.
     for var in ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -338,13 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; the suite has {list(SUITE)}, "
                      f"torch_models {list(TORCH_MODELS)}")
-    builders = make_builders(args.engines, args.threads)
+    tuning = {name: (args.tune, tune_ours(name, args.records, args.tune)) for name in names} if args.tune else {}
+    builders = make_builders(args.engines, args.threads, args.records)
     rows = []
     for name in names:
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
         batch, results = bench_model(name, builders, args.repeat, args.budget)
         rows.append((name, batch, results))
-    table = report(rows, args.engines, args.threads)
+    table = report(rows, args.engines, args.threads, tuning)
     print(table)
     args.out.write_text(table)
     return 0

@@ -14,6 +14,7 @@ import onnx
 from .runtime import BenchmarkResult
 
 T = TypeVar("T")
+SETTLE_SECONDS = 0.02  # `time_interleaved`: each engine's untimed calls before its timed one
 
 
 def onnxruntime_session(model: onnx.ModelProto, threads: int):
@@ -53,24 +54,29 @@ def interleaved(items: Sequence[T], rounds: int) -> Iterator[T]:
 
 
 def time_interleaved(
-    engines: Mapping[str, Callable[[], object]], *, repeat: int, warmup: int = 3, settle: int = 3
+    engines: Mapping[str, Callable[[], object]], *, repeat: int, warmup: int = 3, settle: int = 3,
+    settle_s: float = SETTLE_SECONDS,
 ) -> dict[str, BenchmarkResult]:
     """Time each engine's call `repeat` times, alternating engines within each round.
 
     Interleaving spreads any slow phase of the machine over all engines alike; the rounds go
     through `balanced_orders`, so that each engine runs right after each other one equally often.
-    In its turn each engine first runs `settle` untimed calls, so that the timed call finds the
-    machine as a loop of that engine's inferences leaves it, not as another engine left it:
-    onnxruntime's, OpenBLAS's and TVM's workers spin a while after a call, and on two cores the
-    next engine then ran up to 2x slower (one settling call was not enough, three were).
+    In its turn each engine first runs untimed calls, at least `settle` of them and for at least
+    `settle_s` seconds, so that the timed call finds the machine as a loop of that engine's
+    inferences leaves it, not as another engine left it: onnxruntime's, OpenBLAS's and TVM's
+    workers spin a while after a call, and on two cores the next engine then ran up to 2x
+    slower (one settling call was not enough, three were for models of several milliseconds;
+    sub-millisecond ones need the time floor).
     """
     for _ in range(warmup):
         for call in engines.values():
             call()
     samples: dict[str, list[float]] = {name: [] for name in engines}
     for name in interleaved(list(engines), repeat):
-        for _ in range(settle):
+        settled, until = 0, time.perf_counter() + settle_s
+        while settled < settle or time.perf_counter() < until:
             engines[name]()
+            settled += 1
         start = time.perf_counter()
         engines[name]()
         samples[name].append(time.perf_counter() - start)

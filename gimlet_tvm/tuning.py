@@ -18,16 +18,23 @@ run at a time with its operands but the first flushed from the caches, as kernel
 times them and as a model's weights arrive (another layer's have evicted them); timed warm, a
 memory-bound kernel whose weight fits in the cache would be tuned for reading it from there.
 
-Kernel selection: after the MetaSchedule rounds, each op group with several implementations
-(a matmul or conv2d and its epilogue, attention: library, hand-written, generated with the
-records just tuned) is verified and timed (`selection.select_kernels`) and the winners stored beside the
-records, so `build(records=DIR)` applies both. A model whose heavy ops are all library calls
-thus still gets tuned: by measuring which kernel runs each op. Selection reruns only when
-MetaSchedule ran trials or the records lack a choice for one of the model's op groups.
+Kernel selection: each op group with several implementations (a matmul or conv2d and its
+epilogue, attention: library, hand-written, generated) is verified and timed
+(`selection.select_kernels`) and the winners stored beside the records, so `build(records=DIR)`
+applies both. A model whose heavy ops are all library calls thus still gets tuned: by measuring
+which kernel runs each op. Selection runs first, before MetaSchedule: the op groups are most of
+a model's time, and MetaSchedule's tasks (the kernels outside the groups) do not change their
+candidates. It chooses only the groups the records lack a choice for, so a rerun carries on
+where a time budget stopped it.
+
+Time budget: `time_budget` is the wall time of the whole run, selection included. Selection
+stops starting op groups at the deadline (the groups left keep the target's default kernels
+until a rerun chooses them) and MetaSchedule gets what is left.
 
 With `tune_generated`, each op group's generated candidate (the op's TIR with its epilogue,
 one kernel, as `sources.generated` builds it) is a task too, weighted by the group's count, so that
-selection measures it tuned rather than default-scheduled. Off by default: those trials only
+selection measures it tuned rather than default-scheduled: then MetaSchedule runs first, on
+`GENERATED_SHARE` of the time budget, and new trials make selection choose every group again. Off by default: those trials only
 pay off where generated code can beat the library and hand-written kernels, and their tasks
 count in the progress line's estimate although the model runs only the group's winner.
 
@@ -39,6 +46,7 @@ database) and runs only what is left (the last round may overshoot by less than 
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import time
@@ -63,6 +71,7 @@ from .selection.select import op_signatures, select_kernels
 from .targets import DEFAULT_TARGET, spec_for
 
 Duration = float | str
+GENERATED_SHARE = 0.5  # of a time budget, MetaSchedule's before selection with `tune_generated`
 GIVE_UP_AFTER = 2  # rounds of a task in which every candidate failed, none ever measured
 
 
@@ -329,7 +338,8 @@ def tune(
     """Tune `model`'s kernels for `target` with MetaSchedule (XGBoost cost model) into `records`.
 
     `trials`: total measured candidates over the model's tasks in `records` (earlier runs
-    count); `time_budget`: wall time for this run (seconds, or "10m"). At least one is needed.
+    count); `time_budget`: wall time for this run, kernel selection included (seconds, or "10m";
+    an op group whose selection started before it ends is finished). At least one is needed.
     `trials_per_round` candidates are measured per round, chosen by an evolutionary search over
     `population_size` schedules ranked by the cost model. A candidate that fails to build, crashes
     or runs past `runner_timeout` seconds is recorded as failed and tuning goes on. Progress goes to `log`, one line a round.
@@ -357,15 +367,27 @@ def tune(
         raise GimletError("the model has no tunable kernels (all symbolic, or all library calls "
                           "without other candidates)")
     db = RecordsDB(records, create=True)
-    trials_run = _tune_tasks(tasks, tvm_target, db, trials=trials, deadline=deadline,
-                             trials_per_round=trials_per_round, population_size=population_size,
-                             runner_timeout=runner_timeout, seed=seed, remote=remote, log=log)
+    tune_tasks = functools.partial(
+        _tune_tasks, tasks, tvm_target, db, trials=trials, trials_per_round=trials_per_round,
+        population_size=population_size, runner_timeout=runner_timeout, seed=seed, remote=remote, log=log)
+    # Generated group candidates are measured with the records tuned for them, so with
+    # `tune_generated` MetaSchedule runs first (on its share of the budget), and its new
+    # records make every group's choice stale.
+    trials_run = tune_tasks(deadline=start + GENERATED_SHARE * (deadline - start)) if tune_generated else 0
     selection = KernelSelection.load(db.path, tvm_target)
-    if groups and (trials_run or selection is None or any(sig.key not in selection.choices for sig in groups)):
+    if selection is not None and trials_run:
+        selection = None
+    if groups and (selection is None or any(sig.key not in selection.choices for sig in groups)):
         print(f"[select] {len(groups)} op groups: verifying and timing their candidates", file=log)
-        selection = select_kernels(mod, tvm_target, records=db.path, remote=remote,
-                                   progress=_selection_progress(log))
+        selection = select_kernels(mod, tvm_target, records=db.path, remote=remote, known=selection,
+                                   deadline=deadline, progress=_selection_progress(log))
         selection.save(db.path)
+        left = [sig for sig in groups if sig.key not in selection.choices]
+        if left:
+            print(f"[select] time budget reached: {len(left)} of {len(groups)} op groups keep their "
+                  "default kernels (a rerun chooses them)", file=log)
+    if not tune_generated:
+        trials_run = tune_tasks(deadline=deadline)
     return TuneResult(records, tasks, skipped, trials_run, time.monotonic() - start,
                       selection if groups else None)
 
@@ -390,6 +412,9 @@ def _tune_tasks(tasks: list[TuningTask], tvm_target: tvm.target.Target, db: Reco
     print(f"[tune] {len(tasks)} tasks, {already} trials in {db.path}; "
           f"running {remaining if trials is not None else 'until the time budget'}", file=log)
     if remaining <= 0:
+        return 0
+    if time.monotonic() >= deadline:
+        print("[tune] the time budget is spent: no MetaSchedule trials this run", file=log)
         return 0
 
     cores = int(tvm_target.attrs.get("num-cores", 1))

@@ -2,6 +2,7 @@
 per-round ratio between two of them."""
 
 import collections
+import time
 
 import pytest
 
@@ -12,7 +13,7 @@ from gimlet_tvm.runtime import BenchmarkResult
 def test_rounds_go_through_balanced_orders():
     ran: list[str] = []
     engines = {name: (lambda n=name: ran.append(n)) for name in "abcd"}
-    times = time_interleaved(engines, repeat=5, warmup=1, settle=0)
+    times = time_interleaved(engines, repeat=5, warmup=1, settle=0, settle_s=0)
     rounds = ["".join(ran[i:i + 4]) for i in range(0, len(ran), 4)]
     assert rounds == ["abcd", "abdc", "bcad", "cdba", "dacb", "abdc"]
     assert all(result.runs == 5 and len(result.samples_ms) == 5 for result in times.values())
@@ -21,9 +22,18 @@ def test_rounds_go_through_balanced_orders():
 def test_each_engine_settles_before_its_timed_call():
     ran: list[str] = []
     engines = {name: (lambda n=name: ran.append(n)) for name in "ab"}
-    times = time_interleaved(engines, repeat=2, warmup=0, settle=2)
+    times = time_interleaved(engines, repeat=2, warmup=0, settle=2, settle_s=0)
     assert "".join(ran) == "aaabbb" + "bbbaaa"
     assert all(result.runs == 2 for result in times.values())
+
+
+def test_settling_lasts_at_least_its_time_floor():
+    """Fast calls settle for `settle_s` seconds, more than `settle` calls."""
+    ran: list[str] = []
+    engines = {name: (lambda n=name: (ran.append(n), time.sleep(0.001))) for name in "ab"}
+    time_interleaved(engines, repeat=1, warmup=0, settle=1, settle_s=0.02)
+    a_turn = ran[:ran.index("b")]
+    assert 10 <= len(a_turn) and ran.count("b") == len(ran) - len(a_turn)
 
 
 @pytest.mark.parametrize("count", [2, 3, 4, 5, 6, 7])

@@ -103,6 +103,7 @@ def test_tuning_also_selects_each_op_groups_kernel(tmp_path):
     assert choice.signature.weight and choice.winner is not None
     assert sum(t.verified for t in choice.tried) >= 3  # generated, library, hand-written at least
     assert "[select] matmul float32 8x64 @ const 64x96 +96 relu: library:openblas" in log.getvalue()
+    assert log.getvalue().index("[select]") < log.getvalue().index("[tune ")  # selection first
     assert os.path.isfile(os.path.join(path, SELECTION_FILE))
     tuned = gimlet_tvm.build(linear_model(), "llvm", records=path)
     assert tuned.targets[0]["selected_kernels"] == 1 and tuned.targets[0]["tuned_tasks"] >= 1
@@ -178,6 +179,20 @@ def test_failing_candidates_are_recorded_and_a_task_that_always_fails_is_given_u
     assert given_up and all(t in given_up or t.exhausted for t in result.tasks)  # a 1-schedule task runs out
     assert log.getvalue().count(f"every candidate of {GIVE_UP_AFTER} rounds failed; no more trials") \
         == len(given_up)
+
+
+def test_time_budget_is_the_whole_runs_selection_included(tmp_path):
+    """A time budget spent before selection starts leaves every op group to its default
+    kernel and runs no MetaSchedule trial; the records still build (a later run chooses the
+    groups the records lack: `test_tuning_also_selects_each_op_groups_kernel`)."""
+    path, log = str(tmp_path / "records"), io.StringIO()
+    spent = gimlet_tvm.tune(linear_model(), "llvm", path, time_budget=1e-3, log=log, **SMALL)
+    assert spent.trials_run == 0 and not spent.selection.choices
+    assert "time budget reached: 1 of 1 op groups keep their default kernels" in log.getvalue()
+    assert "the time budget is spent: no MetaSchedule trials" in log.getvalue()
+    x = np.random.default_rng(1).standard_normal((8, 64), dtype=np.float32)
+    assert_matches(gimlet_tvm.build(linear_model(), "llvm", records=path)(x),
+                   onnxruntime_outputs(linear_model(), {"x": x}))
 
 
 def test_budgets_are_checked():

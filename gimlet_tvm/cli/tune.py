@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     add_target_args(parser)
     parser.add_argument("--records", required=True, metavar="DIR", help="records directory")
     parser.add_argument("--trials", type=int, help="total trials over the model's tasks")
-    parser.add_argument("--time-budget", metavar="DURATION", help="wall time for this run (90s, 10m, 1h)")
+    parser.add_argument("--time-budget", metavar="DURATION", help="wall time for this run, kernel selection included (90s, 10m, 1h)")
     parser.add_argument("--trials-per-round", type=int, default=16, help="candidates per round")
     parser.add_argument("--population", type=int, default=512, help="evolutionary search population")
     parser.add_argument("--runner-timeout", type=float, default=10.0,

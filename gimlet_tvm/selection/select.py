@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import statistics
+import time
 import warnings
 from typing import Any, Callable, Iterable
 
@@ -137,12 +138,15 @@ def select_kernels(
     remote: RemoteDevice | None = None,
     progress: Callable[[str], None] | None = None,
     generator: Generator | None = None,
+    known: KernelSelection | None = None,
+    deadline: float = float("inf"),
 ) -> KernelSelection:
     """Verify and time every candidate of every op signature in `mod` on `target` (on this
     machine, or on the `remote` device over TVM RPC), with a kernel `generator`'s candidates
     where one is given (kept in the records directory, which it needs); pick each op's winner
     (`_winner`). `progress` gets a line per candidate tried, per failed generator round and
-    per race."""
+    per race. Signatures `known` has a choice for keep it; none is started after `deadline`
+    (`time.monotonic()`), so the selection returned may lack some of the model's signatures."""
     report = progress or (lambda line: None)
     if external_dir is not None:
         external_dir = os.path.abspath(external_dir)
@@ -154,6 +158,11 @@ def select_kernels(
     target_json = json.loads(str(target))
     choices = {}
     for sig, count in op_signatures(mod, target).items():
+        if known is not None and sig.key in known.choices:
+            choices[sig.key] = known.choices[sig.key]
+            continue
+        if time.monotonic() >= deadline:
+            continue
         tried = []
         request = {"signature": sig.to_json(), "target": target_json, "external_dir": external_dir,
                    "generated_dir": generated_dir, "records": records, "min_repeat_ms": min_repeat_ms,
