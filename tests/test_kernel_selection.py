@@ -831,3 +831,17 @@ def test_generated_lone_op_still_fuses_what_follows():
         built = tvm.transform.Sequential(kernel_passes([(spec, target)], chosen.pass_for(target)))(mod)
         (kernel,) = [t.task_name for t in ms.relax_integration.extract_tasks(built, target)]
     assert "conv2d" in kernel and "relu" in kernel, kernel
+
+
+def test_multiply_adds_order_selection_by_work():
+    """Selection starts with the groups of most work (a time budget then cuts the least):
+    a conv's multiply-adds are outputs x input channels per group x kernel, a matmul's M x N x K,
+    attention's both products."""
+    conv_attrs = tuple(zip(("stride_h", "stride_w", "pad_top", "pad_left", "pad_bottom", "pad_right",
+                            "dilation_h", "dilation_w", "groups"), (2.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0)))
+    conv = OpSignature("conv2d", ((1, 8, 9, 9), (6, 4, 3, 3)), "float32", attrs=conv_attrs)
+    assert conv.out_shape == (1, 6, 5, 5) and conv.multiply_adds == 6 * 5 * 5 * 4 * 3 * 3
+    assert SIG.multiply_adds == M * N * K
+    attention = OpSignature("attention", ((1, 4, 2, 8), (1, 6, 2, 8), (1, 6, 2, 8)), "float32",
+                            attrs=(("scale", 0.5),))
+    assert attention.multiply_adds == 1 * 4 * 2 * 8 * (6 + 6)

@@ -145,7 +145,8 @@ def select_kernels(
     machine, or on the `remote` device over TVM RPC), with a kernel `generator`'s candidates
     where one is given (kept in the records directory, which it needs); pick each op's winner
     (`_winner`). `progress` gets a line per candidate tried, per failed generator round and
-    per race. Signatures `known` has a choice for keep it; none is started after `deadline`
+    per race. Signatures go in order of work (multiply-adds times occurrences), most first;
+    those `known` has a choice for keep it; none is started after `deadline`
     (`time.monotonic()`), so the selection returned may lack some of the model's signatures."""
     report = progress or (lambda line: None)
     if external_dir is not None:
@@ -157,7 +158,9 @@ def select_kernels(
     generated_dir = os.path.join(records, GENERATED_DIR) if generator is not None else None
     target_json = json.loads(str(target))
     choices = {}
-    for sig, count in op_signatures(mod, target).items():
+    # The most work first: under a deadline, the groups left are the ones that matter least.
+    signatures = sorted(op_signatures(mod, target).items(), key=lambda item: -item[0].multiply_adds * item[1])
+    for sig, count in signatures:
         if known is not None and sig.key in known.choices:
             choices[sig.key] = known.choices[sig.key]
             continue

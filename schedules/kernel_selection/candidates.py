@@ -90,6 +90,11 @@ class OpSignature:
         return self.kind.out_shape(self.shapes, self.attrs)
 
     @property
+    def multiply_adds(self) -> int:
+        """The op's work, roughly (`OpKind.multiply_adds`)."""
+        return self.kind.multiply_adds(self.shapes, self.attrs)
+
+    @property
     def operand_dtypes(self) -> tuple[str, ...]:
         """The dtype of each tensor operand (then of each addend: `dtype`)."""
         return (*self.kind.operand_dtypes(self.dtype, self.attrs, len(self.shapes)),

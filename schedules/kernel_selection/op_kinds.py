@@ -131,6 +131,14 @@ class OpKind:
     def out_shape(self, shapes: tuple[Shape, ...], attrs: Attrs) -> Shape:
         raise NotImplementedError
 
+    def reduction(self, shapes: tuple[Shape, ...], attrs: Attrs) -> int:
+        """Multiply-adds per output element (1 for a kind without a reduction to speak of)."""
+        return 1
+
+    def multiply_adds(self, shapes: tuple[Shape, ...], attrs: Attrs) -> int:
+        """The op's work, roughly: output elements times `reduction`."""
+        return math.prod(self.out_shape(shapes, attrs)) * self.reduction(shapes, attrs)
+
     def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
         """What the op computes on float64 operands."""
         raise NotImplementedError
@@ -194,6 +202,9 @@ class Matmul(OpKind):
         a, b = shapes
         return (*a[:-1], b[1])
 
+    def reduction(self, shapes: tuple[Shape, ...], attrs: Attrs) -> int:
+        return shapes[0][-1]
+
     def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
         return operands[0] @ operands[1]
 
@@ -245,6 +256,10 @@ class Attention(OpKind):
     def out_shape(self, shapes: tuple[Shape, ...], attrs: Attrs) -> Shape:
         (b, s, n, _), _, v = shapes[:3]
         return (b, s, n, v[3])
+
+    def reduction(self, shapes: tuple[Shape, ...], attrs: Attrs) -> int:
+        (_, _, _, h), (_, t, _, _), v = shapes[:3]
+        return t + t * h // v[3]  # the weighted sum's, and the scores' spread over the outputs
 
     def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
         q, k, v = operands[:3]
@@ -328,6 +343,9 @@ class Conv2d(OpKind):
         oh = (h + p["pad_top"] + p["pad_bottom"] - p["dilation_h"] * (kh - 1) - 1) // p["stride_h"] + 1
         ow = (w + p["pad_left"] + p["pad_right"] - p["dilation_w"] * (kw - 1) - 1) // p["stride_w"] + 1
         return (n, o, oh, ow)
+
+    def reduction(self, shapes: tuple[Shape, ...], attrs: Attrs) -> int:
+        return math.prod(shapes[1][1:])  # input channels per group x kernel
 
     def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
         p = self._params(attrs)
@@ -535,6 +553,9 @@ class DequantGemv(OpKind):
 
     def out_shape(self, shapes: tuple[Shape, ...], attrs: Attrs) -> Shape:
         return (shapes[0][0], 1, shapes[1][0])
+
+    def reduction(self, shapes: tuple[Shape, ...], attrs: Attrs) -> int:
+        return shapes[0][-1]
 
     def weights(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
         """W[n, k] (float64) from the block arrays."""
