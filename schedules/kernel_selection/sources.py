@@ -140,7 +140,7 @@ def _cpu_conv2d(sig: OpSignature, target: tvm.target.Target) -> list[Candidate]:
     as unavailable, so selection does not time one of the others twice, but still applied
     where older records chose it)."""
     cpu_block = direct_conv_block() if spec_for(target).runs_here() else 0
-    shape = _conv_shape(sig)
+    shape = signature_conv_shape(sig)
 
     def rewrite(algorithm: ConvAlgorithm) -> Rewrite:
         return lambda bb, call: algorithm.emit(bb, call, cpu_block)
@@ -153,7 +153,7 @@ def _cpu_conv2d(sig: OpSignature, target: tvm.target.Target) -> list[Candidate]:
     ]
 
 
-def _conv_shape(sig: OpSignature) -> ConvShape:
+def signature_conv_shape(sig: OpSignature) -> ConvShape:
     """A conv2d signature as the conv algorithms read it."""
     p = {name: int(value) for name, value in sig.attrs}
     out_c, in_c, kh, kw = sig.shapes[1]
