@@ -375,6 +375,11 @@ def _emit_rows(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> rela
     return relax.call_dps_packed(ROW_CONV2D_FUNC, args, call.ty_args[0])
 
 
+def _im2col_unavailable(shape: ConvShape, cpu_block: int) -> str | None:
+    """A depthwise conv is no generic call (the pass leaves it to TIR or the depthwise kernel)."""
+    return "not depthwise" if shape.groups > 1 and shape.in_c == 1 else None
+
+
 def _emit_im2col(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> relax.Expr:
     return relax.call_dps_packed(IM2COL_CONV2D_FUNC, list(call.args[1].fields), call.ty_args[0])
 
@@ -388,8 +393,7 @@ CONV_ALGORITHMS: dict[str, ConvAlgorithm] = {a.name: a for a in [
                   lambda shape, cpu_block, _: row_conv_for(shape.in_c, shape.kernel, cpu_block), _emit_rows),
     # The generic call runs im2col + OpenBLAS itself, so the default rule never needs to pick it;
     # chosen (kernel selection), it becomes its own name, which the default rule leaves alone.
-    ConvAlgorithm("im2col", IM2COL_CONV2D_FUNC, lambda shape, cpu_block: None,
-                  lambda shape, cpu_block, _: False, _emit_im2col),
+    ConvAlgorithm("im2col", IM2COL_CONV2D_FUNC, _im2col_unavailable, lambda shape, cpu_block, _: False, _emit_im2col),
 ]}
 """The CPU library's NCHW conv2d algorithms, in the default rule's order of preference. Kernel
 selection offers each as a candidate (`library:conv_<name>`) for the shapes it can run."""
