@@ -106,11 +106,12 @@ WINOGRAD_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_winograd"
 WINOGRAD_ENV = "GIMLET_CPU_WINOGRAD"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
-# weight, 6 params, groups) for both names of the im2col kernel; after (data, packed weight, 6 params); after (data, weight, 6
-# params, lanes) for the row and depthwise kernels; after (data, transformed or blocked weight, 6
-# params) for the Winograd and blocked depthwise kernels.
-_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, IM2COL_CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8, ROW_CONV2D_FUNC: 9,
-                   DEPTHWISE_CONV2D_FUNC: 9, WINOGRAD_CONV2D_FUNC: 8, BLOCKED_DEPTHWISE_CONV2D_FUNC: 8}
+# weight, 6 params, groups) for both names of the im2col kernel; after (data, packed weight, 6
+# params); after (data, weight, 6 params, lanes) for the row and depthwise kernels; after (data,
+# transformed or blocked weight, 6 params) for the Winograd and blocked depthwise kernels.
+_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, IM2COL_CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8,
+                   ROW_CONV2D_FUNC: 9, DEPTHWISE_CONV2D_FUNC: 9, WINOGRAD_CONV2D_FUNC: 8,
+                   BLOCKED_DEPTHWISE_CONV2D_FUNC: 8}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
 ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU, ADD_BLOCKED_VECTOR = 0, 1, 2, 3, 4, 5
@@ -377,7 +378,8 @@ def _emit_rows(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> rela
 
 def _im2col_unavailable(shape: ConvShape, cpu_block: int) -> str | None:
     """A depthwise conv is no generic call (the pass leaves it to TIR or the depthwise kernel)."""
-    return "not depthwise" if shape.groups > 1 and shape.in_c == 1 else None
+    depthwise = shape.groups > 1 and shape.in_c == 1
+    return "depthwise: no generic library call (TIR or the depthwise kernel)" if depthwise else None
 
 
 def _emit_im2col(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> relax.Expr:
