@@ -29,7 +29,7 @@ from .op_timing import OpTimer, RecordedTimes
 from .relax_passes.checked_indexing import CheckedIndexing
 from .relax_passes.graph_fusion import graph_fusion_passes
 from .relax_passes.kernel_targets import AssignKernelTargets, PerTarget
-from .relax_passes.library_dispatch import library_passes
+from .relax_passes.library_dispatch import layout_passes, library_passes
 from .relax_passes.nan_safe_comparisons import NaNSafeComparisons
 from .relax_passes.place_on_devices import PlaceOnDevices
 from .relax_passes.placement import Device, Pins
@@ -78,7 +78,8 @@ def kernel_passes(
 ) -> list[tvm.transform.Pass]:
     """Graph (placed already, with several devices) to fused TIR kernels, each tagged with the
     target that compiles it; first each target's fixes of library kernels (`TargetSpec.
-    fix_library_kernels`); `selection` (kernel selection's chosen kernels) runs before the
+    fix_library_kernels`); `selection` (kernel selection's chosen kernels) runs after the
+    layout passes (the CPU's blocked layout: blocked convs keep their kernels) and before the
     library passes. Sorts (`R.argsort`, which LegalizeOps does not lower) become TOPI's kernel
     for each op's target: the generic one on CPUs, the GPU one on targets keyed "gpu".
     Gathers and scatters with run-time indices get bounds-checked kernels unless
@@ -86,6 +87,7 @@ def kernel_passes(
     return [
         *[_fix_library_kernels(spec) for spec, _ in devices],
         *graph_passes(),
+        *[p for spec, _ in devices for p in layout_passes(spec)],
         *([selection] if selection is not None else []),
         *[p for spec, _ in devices for p in library_passes(spec)],
         relax.backend.DispatchSortScan(),

@@ -2,12 +2,15 @@
 onnxruntime's MLAS does, converting layouts only where a region meets an op it does not
 cover.
 
-1. Where it goes: after the imported graph's clean-up and graph fusion, right before the CPU
+1. Where it goes: after the imported graph's clean-up and graph fusion
+   (`library_dispatch.layout_passes`), before kernel selection's rewrites and the CPU
    library's dispatch (`library_dispatch.library_passes`), which maps the blocked convs to
    `gimlet.cpu.conv2d_nchw_direct` (blocked data and output) and
    `gimlet.cpu.conv2d_nchwc_depthwise` and fuses the blocked epilogues into them; only for
    this machine's CPU (a cross-compiled CPU's vector width is not known here). Kernel
-   selection's grouping run does not use it (every conv stays one generic library call there).
+   selection sees the module after it too, so a blocked conv is no op group: it keeps its
+   blocked kernel whatever a selection chose, and only the convs left in NCHW get a
+   selection's conv algorithm.
 2. B is the CPU's vector width (`dispatch_cpu_library.direct_conv_block`: 16 with AVX-512, 8
    with AVX2). By default it converts only functions with a depthwise conv it can convert
    (`blocked_layout_for`: where whole networks were measured faster); `$GIMLET_CPU_BLOCKED_LAYOUT`
@@ -32,7 +35,7 @@ cover.
 3. It does not handle: convs with channel counts that are not multiples of B (they stay NCHW,
    and so do the ops between them), grouped convs other than depthwise, depthwise convs with a
    channel multiplier, other dtypes, symbolic channel or spatial extents, binary ops that
-   broadcast a blocked operand, and convs kernel selection already turned into library calls.
+   broadcast a blocked operand.
    It does not weigh a region's edge conversions against what its kernels save:
    `blocked_layout_for` decides per function.
 """

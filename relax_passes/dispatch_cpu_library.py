@@ -11,22 +11,30 @@ OpenBLAS-backed CPU library.
      `R.call_dps_packed("gimlet.cpu.conv2d_nchw", (data, weight, strides, pads, dilations,
      groups))`, for float32 and any `groups` except depthwise (with `grouping`, kernel
      selection's run, every conv2d stays that call: one op group); else with `groups` 1, also
-     in such calls a grouping run wrote, where
-     `direct_conv_block_for` says so and the CPU has AVX2 or AVX-512, into the direct kernel
+     in such calls a grouping run wrote, into the call of the first conv algorithm of
+     `CONV_ALGORITHMS` that can run the shape and whose rule wants it (`default_conv_algorithm`;
+     kernel selection offers each algorithm as a candidate and emits its call itself, through
+     the same registry):
+     `winograd4` / `winograd2`: for a 3x3 kernel, stride 1, dilation 1 and a constant weight,
+     where `winograd_tile_for` says so (`$GIMLET_CPU_WINOGRAD` overrides the rule), the
+     Winograd kernel `R.call_dps_packed("gimlet.cpu.conv2d_nchw_winograd", (data, u, strides,
+     pads, dilations))`, `u` the weight transformed for F(m x m, 3 x 3) by numpy in the pass
+     (`winograd_weight`: once, at build time; kernel selection, whose checks pass the weight
+     as a parameter, gets the same transform as an `R.einsum` in float32);
+     `direct16` / `direct8`: where `direct_conv_block_for` says so, the direct kernel
      `R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed, strides, pads,
-     dilations))`, `packed` being the weight as `R.layout_transform` into blocks of
+     dilations))`, `packed` being the weight as `R.layout_transform` into blocks of 16 or 8
      output channels (`pack_conv_weight`), which FoldConstant computes at build time for a
      constant weight. The block is this CPU's vector width (`direct_conv_block`, which
      `$GIMLET_CPU_CONV_BLOCK` overrides: 8 forces the AVX2 kernel, 0 turns the direct
-     kernel off), or 8 where that makes two blocks of a 16-channel conv; with `groups` 1, a
-     3x3 kernel, stride 1, dilation 1 and a constant weight, where `winograd_tile_for` says so,
-     into the Winograd kernel `R.call_dps_packed("gimlet.cpu.conv2d_nchw_winograd", (data, u,
-     strides, pads, dilations))`, `u` the weight transformed for F(m x m, 3 x 3) by numpy in
-     the pass (`winograd_weight`: once, at build time; `$GIMLET_CPU_WINOGRAD` overrides the
-     rule); with `groups` 1,
-     a kernel larger than 1x1 and fewer than 32 multiply-adds per output (`row_conv_for`:
-     3-channel stems), into the row-vectorized kernel `R.call_dps_packed(
+     kernel off), or 8 where that makes two blocks of a 16-channel conv;
+     `rows`: a kernel larger than 1x1 and fewer than 32 multiply-adds per output
+     (`row_conv_for`: 3-channel stems), the row-vectorized kernel `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchw_rows", (data, weight, strides, pads, dilations, lanes))`;
+     `im2col`: never by the rule (the generic call is that kernel); chosen by kernel
+     selection, the same function under its own name, `gimlet.cpu.conv2d_nchw_im2col`, which
+     this pass then leaves alone. All but im2col need AVX2 (`direct16`: AVX-512) and a build
+     for this machine;
    - depthwise `R.nn.conv2d` (one group per input channel, weight [O, 1, KH, KW]; not with
      `grouping`), where `depthwise_conv_for` says so (inputs at least 112 wide;
      `$GIMLET_CPU_DEPTHWISE` 1 or 0: all or none), into `R.call_dps_packed(
@@ -69,8 +77,10 @@ process; another process running the compiled module must load it too (`gimlet_t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
+from typing import Callable
 
 import numpy as np
 import tvm
@@ -85,6 +95,7 @@ from .graph_fusion import graph_fusion_enabled
 
 MATMUL_FUNC = f"{CPU_LIBRARY.name}.matmul"
 CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw"
+IM2COL_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_im2col"  # the same kernel, chosen
 DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct"
 ROW_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_rows"
 DEPTHWISE_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_depthwise"
@@ -95,11 +106,12 @@ WINOGRAD_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_winograd"
 WINOGRAD_ENV = "GIMLET_CPU_WINOGRAD"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
-# weight, 6 params, groups); after (data, packed weight, 6 params); after (data, weight, 6
-# params, lanes) for the row and depthwise kernels; after (data, transformed or blocked weight, 6
-# params) for the Winograd and blocked depthwise kernels.
-_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8, ROW_CONV2D_FUNC: 9,
-                   DEPTHWISE_CONV2D_FUNC: 9, WINOGRAD_CONV2D_FUNC: 8, BLOCKED_DEPTHWISE_CONV2D_FUNC: 8}
+# weight, 6 params, groups) for both names of the im2col kernel; after (data, packed weight, 6
+# params); after (data, weight, 6 params, lanes) for the row and depthwise kernels; after (data,
+# transformed or blocked weight, 6 params) for the Winograd and blocked depthwise kernels.
+_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, IM2COL_CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8,
+                   ROW_CONV2D_FUNC: 9, DEPTHWISE_CONV2D_FUNC: 9, WINOGRAD_CONV2D_FUNC: 8,
+                   BLOCKED_DEPTHWISE_CONV2D_FUNC: 8}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
 ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU, ADD_BLOCKED_VECTOR = 0, 1, 2, 3, 4, 5
@@ -246,6 +258,155 @@ def row_conv_for(in_c: int, kernel: tuple[int, int], cpu_block: int) -> bool:
     AVX2); where it runs, a CPU without AVX-512 uses 8.
     benchmarks/README.md, "The direct convolution kernel", has the measurements."""
     return cpu_block > 0 and tuple(kernel) != (1, 1) and in_c * kernel[0] * kernel[1] < 32
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvShape:
+    """What the conv algorithms read of a conv2d: output channels, input channels per group,
+    kernel (h, w), output (h, w) (None where symbolic), `params` (strides (h, w), top and left
+    padding, dilations (h, w)), groups, and whether the weight is a constant."""
+
+    out_c: int
+    in_c: int
+    kernel: tuple[int, int]
+    out_hw: tuple[int, int] | None
+    params: tuple[int, ...]
+    groups: int
+    constant_weight: bool
+
+
+def conv_shape(call: relax.Call) -> ConvShape | None:
+    """The shape of a `gimlet.cpu.conv2d_nchw` call; None where its weight's shape is symbolic."""
+    _, weight, *params = call.args[1].fields
+    weight_shape = _static_ints(weight.ty.shape)
+    if weight_shape is None:
+        return None
+    out_shape = call.ty_args[0].shape  # the call's output (it may not be normalized yet)
+    out_hw = _static_ints([out_shape[2], out_shape[3]])
+    out_c, in_c, kh, kw = weight_shape
+    return ConvShape(out_c, in_c, (kh, kw), None if out_hw is None else tuple(out_hw),
+                     tuple(int(p.value) for p in params[:6]), int(params[6].value),
+                     isinstance(weight, tvm.ir.GenericConst))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvAlgorithm:
+    """One of the CPU library's kernels for NCHW conv2d. `unavailable(shape, cpu_block)`: why it
+    cannot run that shape on a CPU whose direct-kernel block is `cpu_block` (0: no AVX2, or a
+    build for another CPU), None where it can; `wanted(shape, cpu_block, winograd)`: whether
+    the default rule picks it (`winograd`: `$GIMLET_CPU_WINOGRAD`'s tile or None); `emit(bb,
+    call, cpu_block)`: its call for a `gimlet.cpu.conv2d_nchw` call (epilogue kept)."""
+
+    name: str
+    func: str
+    unavailable: Callable[[ConvShape, int], str | None]
+    wanted: Callable[[ConvShape, int, int | None], bool]
+    emit: Callable[[relax.BlockBuilder, relax.Call, int], relax.Expr]
+
+
+# What a direct-kernel channel block needs of the CPU.
+_BLOCK_NEEDS = {8: "AVX2 and FMA", 16: "AVX-512"}
+
+
+def _groups_1(shape: ConvShape) -> str | None:
+    return None if shape.groups == 1 else "groups 1 only"
+
+
+def _vector_kernel(shape: ConvShape, cpu_block: int, block: int = 8) -> str | None:
+    """Why a groups-1 kernel with `block`-wide vectors cannot run the shape, if it cannot."""
+    if cpu_block < block:
+        return f"needs {_BLOCK_NEEDS[block]} on the CPU, in a build for this machine"
+    return _groups_1(shape)
+
+
+def _split_args(call: relax.Call) -> tuple[relax.Expr, relax.Expr, list[relax.Expr], list[relax.Expr]]:
+    """(data, weight, the 6 conv params, epilogue arguments) of a `gimlet.cpu.conv2d_nchw` call."""
+    data, weight, *args = call.args[1].fields
+    return data, weight, args[:6], args[7:]
+
+
+def _winograd(tile: int) -> ConvAlgorithm:
+    """Winograd F(tile x tile, 3 x 3), its weight transformed here by numpy (`winograd_weight`)."""
+    def unavailable(shape: ConvShape, cpu_block: int) -> str | None:
+        if shape.kernel != (3, 3) or shape.params[0:2] != (1, 1) or shape.params[4:6] != (1, 1):
+            return "3x3 kernel, stride 1 and dilation 1 only"
+        if not shape.constant_weight:
+            return "needs a constant weight (transformed at build time)"
+        if shape.out_hw is None:
+            return "needs a static output size"
+        return _vector_kernel(shape, cpu_block)
+
+    def wanted(shape: ConvShape, cpu_block: int, winograd: int | None) -> bool:
+        if winograd is not None:
+            return winograd == tile
+        return winograd_tile_for(shape.out_c, shape.in_c, shape.kernel, shape.out_hw, cpu_block) == tile
+
+    def emit(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> relax.Expr:
+        data, weight, params, epilogue = _split_args(call)
+        if isinstance(weight, tvm.ir.GenericConst):
+            transformed = relax.const(winograd_weight(weight.value.numpy(), tile))
+        else:  # a weight kernel selection's checks pass as a parameter: the same transform in float32
+            g = relax.const(_WINOGRAD_G[tile].astype(np.float32))
+            u = bb.emit(relax.op.einsum((g, weight, g), "ak,oikl,bl->aboi"))
+            out_c, in_c = weight.ty.shape[0], weight.ty.shape[1]
+            transformed = bb.emit(relax.op.reshape(u, ((tile + 2) ** 2, out_c, in_c)))
+        return relax.call_dps_packed(WINOGRAD_CONV2D_FUNC, [data, transformed, *params, *epilogue], call.ty_args[0])
+
+    return ConvAlgorithm(f"winograd{tile}", WINOGRAD_CONV2D_FUNC, unavailable, wanted, emit)
+
+
+def _direct(block: int) -> ConvAlgorithm:
+    """The direct kernel with blocks of `block` output channels, the weight packed for it by a
+    `layout_transform` (FoldConstant computes it at build time for a constant weight)."""
+    def emit(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> relax.Expr:
+        data, weight, params, epilogue = _split_args(call)
+        packed = bb.emit(relax.op.layout_transform(
+            weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
+        return relax.call_dps_packed(DIRECT_CONV2D_FUNC, [data, packed, *params, *epilogue], call.ty_args[0])
+
+    return ConvAlgorithm(
+        f"direct{block}", DIRECT_CONV2D_FUNC, lambda shape, cpu_block: _vector_kernel(shape, cpu_block, block),
+        lambda shape, cpu_block, _: direct_conv_block_for(shape.out_c, shape.in_c, shape.kernel, cpu_block) == block,
+        emit)
+
+
+def _emit_rows(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> relax.Expr:
+    data, weight, params, epilogue = _split_args(call)
+    args = [data, weight, *params, relax.prim_value(cpu_block), *epilogue]
+    return relax.call_dps_packed(ROW_CONV2D_FUNC, args, call.ty_args[0])
+
+
+def _im2col_unavailable(shape: ConvShape, cpu_block: int) -> str | None:
+    """A depthwise conv is no generic call (the pass leaves it to TIR or the depthwise kernel)."""
+    depthwise = shape.groups > 1 and shape.in_c == 1
+    return "depthwise: no generic library call (TIR or the depthwise kernel)" if depthwise else None
+
+
+def _emit_im2col(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> relax.Expr:
+    return relax.call_dps_packed(IM2COL_CONV2D_FUNC, list(call.args[1].fields), call.ty_args[0])
+
+
+CONV_ALGORITHMS: dict[str, ConvAlgorithm] = {a.name: a for a in [
+    _winograd(4),
+    _winograd(2),
+    _direct(16),
+    _direct(8),
+    ConvAlgorithm("rows", ROW_CONV2D_FUNC, _vector_kernel,
+                  lambda shape, cpu_block, _: row_conv_for(shape.in_c, shape.kernel, cpu_block), _emit_rows),
+    # The generic call runs im2col + OpenBLAS itself, so the default rule never needs to pick it;
+    # chosen (kernel selection), it becomes its own name, which the default rule leaves alone.
+    ConvAlgorithm("im2col", IM2COL_CONV2D_FUNC, _im2col_unavailable, lambda shape, cpu_block, _: False, _emit_im2col),
+]}
+"""The CPU library's NCHW conv2d algorithms, in the default rule's order of preference. Kernel
+selection offers each as a candidate (`library:conv_<name>`) for the shapes it can run."""
+
+
+def default_conv_algorithm(shape: ConvShape, cpu_block: int, winograd: int | None) -> ConvAlgorithm | None:
+    """The algorithm an untuned build runs a conv2d on: the first of `CONV_ALGORITHMS` that can
+    run it and whose rule wants it; None where none does (the generic call, im2col + OpenBLAS).
+    `winograd`: `$GIMLET_CPU_WINOGRAD`'s tile (`winograd_override`), None for the rule."""
+    return next((a for a in CONV_ALGORITHMS.values()
+                 if a.unavailable(shape, cpu_block) is None and a.wanted(shape, cpu_block, winograd)), None)
 
 
 def depthwise_kernel_wanted() -> bool | None:
@@ -552,23 +713,6 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         args = [a, b, relax.prim_value(0)] if weight is None else [a, weight, relax.prim_value(1)]
         return relax.call_dps_packed(MATMUL_FUNC, args, call.ty)
 
-    def _winograd_tile(self, call: relax.Call, weight: relax.Expr, params: list[int]) -> int:
-        """The Winograd tile (2 or 4) for a groups-1 conv2d with these params (strides, top and
-        left padding, dilations), 0 for none: it needs a 3x3 constant weight (transformed here),
-        stride 1, dilation 1, a static output size and the direct kernel's instruction sets
-        (`direct_block` not 0: not on a cross-compiled module)."""
-        out_shape = call.ty_args[0].shape  # the call's output (it may not be normalized yet)
-        out_hw = _static_ints([out_shape[2], out_shape[3]])
-        if not (self.direct_block and isinstance(weight, tvm.ir.GenericConst) and out_hw is not None
-                and params[0:2] == [1, 1] and params[4:6] == [1, 1]):
-            return 0
-        out_c, in_c, *kernel = (int(d) for d in weight.ty.shape)
-        if tuple(kernel) != (3, 3):
-            return 0
-        if self.winograd is not None:
-            return self.winograd
-        return winograd_tile_for(out_c, in_c, tuple(kernel), tuple(out_hw), self.direct_block)
-
     def _rewrite_conv2d(self, call: relax.Call) -> relax.Expr | None:
         data, weight = call.args
         attrs = call.attrs
@@ -623,27 +767,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         return relax.call_dps_packed(func, [data, packed, *(relax.prim_value(p) for p in params)], call.ty)
 
     def _conv_kernel(self, call: relax.Call) -> relax.Expr:
-        """A `gimlet.cpu.conv2d_nchw` call (with its epilogue) on the kernel chosen for its
-        shape: Winograd, direct or row-vectorized for groups 1 (in that order, where
-        `winograd_tile_for`, `direct_conv_block_for` or `row_conv_for` says so), else as it is."""
-        data, weight, *params_args = call.args[1].fields
-        out_ty = call.ty_args[0]
-        params = [int(p.value) for p in params_args[:6]]
-        groups, epilogue = int(params_args[6].value), params_args[7:]
-        shape = _static_ints(weight.ty.shape)
-        if groups != 1 or shape is None:
-            return call
-        out_c, in_c, *kernel = shape
-        tile = self._winograd_tile(call, weight, params)
-        if tile:
-            transformed = relax.const(winograd_weight(weight.value.numpy(), tile))
-            return relax.call_dps_packed(WINOGRAD_CONV2D_FUNC, [data, transformed, *params_args[:6], *epilogue], out_ty)
-        block = direct_conv_block_for(out_c, in_c, tuple(kernel), self.direct_block)
-        if block:
-            packed = self.builder_.emit(relax.op.layout_transform(
-                weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
-            return relax.call_dps_packed(DIRECT_CONV2D_FUNC, [data, packed, *params_args[:6], *epilogue], out_ty)
-        if row_conv_for(in_c, tuple(kernel), self.direct_block):
-            lanes = relax.prim_value(self.direct_block)
-            return relax.call_dps_packed(ROW_CONV2D_FUNC, [data, weight, *params_args[:6], lanes, *epilogue], out_ty)
-        return call
+        """A `gimlet.cpu.conv2d_nchw` call (with its epilogue) on the algorithm the default rule
+        picks for its shape (`default_conv_algorithm`), else as it is (im2col + OpenBLAS)."""
+        shape = conv_shape(call)
+        algorithm = None if shape is None else default_conv_algorithm(shape, self.direct_block, self.winograd)
+        return call if algorithm is None else algorithm.emit(self.builder_, call, self.direct_block)

@@ -1,9 +1,13 @@
-"""The passes that hand a target's ops to its kernel libraries: `library_passes(spec)`.
+"""The passes that hand a target's ops to its kernel libraries: `layout_passes(spec)` and
+`library_passes(spec)`.
 
-Where it goes: after graph fusion (and kernel selection's rewrites), before LegalizeOps, which
-would otherwise turn the ops into TIR. This machine's CPU, with the CPU library, first gets
-`BlockedLayout` (regions of a CNN in channel-blocked NCHW{B}c, for the library's blocked conv
-kernels). Each library a target's spec lists
+Where they go: after graph fusion, before LegalizeOps, which would otherwise turn the ops into
+TIR; kernel selection's rewrites (`ApplyKernelSelection`) run between the two. This machine's
+CPU, with the CPU library, first gets `BlockedLayout` (`layout_passes`: regions of a CNN in
+channel-blocked NCHW{B}c, for the library's blocked conv kernels); it runs before kernel
+selection, so a blocked conv keeps its blocked kernel (it is no op group: selection, which sees
+the module the same way, `selection.select.op_signatures`, offers nothing for it), and the
+convs selection can choose for are the ones left in NCHW. Each library a target's spec lists
 (`TargetSpec.libraries`) that has a dispatch pass gets it, in the spec's order; then, where the
 spec asks for fast math, `FastMathTransform` and `fast_activations` (GELU ops); where it asks for transposed-matmul kernels,
 `transposed_matmul_kernels` (after the dispatch, so a library still gets the pairs it takes). A
@@ -39,13 +43,17 @@ def dispatch_passes(spec: TargetSpec, grouping: bool = False) -> list[tvm.transf
             for lib in spec.libraries if lib.name in LIBRARY_DISPATCH]
 
 
-def library_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:
+def layout_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:
     """For this machine's CPU with the CPU library, `BlockedLayout` (CNN regions in NCHW{B}c
     for its blocked kernels, B this CPU's vector width; not for a cross-compiled CPU, whose
-    vector width this machine does not know); `dispatch_passes`, then fast math and
-    transposed-matmul kernels where the spec asks."""
+    vector width this machine does not know); nothing for other targets."""
+    return [BlockedLayout()] if CPU_LIBRARY in spec.libraries and spec.runs_here() else []
+
+
+def library_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:
+    """`dispatch_passes`, then fast math and transposed-matmul kernels where the spec asks
+    (after `layout_passes` and kernel selection)."""
     return [
-        *([BlockedLayout()] if CPU_LIBRARY in spec.libraries and spec.runs_here() else []),
         *dispatch_passes(spec),
         *([relax.transform.FastMathTransform(), fast_activations] if spec.fast_math else []),
         *([transposed_matmul_kernels] if spec.transposed_matmul_kernels else []),

@@ -18,14 +18,17 @@ from onnx import helper
 
 import gimlet_tvm
 from gimlet_tvm import models
-from gimlet_tvm.compiler import graph_passes
+from gimlet_tvm.compiler import graph_passes, kernel_passes, resolve_target
 from gimlet_tvm.errors import CompileError
 from gimlet_tvm.frontend import import_model
 from gimlet_tvm.relax_passes.blocked_layout import BLOCKED_LAYOUT_ENV, FROM_BLOCKED_FUNC, TO_BLOCKED_FUNC
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
-    BLOCKED_DEPTHWISE_CONV2D_FUNC, DIRECT_CONV2D_FUNC, direct_conv_block, pack_conv_weight)
-from gimlet_tvm.relax_passes.library_dispatch import library_passes
+    BLOCKED_DEPTHWISE_CONV2D_FUNC, DIRECT_CONV2D_FUNC, IM2COL_CONV2D_FUNC, direct_conv_block, pack_conv_weight)
+from gimlet_tvm.relax_passes.library_dispatch import layout_passes, library_passes
 from gimlet_tvm.runtime.extensions import load_extensions
+from gimlet_tvm.schedules.kernel_selection.choices import KernelSelection, OpChoice, Tried
+from gimlet_tvm.schedules.tuning.records import target_key
+from gimlet_tvm.selection.select import op_signatures
 from gimlet_tvm.targets import host_spec
 
 from .test_cpu_direct_conv import reference_conv
@@ -151,7 +154,7 @@ def block_net(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
 def dispatched(model: onnx.ModelProto) -> str:
     """The model's main function after the graph and library passes, as TVMScript."""
     mod, _ = import_model(model)
-    mod = tvm.transform.Sequential([*graph_passes(), *library_passes(host_spec())])(mod)
+    mod = tvm.transform.Sequential([*graph_passes(), *layout_passes(host_spec()), *library_passes(host_spec())])(mod)
     return mod["main"].script()
 
 
@@ -212,6 +215,35 @@ def test_blocked_models_against_onnxruntime(name, setting, monkeypatch) -> None:
                                              providers=["CPUExecutionProvider"]).run(None, inputs)
     for got, expected in zip(ours, reference):
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_kernel_selection_leaves_blocked_convs_on_their_kernels(tmp_path, monkeypatch) -> None:
+    """Kernel selection sees the module after the blocked layout: a blocked conv is no op group.
+    A selection choosing im2col for every conv op group of `block_net(20)` with 8-channel
+    blocks (the two convs reading 20 channels stay NCHW) runs those on im2col, keeps the
+    40-channel region blocked on its kernels (entered and left once), and the model computes
+    what onnxruntime does."""
+    if direct_conv_block() == 0:
+        pytest.skip("no blocked kernels on this CPU")
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, "8")
+    model, shapes = block_net(20), {"x": (3, 20, 15, 15)}  # static: op groups need static shapes
+    spec, target = resolve_target("llvm")
+    mod, _ = import_model(model, shapes)
+    convs = {sig: count for sig, count in op_signatures(mod, target).items() if sig.op == "conv2d"}
+    assert sorted(sig.shapes[1] for sig in convs) == [(20, 20, 3, 3), (40, 20, 3, 3)]
+    chosen = "library:conv_im2col"
+    selection = KernelSelection(target_key(target), {
+        sig.key: OpChoice(sig, [Tried(chosen, "", True, seconds=1.0)], chosen, count) for sig, count in convs.items()})
+    with target:
+        script = tvm.transform.Sequential(kernel_passes([(spec, target)], selection.pass_for(target)))(mod)["main"].script()
+    assert script.count(f'"{IM2COL_CONV2D_FUNC}"') == 2
+    assert script.count(f'"{TO_BLOCKED_FUNC}"') == 1 and script.count(f'"{FROM_BLOCKED_FUNC}"') == 1
+    assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == 1 and script.count(f'"{BLOCKED_DEPTHWISE_CONV2D_FUNC}"') == 1
+    inputs = {"x": rand(3, 20, 15, 15, seed=8)}
+    ours = gimlet_tvm.build(model, "llvm", input_shapes=shapes, selection=selection)(*inputs.values())
+    reference = onnxruntime.InferenceSession(model.SerializeToString(),
+                                             providers=["CPUExecutionProvider"]).run(None, inputs)
+    np.testing.assert_allclose(np.asarray(ours[0]), reference[0], rtol=1e-4, atol=1e-4 * np.abs(reference[0]).max())
 
 
 @pytest.mark.parametrize("block", BLOCKS)

@@ -33,12 +33,14 @@ from ..errors import GimletError, RemoteDeviceError
 from ..logs import quiet_tvm_logs
 from ..peers import PairedRatio
 from ..relax_passes.graph_fusion import graph_fusion_passes
+from ..relax_passes.library_dispatch import layout_passes
 from ..runtime.remote import RemoteDevice
 from ..schedules.kernel_selection.apply import grouping_passes
 from ..schedules.kernel_selection.candidates import OpSignature
 from ..schedules.kernel_selection.choices import KernelSelection, OpChoice, Tried
 from ..schedules.kernel_selection.sources import candidates
 from ..schedules.tuning.records import RecordsDB, target_key
+from ..targets import spec_for
 from .generator import GENERATED_DIR, Generator, formats_for, generate
 from .verify import Outcome, race_candidates, run_candidate
 
@@ -55,8 +57,10 @@ HOPELESS = 10.0       # generated code this many times slower than the fastest s
 
 def op_signatures(mod: tvm.IRModule, target: tvm.target.Target) -> dict[OpSignature, int]:
     """The signatures selection handles in `mod` (imported), with how often each occurs,
-    as the build's `ApplyKernelSelection` sees them (op groups formed)."""
-    passes = [*canonicalize_passes(), *graph_fusion_passes(), *grouping_passes(target)]
+    as the build's `ApplyKernelSelection` sees them (after the target's layout passes, op groups
+    formed)."""
+    passes = [*canonicalize_passes(), *graph_fusion_passes(), *layout_passes(spec_for(target)),
+              *grouping_passes(target)]
     with target:
         mod = tvm.transform.Sequential(passes)(mod)
     counts: dict[OpSignature, int] = {}

@@ -2207,6 +2207,19 @@ void Attention(DLTensor* q, DLTensor* k, DLTensor* v, DLTensor* bias, double sca
   Launch(RunAttentionUnits, &work, flops >= kMinParallelGemm);
 }
 
+/*!
+ * \brief conv2d by im2col + OpenBLAS as a packed function: (data, weight, stride_h, stride_w,
+ * pad_top, pad_left, dilation_h, dilation_w, groups, epilogue steps..., out); bottom/right
+ * padding is implied by the output shape. Registered as `gimlet.cpu.conv2d_nchw` (the generic
+ * call, which the compiler's default rule may still move to another kernel) and as
+ * `gimlet.cpu.conv2d_nchw_im2col` (a build that chose this algorithm).
+ */
+void Im2colConv2DPacked(PackedArgs args, tvm::ffi::Any*) {
+  DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
+  Conv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(), Conv2DParamsOf(args),
+         args[8].cast<int64_t>(), ParseEpilogue(args, 9, args.size() - 1, out), out);
+}
+
 }  // namespace
 
 TVM_FFI_STATIC_INIT_BLOCK() {
@@ -2221,16 +2234,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                            args[2].cast<int64_t>(), ParseEpilogue(args, 3, args.size() - 1, out),
                            out);
                   })
-      .def_packed("gimlet.cpu.conv2d_nchw",
-                  [](PackedArgs args, tvm::ffi::Any*) {
-                    // (data, weight, stride_h, stride_w, pad_top, pad_left, dilation_h,
-                    //  dilation_w, groups, epilogue steps..., out); bottom/right padding is
-                    //  implied by the output shape.
-                    DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
-                    Conv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
-                           Conv2DParamsOf(args), args[8].cast<int64_t>(),
-                           ParseEpilogue(args, 9, args.size() - 1, out), out);
-                  })
+      .def_packed("gimlet.cpu.conv2d_nchw", Im2colConv2DPacked)
+      .def_packed("gimlet.cpu.conv2d_nchw_im2col", Im2colConv2DPacked)
       .def_packed("gimlet.cpu.conv2d_nchw_direct",
                   [](PackedArgs args, tvm::ffi::Any*) {
                     // (data, packed weight, stride_h, stride_w, pad_top, pad_left,

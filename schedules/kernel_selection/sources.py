@@ -9,9 +9,12 @@ candidates it has for an op signature on a target (unavailable ones too, with th
   the build schedules it with MetaSchedule records when the records directory has one for
   it, else with the target's default rules;
 - library: a call into one of the target's libraries that takes the op (`TargetSpec.libraries`;
-  the CPU library's `gimlet.cpu.matmul`, `.conv2d_nchw` (OpenBLAS) or `.attention` through
-  `DispatchCPULibrary`, epilogue included; the CUDA library's cuBLAS SGEMM for matmul,
-  `gimlet.cuda.matmul`, where cuBLAS is installed);
+  the CPU library's `gimlet.cpu.matmul` (OpenBLAS) or `.attention` through
+  `DispatchCPULibrary`, epilogue included; for conv2d, each of its conv algorithms
+  (`dispatch_cpu_library.CONV_ALGORITHMS`: Winograd F(4x4) and F(2x2), direct with 16- and
+  8-channel blocks, row-vectorized, im2col + OpenBLAS) as its own candidate whose rewrite emits
+  that kernel's call, so the library's default rule no longer decides for it; the CUDA
+  library's cuBLAS SGEMM for matmul, `gimlet.cuda.matmul`, where cuBLAS is installed);
 - handwritten: the target's hand-written kernels for the op (`TargetSpec.handwritten_kernels`);
 - external: kernels in a directory described by `kernels.json` (see `external.py`);
 - generator: kernels a kernel generator wrote during selection, kept in a directory of the same
@@ -25,17 +28,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from typing import Callable
 
 import numpy as np
 import tvm
 from tvm import relax
 
-from ...relax_passes.dispatch_cpu_library import DispatchCPULibrary
+from ...relax_passes.dispatch_cpu_library import (CONV_ALGORITHMS, ConvAlgorithm, ConvShape,
+                                                  DispatchCPULibrary, direct_conv_block)
 from ...runtime.cuda_runtime import load_cuda_library
 from ...targets import spec_for
 from ...targets.kernels import MAX_ADDENDS
 from ...targets.libraries import CPU_LIBRARY, CUDA_LIBRARY
-from .candidates import Candidate, OpSignature, call_prim_func, emit_epilogue
+from .candidates import Candidate, OpSignature, Rewrite, call_prim_func, emit_epilogue
 from .external import external_candidates
 from .op_kinds import find_group
 
@@ -117,24 +122,52 @@ def _cpu_library_call(sig: OpSignature) -> str | None:
     return None
 
 
-def _cpu_library(name: str):
+def _cpu_library(name: str) -> Callable[[OpSignature, tvm.target.Target], list[Candidate]]:
     """The CPU library's candidate `name` (its function for the op, as `DispatchCPULibrary`
     calls it, from runtime/ext/cpu_library.cc)."""
-    def candidate(sig: OpSignature) -> Candidate:
+    def candidates(sig: OpSignature, target: tvm.target.Target) -> list[Candidate]:
         func = _cpu_library_call(sig)
         reason = None if func else "DispatchCPULibrary does not take this op"
-        return Candidate("library", name, f"{func or CPU_LIBRARY.name} ({CPU_LIBRARY.source})",
-                         _keep, unavailable=reason)
-    return candidate
+        return [Candidate("library", name, f"{func or CPU_LIBRARY.name} ({CPU_LIBRARY.source})",
+                          _keep, unavailable=reason)]
+    return candidates
 
 
-def _cublas(sig: OpSignature) -> Candidate:
+def _cpu_conv2d(sig: OpSignature, target: tvm.target.Target) -> list[Candidate]:
+    """One candidate per conv algorithm of the CPU library (`CONV_ALGORITHMS`: `library:conv_
+    winograd4`, ...), unavailable where it cannot run the shape; and `library:openblas`, the
+    default rule's pick (what versions before those candidates recorded as the winner; listed
+    as unavailable, so selection does not time one of the others twice, but still applied
+    where older records chose it)."""
+    cpu_block = direct_conv_block() if spec_for(target).runs_here() else 0
+    shape = signature_conv_shape(sig)
+
+    def rewrite(algorithm: ConvAlgorithm) -> Rewrite:
+        return lambda bb, call: algorithm.emit(bb, call, cpu_block)
+
+    return [
+        *(Candidate("library", f"conv_{a.name}", f"{a.func} ({CPU_LIBRARY.source})", rewrite(a),
+                    unavailable=a.unavailable(shape, cpu_block)) for a in CONV_ALGORITHMS.values()),
+        Candidate("library", "openblas", f"the default rule's conv algorithm ({CPU_LIBRARY.source})", _keep,
+                  unavailable="the default rule, kept for older records: each algorithm is its own candidate"),
+    ]
+
+
+def signature_conv_shape(sig: OpSignature) -> ConvShape:
+    """A conv2d signature as the conv algorithms read it."""
+    p = {name: int(value) for name, value in sig.attrs}
+    out_c, in_c, kh, kw = sig.shapes[1]
+    params = (p["stride_h"], p["stride_w"], p["pad_top"], p["pad_left"], p["dilation_h"], p["dilation_w"])
+    return ConvShape(out_c, in_c, (kh, kw), tuple(sig.out_shape[2:]), params, p["groups"], sig.weight)
+
+
+def _cublas(sig: OpSignature, target: tvm.target.Target) -> list[Candidate]:
     """cuBLAS's SGEMM for a matmul without epilogue (the CUDA op groups have none)."""
     reason = load_cuda_library()
     if reason is None and (sig.dtype != "float32" or sig.epilogue):
         reason = "float32 matmul without epilogue only"
-    return Candidate("library", "cublas", f"{CUBLAS_MATMUL} ({CUDA_LIBRARY.source})",
-                     _call_cublas, unavailable=reason)
+    return [Candidate("library", "cublas", f"{CUBLAS_MATMUL} ({CUDA_LIBRARY.source})",
+                      _call_cublas, unavailable=reason)]
 
 
 def _call_cublas(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -142,19 +175,19 @@ def _call_cublas(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     return relax.call_dps_packed(CUBLAS_MATMUL, group.operands, call.ty)
 
 
-# The candidate of each library (by name) and op: the CPU library's matmul calls OpenBLAS, its
-# conv2d unfolds patches for OpenBLAS's GEMM, its attention is its own (blocked scores,
-# softmax, weighted sum).
+# The candidates of each library (by name) and op: the CPU library's matmul calls OpenBLAS, its
+# conv2d has several algorithms (Winograd, direct, row-vectorized, im2col + OpenBLAS), its
+# attention is its own (blocked scores, softmax, weighted sum).
 LIBRARY_CANDIDATES = {
-    CPU_LIBRARY.name: {"matmul": _cpu_library("openblas"), "conv2d": _cpu_library("openblas"),
+    CPU_LIBRARY.name: {"matmul": _cpu_library("openblas"), "conv2d": _cpu_conv2d,
                        "attention": _cpu_library("gimlet_attention")},
     CUDA_LIBRARY.name: {"matmul": _cublas},
 }
 
 
 def library(sig: OpSignature, target: tvm.target.Target, dirs: KernelDirs) -> list[Candidate]:
-    return [LIBRARY_CANDIDATES[lib.name][sig.op](sig) for lib in spec_for(target).libraries
-            if sig.op in LIBRARY_CANDIDATES.get(lib.name, {})]
+    return [c for lib in spec_for(target).libraries if sig.op in LIBRARY_CANDIDATES.get(lib.name, {})
+            for c in LIBRARY_CANDIDATES[lib.name][sig.op](sig, target)]
 
 
 def handwritten(sig: OpSignature, target: tvm.target.Target, dirs: KernelDirs) -> list[Candidate]:
