@@ -747,7 +747,8 @@ def test_conv2d_groups_with_library_and_generated_candidates(tmp_path):
         assert outcome.checks == [grouped.key, grouped.edge_case().key]
     selection = select_kernels(mod, target, records=str(tmp_path), timeout=180)
     assert len(selection.choices) == 3
-    for sig, choice in zip(sigs, selection.choices.values()):
+    for sig in sigs:
+        choice = selection.choices[sig.key]
         available = {c.id for c in candidates(sig, target) if c.unavailable is None}
         assert {t.id for t in choice.tried if t.verified} == available, choice.tried
         assert all(t.verdict == "unavailable" for t in choice.tried if not t.verified)
