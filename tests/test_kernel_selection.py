@@ -28,7 +28,7 @@ from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
 from gimlet_tvm.schedules.kernel_selection.choices import SELECTION_FILE, KernelSelection, OpChoice, Tried
 from gimlet_tvm.schedules.kernel_selection.sources import candidates, find, signature_conv_shape
 from gimlet_tvm.selection.select import op_signatures, select_kernels
-from gimlet_tvm.selection.verify import run_candidate
+from gimlet_tvm.selection.verify import Verifier, run_candidate
 from gimlet_tvm.targets.cpu import CPU_KERNELS
 from gimlet_tvm.schedules.tuning.records import target_key
 
@@ -546,6 +546,23 @@ def test_race_times_every_candidate_in_every_round(kernels):
     assert all(len(times) == 3 and all(0 < t < 0.1 for t in times) for times in race.samples.values())
     race = race_candidates(dict(request, candidates=["external:good", "external:crash"]), timeout=300)
     assert race.failure.startswith("crashed (SIGSEGV)") and race.samples == {}
+
+
+def test_one_child_serves_a_group_and_a_crash_loses_none_after_it(kernels):
+    """A `Verifier` verifies an op group's candidates one after another; a candidate that runs
+    past its time (here the child is still importing TVM) or crashes the child (SIGSEGV) gets
+    the verdict a child of its own would give, and the candidates after it are verified by a
+    fresh child."""
+    _, target = resolve_target("llvm")
+    request = _request("", target, str(kernels))
+    with Verifier() as verifier:
+        late, good, crash, wrong, again = (
+            verifier.run(dict(request, candidate=f"external:{name}"), timeout)
+            for name, timeout in (("good", 0.5), ("good", 120), ("crash", 120), ("wrong", 120), ("good", 120)))
+    assert late.verdict == "timeout" and late.reason == "timed out after 0.5 s (compile, run or check)", late
+    assert good.verified and again.verified and good.seconds > 0 and again.seconds > 0
+    assert crash.verdict == "crash" and crash.reason.startswith("crashed (SIGSEGV)"), crash
+    assert wrong.verdict == "wrong result" and "on random inputs" in wrong.reason, wrong
 
 
 def encoder_group(op: str):

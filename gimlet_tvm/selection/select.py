@@ -2,7 +2,8 @@
 
 `select_kernels` finds the model's op signatures (after graph fusion, op groups formed with
 the epilogues the library would absorb: what the build's `ApplyKernelSelection` sees), lists
-every source's candidates, verifies and times each in a subprocess (`verify.run_candidate`),
+every source's candidates, verifies and times each in a subprocess (`verify.Verifier`: one child
+per op group, serving its candidates in turn, a fresh one after a candidate that ended it),
 times the ones within `RACE_WITHIN` times the fastest again side by side in one subprocess
 (`verify.race_candidates`: rounds, each timing every one of them once) and picks the one with
 the lowest median over those rounds, unless the race cannot tell it from others: among such
@@ -42,7 +43,7 @@ from ..schedules.kernel_selection.sources import candidates
 from ..schedules.tuning.records import RecordsDB, target_key
 from ..targets import spec_for
 from .generator import GENERATED_DIR, Generator, formats_for, generate
-from .verify import Outcome, race_candidates, run_candidate
+from .verify import Outcome, Verifier, race_candidates
 
 # Verified candidates whose first timing is within this factor of the fastest are timed again
 # together, in RACE_ROUNDS rounds: on a shared host one timing alone was seen 2.6x off.
@@ -87,9 +88,9 @@ def _check_remote(remote: RemoteDevice, what: str) -> None:
         gc.collect()  # ends the probe's session (TVM's RPC objects form cycles)
 
 
-def _run(request: dict[str, Any], timeout: float, remote: RemoteDevice | None) -> Outcome:
-    """`run_candidate`, the remote device checked where a remote step failed."""
-    outcome = run_candidate(request, timeout)
+def _run(verifier: Verifier, request: dict[str, Any], timeout: float, remote: RemoteDevice | None) -> Outcome:
+    """`Verifier.run`, the remote device checked where a remote step failed."""
+    outcome = verifier.run(request, timeout)
     if not outcome.remote_failed:
         return outcome
     _check_remote(remote, f"{request['candidate']} for {request['signature']['op']}")
@@ -174,22 +175,25 @@ def select_kernels(
         request = {"signature": sig.to_json(), "target": target_json, "external_dir": external_dir,
                    "generated_dir": generated_dir, "records": records, "min_repeat_ms": min_repeat_ms,
                    "remote": dataclasses.asdict(remote) if remote else None}
-        # Generated code last: an untuned schedule is often far behind, and then timed once.
-        for candidate in sorted(candidates(sig, target, external_dir), key=lambda c: c.source == "generated"):
-            if candidate.unavailable is not None:
-                outcome = Outcome(False, f"unavailable: {candidate.unavailable}", verdict="unavailable")
-            else:
-                fastest = min((t.seconds for t in tried if t.verified), default=None)
-                hopeless = HOPELESS * fastest if fastest and candidate.source == "generated" else None
-                outcome = _run(dict(request, candidate=candidate.id, hopeless_after=hopeless), timeout, remote)
-            tried.append(Tried(candidate.id, candidate.provenance, outcome.verified, outcome.reason,
-                               outcome.seconds, candidate.digest, verdict=outcome.verdict))
-            report(f"{sig.key}: {candidate.id} " + (f"{outcome.seconds * 1e3:.3f} ms" if outcome.verified
-                                                     else f"no: {outcome.reason}"))
         rounds = []
-        if generator is not None and formats_for(sig, target):
-            rounds = generate(sig, target, generator, generated_dir,
-                              lambda cid: _run(dict(request, candidate=cid), timeout, remote), tried, report)
+        with Verifier() as verifier:
+            # Generated code last: an untuned schedule is often far behind, and then timed once.
+            for candidate in sorted(candidates(sig, target, external_dir), key=lambda c: c.source == "generated"):
+                if candidate.unavailable is not None:
+                    outcome = Outcome(False, f"unavailable: {candidate.unavailable}", verdict="unavailable")
+                else:
+                    fastest = min((t.seconds for t in tried if t.verified), default=None)
+                    hopeless = HOPELESS * fastest if fastest and candidate.source == "generated" else None
+                    outcome = _run(verifier, dict(request, candidate=candidate.id, hopeless_after=hopeless),
+                                   timeout, remote)
+                tried.append(Tried(candidate.id, candidate.provenance, outcome.verified, outcome.reason,
+                                   outcome.seconds, candidate.digest, verdict=outcome.verdict))
+                report(f"{sig.key}: {candidate.id} " + (f"{outcome.seconds * 1e3:.3f} ms" if outcome.verified
+                                                         else f"no: {outcome.reason}"))
+            if generator is not None and formats_for(sig, target):
+                rounds = generate(sig, target, generator, generated_dir,
+                                  lambda cid: _run(verifier, dict(request, candidate=cid), timeout, remote),
+                                  tried, report)
         failure = _race_close(tried, request, timeout, remote)
         if failure is not None:
             warnings.warn(f"{sig.key}: the close candidates could not be timed together ({failure}); "

@@ -25,33 +25,49 @@ for this, first (`out_of_bounds`: `guard_pages` in a process of its own, exact p
 operand named); a TVMScript kernel here, after one run on ordinary arrays and before its
 poisoned runs, whose results a read past an operand's end could change (`_guard_pages`: DLPack
 wants 64-byte aligned data, so an array may end up to 60 bytes short of its page), the fault ending
-this child, which `_spawn` reads by the stage the child announced (the guard pages are this
+this child, which `Verifier` reads by the stage the child announced (the guard pages are this
 machine's host memory: for a remote device or a GPU they are skipped, the rest runs there). A
 C kernel split into tasks (`CSource`) also runs its tasks concurrently, in order and in
 reverse order (`task_orders`): an output that differs between those is a "race" (tasks
 writing one element, or reading what another writes). The child runs in a
-session of its own under resource limits (`_limit`: CPU time, address space), and its whole
+session of its own under resource limits (`_limit_cpu`, `_limit_memory`: CPU time, address space), and its whole
 process group is killed when it runs past its time ("timeout").
 
 A request naming several `candidates` (verified before) is a race instead: one child builds
 each for timing, then times them in turn, round after round (`race_candidates`), so near
 equals are compared under the same load and not by one timing each, minutes apart.
 
-    python -m gimlet_tvm.selection.verify < request.json
+A child serves request after request (`Verifier`: one per op group in `select_kernels`), as
+importing TVM costs seconds per process and a conv group has a dozen candidates. Each request
+is one line on the child's stdin, answered by its stage markers and one result line; its time
+runs from when it is sent (the parent kills the child's process group at `timeout`) and the
+child sets its CPU limit afresh for it (`_limit_cpu`). A child that dies (signal, CPU limit,
+exit) or is killed gives the request it was on the verdict a child of its own would have
+had; the next request starts a fresh one. A forkserver with TVM preloaded would save the
+import too, but forking a process whose TVM thread pool and log-filter threads already run
+is not safe; a reused child keeps the simple spawn. The price: candidates of one group share
+a process, so one that corrupts memory without faulting could in principle upset a later
+one's checks (it could as well pass its own: what the checks guard is the model, not the
+selection).
+
+    python -m gimlet_tvm.selection.verify < requests.jsonl   (one request a line)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
+import queue
 import resource
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -120,59 +136,128 @@ class Race:
 
 
 def run_candidate(request: dict[str, Any], timeout: float) -> Outcome:
-    """Verify and time the candidate `request` names, in a child process."""
-    result = _spawn(request, timeout)
-    return Outcome(False, result[1], verdict=result[0]) if isinstance(result, tuple) else Outcome(**result)
+    """Verify and time the candidate `request` names, in a child process of its own."""
+    with Verifier() as verifier:
+        return verifier.run(request, timeout)
 
 
 def race_candidates(request: dict[str, Any], timeout: float) -> Race:
     """Time the verified candidates `request["candidates"]` of one op group against each other
     in one child process: `request["rounds"]` rounds, each timing every candidate once (caches
     cold, as `_time`), in balanced orders (`peers.interleaved`)."""
-    result = _spawn(request, timeout)
+    with Verifier() as verifier:
+        result = verifier.result(request, timeout)
     return Race({}, result[1]) if isinstance(result, tuple) else Race(**result)
 
 
-def _limit(timeout: float) -> None:
-    """In the child before it starts: at most `timeout` seconds of CPU time per core (its
-    threads together), and no more address space than this machine has memory."""
-    cpu = math.ceil(timeout * (os.cpu_count() or 1))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
+def _limit_memory() -> None:
+    """In the child before it starts: no more address space than this machine has memory."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
 
-def _spawn(request: dict[str, Any], timeout: float) -> dict[str, Any] | tuple[str, str]:
-    """The child's result for `request`, or (verdict, why there is none). The child leads a
-    process group of its own, killed whole when it runs past `timeout`."""
-    proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=lambda: _limit(timeout))
-    try:
-        out, err = proc.communicate(json.dumps(request), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return "timeout", f"timed out after {timeout:g} s (compile, run or check)"
-    finally:
-        try:  # what it started must not outlive it
-            os.killpg(proc.pid, signal.SIGKILL)
+def _limit_cpu(timeout: float) -> None:
+    """In the child before each request: at most `timeout` seconds of CPU time per core (its
+    threads together) from now on. The hard limit stays unlimited so that the next request
+    can raise the soft one again; going past the soft one sends SIGXCPU, which kills."""
+    used = sum(os.times()[:2])
+    cpu = math.ceil(used + timeout * (os.cpu_count() or 1))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.RLIM_INFINITY))
+
+
+class Verifier:
+    """A child process that verifies (or races) one request after another, started when the
+    first comes and again after one that ended it; `close` (or leaving the `with`) ends it."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._lines: queue.Queue = queue.Queue()
+        self._stderr = None
+
+    def __enter__(self) -> "Verifier":
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
+    def run(self, request: dict[str, Any], timeout: float) -> Outcome:
+        """Verify and time the candidate `request` names (at most `timeout` seconds)."""
+        result = self.result(request, timeout)
+        return Outcome(False, result[1], verdict=result[0]) if isinstance(result, tuple) else Outcome(**result)
+
+    def result(self, request: dict[str, Any], timeout: float) -> dict[str, Any] | tuple[str, str]:
+        """The child's result for `request`, or (verdict, why there is none). The child leads a
+        process group of its own, killed whole when it runs past `timeout`."""
+        if self._proc is not None and self._proc.poll() is not None:  # it died since the last request
+            self.close()
+        if self._proc is None:
+            self._start()
+        err_start = os.fstat(self._stderr.fileno()).st_size
+        try:
+            self._proc.stdin.write(json.dumps(dict(request, timeout=timeout)) + "\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:  # it died just now; its stdout ends, below
+            pass
+        deadline, stages = time.monotonic() + timeout, []
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close()
+                return "timeout", f"timed out after {timeout:g} s (compile, run or check)"
+            if line is None:  # stdout closed: the child is gone
+                returncode = self._proc.wait()
+                self._stderr.seek(err_start)
+                err = self._stderr.read().decode(errors="replace")
+                self.close()
+                return _death(request, returncode, stages, err)
+            if line.startswith(RESULT_PREFIX):
+                return json.loads(line[len(RESULT_PREFIX):])
+            if line.startswith(STAGE_PREFIX):
+                stages.append(line[len(STAGE_PREFIX):].rstrip("\n"))
+
+    def close(self) -> None:
+        """End the child and whatever it started."""
+        if self._proc is None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    for line in out.splitlines()[::-1]:
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
-    stages = [line[len(STAGE_PREFIX):] for line in out.splitlines() if line.startswith(STAGE_PREFIX)]
-    if proc.returncode in FAULTS and stages[-1:] == [GUARD_STAGE]:
+        self._proc.wait()
+        self._proc.stdin.close()
+        self._stderr.close()
+        self._proc = self._stderr = None
+
+    def _start(self) -> None:
+        self._stderr = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._stderr, text=True, start_new_session=True,
+                                      preexec_fn=_limit_memory)
+        self._lines = queue.Queue()  # a line of stdout at a time, then None
+        threading.Thread(target=_pump, args=(self._proc.stdout, self._lines), daemon=True).start()
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    stream.close()
+    lines.put(None)
+
+
+def _death(request: dict[str, Any], returncode: int, stages: list[str], err: str) -> tuple[str, str]:
+    """(verdict, reason) for the request a child was on when it ended with `returncode`,
+    having announced `stages` and written `err` to stderr since the request began."""
+    if returncode in FAULTS and stages[-1:] == [GUARD_STAGE]:
         key = OpSignature.from_json(request["signature"]).key
-        return "out-of-bounds access", (f"out-of-bounds access at {key}: {FAULTS[proc.returncode]} with each operand "
+        return "out-of-bounds access", (f"out-of-bounds access at {key}: {FAULTS[returncode]} with each operand "
                                         "against a guard page (after its end, within 60 bytes, or before its start)")
-    if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
-        return "timeout", f"ran past its CPU time limit ({signal.Signals(-proc.returncode).name})"
-    if proc.returncode < 0:
-        return "crash", f"crashed ({signal.Signals(-proc.returncode).name}) while compiling, running or checking"
+    if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        return "timeout", f"ran past its CPU time limit ({signal.Signals(-returncode).name})"
+    if returncode < 0:
+        return "crash", f"crashed ({signal.Signals(-returncode).name}) while compiling, running or checking"
     tail = (err.strip().splitlines() or ["no output"])[-1][:200]
-    return "crash", f"child exited with code {proc.returncode}: {tail}"
+    return "crash", f"child exited with code {returncode}: {tail}"
 
 
 def _build(mod, candidate, spec, target, tuned):
@@ -408,7 +493,7 @@ def _guard_pages(sig, machine: _Machine, alone) -> None:
     each ending where a PROT_NONE page begins, then each beginning right after one. TVM takes
     DLPack data 64-byte aligned only, so an array whose size is no multiple of 64 bytes ends
     up to 60 bytes before its page (exact for C kernels: `out_of_bounds`). A fault kills this
-    child: `_spawn` reads it as an out-of-bounds access by the stage announced here, after one
+    child: `Verifier` reads it as an out-of-bounds access by the stage announced here, after one
     run on ordinary arrays (a crash there is a crash, not an out-of-bounds access)."""
     rng = np.random.default_rng(4)
     shapes, dtypes = [shape for _, shape in sig.kernel_operands()], sig.kernel_dtypes()
@@ -545,8 +630,16 @@ def _race_child(request: dict[str, Any]) -> Race:
     return Race(samples)
 
 
-if __name__ == "__main__":
-    job = json.loads(sys.stdin.read())
+def _serve() -> None:
+    """The child: a request a line on stdin, each answered by a result line on stdout."""
     with quiet_tvm_logs():  # a failure's reason is our stderr's last line: keep TVM's off it
-        result = _race_child(job) if "candidates" in job else _child(job)
-    print(RESULT_PREFIX + json.dumps(dataclasses.asdict(result)), flush=True)
+        for line in sys.stdin:
+            job = json.loads(line)
+            _limit_cpu(job["timeout"])
+            result = _race_child(job) if "candidates" in job else _child(job)
+            print(RESULT_PREFIX + json.dumps(dataclasses.asdict(result)), flush=True)
+            gc.collect()  # the request's TVM objects (they form cycles)
+
+
+if __name__ == "__main__":
+    _serve()
