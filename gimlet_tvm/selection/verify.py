@@ -158,11 +158,12 @@ def _limit_memory() -> None:
 
 def _limit_cpu(timeout: float) -> None:
     """In the child before each request: at most `timeout` seconds of CPU time per core (its
-    threads together) from now on. The hard limit stays unlimited so that the next request
-    can raise the soft one again; going past the soft one sends SIGXCPU, which kills."""
-    used = sum(os.times()[:2])
-    cpu = math.ceil(used + timeout * (os.cpu_count() or 1))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.RLIM_INFINITY))
+    threads together) from now on. The hard limit stays as it is (unlimited, as a rule) so that
+    the next request can raise the soft one again; going past the soft one sends SIGXCPU,
+    which kills."""
+    cpu = math.ceil(sum(os.times()[:2]) + timeout * (os.cpu_count() or 1))
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu if hard == resource.RLIM_INFINITY else min(cpu, hard), hard))
 
 
 class Verifier:
