@@ -375,7 +375,7 @@ def tune(
     # records make every group's choice stale.
     trials_run = tune_tasks(deadline=start + GENERATED_SHARE * (deadline - start)) if tune_generated else 0
     selection = KernelSelection.load(db.path, tvm_target)
-    if selection is not None and trials_run:
+    if trials_run:  # the generated candidates' new records make every choice stale
         selection = None
     if groups and (selection is None or any(sig.key not in selection.choices for sig in groups)):
         print(f"[select] {len(groups)} op groups: verifying and timing their candidates", file=log)

@@ -355,13 +355,20 @@ def _winograd(tile: int) -> ConvAlgorithm:
     return ConvAlgorithm(f"winograd{tile}", WINOGRAD_CONV2D_FUNC, unavailable, wanted, emit)
 
 
+def packed_conv_weight(bb: relax.BlockBuilder, weight: relax.Expr, block: int) -> relax.Expr:
+    """An OIHW weight as the direct and blocked depthwise kernels take it, [ceil(O / block), I,
+    H, W, block] (`pack_conv_weight`'s layout), emitted as a `layout_transform` that
+    FoldConstant computes at build time for a constant weight."""
+    return bb.emit(relax.op.layout_transform(
+        weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
+
+
 def _direct(block: int) -> ConvAlgorithm:
     """The direct kernel with blocks of `block` output channels, the weight packed for it by a
     `layout_transform` (FoldConstant computes it at build time for a constant weight)."""
     def emit(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> relax.Expr:
         data, weight, params, epilogue = _split_args(call)
-        packed = bb.emit(relax.op.layout_transform(
-            weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
+        packed = packed_conv_weight(bb, weight, block)
         return relax.call_dps_packed(DIRECT_CONV2D_FUNC, [data, packed, *params, *epilogue], call.ty_args[0])
 
     return ConvAlgorithm(
@@ -762,8 +769,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             func = BLOCKED_DEPTHWISE_CONV2D_FUNC
             if _static_ints([weight.ty.shape[1]]) != [1]:
                 return None
-        packed = self.builder_.emit(relax.op.layout_transform(
-            weight, lambda o, i, h, w: (o // block, i, h, w, o % block), pad_value=0.0))
+        packed = packed_conv_weight(self.builder_, weight, block)
         return relax.call_dps_packed(func, [data, packed, *(relax.prim_value(p) for p in params)], call.ty)
 
     def _conv_kernel(self, call: relax.Call) -> relax.Expr:
