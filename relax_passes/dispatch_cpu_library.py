@@ -180,15 +180,16 @@ def direct_conv_block_for(out_c: int, in_c: int, kernel: tuple[int, int], cpu_bl
     beats im2col + OpenBLAS; 0 where it does not (or `cpu_block`, this CPU's, is 0).
 
     benchmarks/conv_direct.py on Zen 4 (AVX-512, 1 and 2 threads): convs of at least 32
-    multiply-adds per output with at least two channel blocks (ResNet-18's, resnet_cnn's but
-    its stem) ran in 0.3-0.9x the time, 16-channel ones with 8-channel blocks (two of them,
-    not one 16-channel block: 1.1-1.7x) in 0.64x. 1x1 convs are plain GEMMs, where OpenBLAS's
-    packed kernels did as well or better (0.8-2.2x), and so did the 3-channel stems (27
-    multiply-adds per output: 0.8-1.2x)."""
+    multiply-adds per output (ResNet-18's, resnet_cnn's but its stem) ran in 0.3-0.9x the
+    time. A conv with fewer channels than this CPU's block runs on the narrower block (8
+    channels on AVX-512: 0.86x im2col's time); since one block's tiles hold 24 pixels, a
+    16-channel conv runs on one 16-channel block (resnet_cnn's 16->16: 0.8x two 8-channel
+    blocks on an AVX-512 Xeon). 1x1 convs are plain GEMMs, where OpenBLAS's packed kernels did as well or better
+    (0.8-2.2x), and so did the 3-channel stems (27 multiply-adds per output: 0.8-1.2x)."""
     if tuple(kernel) == (1, 1) or in_c * kernel[0] * kernel[1] < 32:
         return 0
     for block in (cpu_block, 8):
-        if 0 < block <= cpu_block and out_c >= 2 * block:
+        if 0 < block <= cpu_block and out_c >= block:
             return block
     return 0
 

@@ -56,6 +56,8 @@ def gelu(v: np.ndarray) -> np.ndarray:
         (1, 16, (14, 14), 33, (1, 1), (1, 1), (0, 0), (0, 0), (1, 1)),  # 1x1
         (1, 3, (30, 30), 20, (7, 7), (2, 2), (3, 3), (3, 3), (1, 1)),  # ResNet stem
         (2, 5, (11, 13), 17, (3, 3), (1, 1), (2, 2), (2, 2), (2, 2)),  # dilated
+        (2, 5, (11, 13), 17, (3, 3), (2, 2), (2, 2), (1, 2), (2, 2)),  # dilated, stride 2
+        (2, 9, (10, 9), 20, (1, 1), (2, 2), (0, 0), (0, 0), (1, 1)),  # 1x1 stride 2: one phase read
         (1, 6, (12, 10), 24, (3, 2), (1, 2), (2, 0), (1, 1), (1, 1)),  # asymmetric, uneven strides
         (3, 64, (7, 7), 48, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1)),  # deep layer: tiles span rows
     ],
@@ -144,9 +146,10 @@ def test_direct_conv2d_in_a_model_against_onnxruntime(block, monkeypatch) -> Non
     "cpu_block, in_c, out_c, kernel, block",
     [
         ("16", 6, 35, 3, 16),
-        ("16", 6, 16, 3, 8),  # two 8-channel blocks rather than one 16-channel block
+        ("16", 6, 16, 3, 16),  # one block
+        ("16", 6, 8, 3, 8),  # fewer channels than this CPU's block: the narrower one
         ("8", 6, 16, 3, 8),
-        ("8", 6, 8, 3, 0),  # one block
+        ("8", 6, 4, 3, 0),  # fewer channels than any block
         ("16", 3, 35, 1, 0),  # 3 multiply-adds per output
         ("16", 64, 128, 1, 0),  # 1x1: a GEMM, OpenBLAS's
         ("0", 6, 35, 3, 0),  # direct kernel turned off

@@ -665,38 +665,164 @@ void Conv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t gro
 }
 
 // ---------------------------------------------------------------------------------------------
+// Stride-phase planes: the data copied so that consecutive outputs read consecutive inputs
+// at every tap, whatever the stride and dilation (the direct, row and depthwise kernels).
+
+/*! \brief dst[j] = src[j] for j < n, `kLanes` at a time, the last `kLanes` overlapping the
+ * ones before (short rows: memcpy's call costs more than the copy). */
+inline void CopyFloats(const float* src, int64_t n, float* dst) {
+  if (n < kLanes) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = src[j];
+    return;
+  }
+  Floats v;
+  for (int64_t j = 0; j + kLanes < n; j += kLanes) {
+    std::memcpy(&v, src + j, sizeof(v));
+    std::memcpy(dst + j, &v, sizeof(v));
+  }
+  std::memcpy(&v, src + n - kLanes, sizeof(v));
+  std::memcpy(dst + n - kLanes, &v, sizeof(v));
+}
+
+/*! \brief a / b rounded up, for b > 0 (toward zero for a < 0); strides 1 and 2 without a
+ * division (a 64-bit division costs more than copying a depthwise conv's short row). */
+inline int64_t CeilDiv(int64_t a, int64_t b) {
+  return b == 1 ? a : b == 2 ? (a + 1) >> 1 : (a + b - 1) / b;
+}
+
+/*! \brief dst[j] = src[2 * j] for j < n, reading no further than src[available - 1]:
+ * `kLanes` at a time from two vectors' even lanes while those stay inside, then one by one. */
+inline void CopyEvenFloats(const float* src, int64_t n, int64_t available, float* dst) {
+  int64_t j = 0;
+  for (; j + kLanes <= n && 2 * (j + kLanes) <= available; j += kLanes) {
+    Floats lo, hi;
+    std::memcpy(&lo, src + 2 * j, sizeof(lo));
+    std::memcpy(&hi, src + 2 * j + kLanes, sizeof(hi));
+    const Floats even = __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14);
+    std::memcpy(dst + j, &even, sizeof(even));
+  }
+  for (; j < n; ++j) dst[j] = src[2 * j];
+}
+
+/*! \brief out[j] = in[j * stride] for j < n, a pixel being E floats (a constant size: a
+ * copy of a runtime size is a call). */
+template <int E>
+inline void CopyStridedPixels(const float* in, int64_t n, int64_t stride, float* out) {
+  for (int64_t j = 0; j < n; ++j) std::memcpy(out + j * E, in + j * stride * E, E * sizeof(float));
+}
+
+/*! \brief Phase planes of N * C data planes (see RowConvWork), zero where the padding is; a
+ * pixel is `element` floats (channel-blocked data: one block's channels), widths and columns
+ * count pixels. */
+struct PhasePlanes {
+  const float* x;
+  float* phases;
+  int64_t planes, height, width, stride_h, stride_w, phase_h, phase_w, top, left;
+  int64_t element = 1;
+  // Only phases (a, b) with a < copied_h and b < copied_w are written: the others are never
+  // read (a 1x1 stride-2 conv reads phase (0, 0) only).
+  int64_t copied_h = std::numeric_limits<int64_t>::max();
+  int64_t copied_w = std::numeric_limits<int64_t>::max();
+
+  /*! \brief Phase rows [row0, row0 + rows) of data plane `plane` into `dst`, as stride_h *
+   * stride_w phases of `rows` x phase_w pixels; the padding columns are left as they are
+   * unless `zero_columns` (a buffer reused for the same layout keeps them zero). */
+  void Copy(int64_t plane, int64_t row0, int64_t rows, float* dst, bool zero_columns = true) const {
+    const int64_t e = element, row_floats = phase_w * e;
+    const float* src = x + plane * height * width * e;
+    for (int64_t a = 0; a < stride_h; ++a) {
+      for (int64_t b = 0; b < stride_w; ++b, dst += rows * row_floats) {
+        if (a >= copied_h || b >= copied_w) continue;
+        // Columns j with 0 <= j * stride_w + b - left < width come from the data.
+        const int64_t j0 = std::min(phase_w, CeilDiv(std::max<int64_t>(left - b, 0), stride_w));
+        const int64_t j1 = std::clamp<int64_t>(CeilDiv(width + left - b, stride_w), j0, phase_w);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t row = (row0 + i) * stride_h + a - top;
+          float* out = dst + i * row_floats;
+          if (row < 0 || row >= height) {
+            std::fill(out, out + row_floats, 0.0f);
+            continue;
+          }
+          const float* in = src + (row * width + j0 * stride_w + b - left) * e;
+          // (A strided loop compiles to one lane insert per float.)
+          if (stride_w == 1) {
+            CopyFloats(in, (j1 - j0) * e, out + j0 * e);
+          } else if (stride_w == 2 && e == 1) {
+            CopyEvenFloats(in, j1 - j0, src + (row + 1) * width - in, out + j0);
+          } else if (e == 1) {
+            CopyStridedPixels<1>(in, j1 - j0, stride_w, out + j0);
+          } else if (e == 8) {
+            CopyStridedPixels<8>(in, j1 - j0, stride_w, out + j0 * e);
+          } else {
+            CopyStridedPixels<16>(in, j1 - j0, stride_w, out + j0 * e);
+          }
+          if (zero_columns) {
+            std::fill(out, out + j0 * e, 0.0f);
+            std::fill(out + j1 * e, out + row_floats, 0.0f);
+          }
+        }
+      }
+    }
+  }
+};
+
+int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const PhasePlanes*>(cdata);
+  const auto [begin, end] = TaskRange(task_id, penv, t.planes);
+  const int64_t per_plane = t.stride_h * t.stride_w * t.phase_h * t.phase_w * t.element;
+  for (int64_t plane = begin; plane < end; ++plane) {
+    t.Copy(plane, 0, t.phase_h, t.phases + plane * per_plane);
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
 // conv2d, direct: output channels in blocks of one vector's lanes (onnxruntime's MLAS NCHWc
 // convolutions work the same way). Data and output are NCHW, or channel-blocked NCHW{B}c
 // ([N, C / B, H, W, B], what relax_passes/blocked_layout.py converts regions of a network to:
 // then a tile's stores are contiguous and a 1x1 conv is a GEMM without a column matrix); the
 // weights come packed once, at build time, as [ceil(O / B), C, KH, KW, B] (B output channels
-// per block, zero past O), the same for either layout. A
-// register tile is P output pixels x NB channel blocks: each weight vector is loaded once per
-// tap and multiplied with P broadcast input values, so no column matrix is written or read.
-// The pixels of a tile are consecutive in the output plane (across rows, so small deep-layer
-// planes fill whole tiles), which needs every tap inside the input: a padding conv reads a
-// zero-padded copy of the data.
+// per block, zero past O), the same for either layout. A register tile is P pixels x NB
+// channel blocks: each weight vector is loaded once per tap and multiplied with P broadcast
+// input values, so no column matrix is written or read.
+//
+// The data is first copied into zero-padded stride-phase planes (PhasePlanes), and the output
+// is computed on a grid as wide as a phase row: output (oy, ox) is grid pixel oy * GW + ox, and
+// the grid columns past OW (the taps' reach, 2 for a 3x3 stride-1 conv) are computed and
+// dropped. Then every tap of grid pixel g reads at g * XB from that tap's own offset, so a
+// tile's P pixels read at distances the compiler knows (immediate displacements): no per-pixel
+// offsets held in registers (with 12 pixels they spilled and were reloaded for every tap), and
+// tiles run across rows, so small deep-layer planes fill whole tiles. A pointwise conv (1x1,
+// stride 1, no padding) reads the data as it is (its grid is the output plane).
 
-/*! \brief One direct conv2d call (groups 1), cut into units of `chunk` output pixels of one
+/*! \brief One direct conv2d call (groups 1), cut into units of `chunk` grid pixels of one
  * image and kBlocks channel blocks. */
 struct DirectConvWork {
-  const float* x;  // [N, C, H, W] or [N, C / XB, H, W, XB]: the data, zero-padded when the conv pads
-  const float* w;  // [ceil(O / B), C, KH, KW, B]
-  float* y;        // [N, O, OH, OW] or [N, O / B, OH, OW, B]
+  const float* x;        // the planes the taps read (phase planes, or a pointwise conv's data)
+  const float* w;        // [ceil(O / B), C, KH, KW, B]
+  const int64_t* taps;   // [C * KH * KW]: where each tap of grid pixel 0 reads in an image's x
+  int64_t num_taps;
+  int64_t image_floats;  // x's floats per image
+  int64_t x_block;       // XB, the data's channel block: 1 (NCHW data) or B
+  float* y;              // [N, O, OH, OW] or [N, O / B, OH, OW, B]
   const Epilogue* epilogue;
-  int64_t in_c, height, width;  // of x
-  int64_t x_block;              // XB, the data's channel block; 1 for NCHW data
-  bool y_blocked;               // the output is [N, O / B, OH, OW, B]
-  bool vector_epilogue;         // y_blocked and IsBlockedVectorEpilogue
-  int64_t out_c, kernel_h, kernel_w, out_h, out_w;
-  Conv2DParams p;        // its padding is in x already
+  bool y_blocked;        // the output is [N, O / B, OH, OW, B]
+  bool vector_epilogue;  // y_blocked and IsBlockedVectorEpilogue
+  int64_t out_c, out_h, out_w;
+  int64_t grid_w;        // GW: grid pixels per row
+  int64_t grid;          // grid pixels up to the last output: (OH - 1) * GW + OW
+  bool slack;            // x may be read a tile past its last grid pixel (a copy with room)
   int64_t block;         // B, the weights' last extent
   int64_t blocks;        // ceil(out_c / B)
   int64_t block_pairs;   // ceil(blocks / kBlocks)
-  int64_t chunk;         // output pixels per unit
-  int64_t chunks;        // ceil(out_h * out_w / chunk)
+  int64_t chunk;         // grid pixels per unit
+  int64_t chunks;        // ceil(grid / chunk)
   int64_t num_units;     // images * block_pairs * chunks
-  bool pointwise;        // y_blocked, XB = B, 1x1, stride 1, no padding (PointwiseTile)
+
+  /*! \brief How many outputs come before grid pixel g (the output index of g when it is one). */
+  int64_t OutputsBefore(int64_t g) const {
+    return g / grid_w * out_w + std::min(g % grid_w, out_w);
+  }
 };
 
 constexpr int64_t kBlocks = 2;  // channel blocks per register tile
@@ -805,180 +931,150 @@ __attribute__((always_inline)) inline void BlockedEpilogueRows(const Epilogue& e
 }
 
 /*!
- * \brief n <= P output pixels from flat index `pixel0` for NB channel blocks starting at `w`
- * (the blocks' weights `w_stride` floats apart) of the image `x`, into `tile` as [NB][P][L].
- * Pixels past n repeat the last one (computed, not stored).
+ * \brief Grid pixels [0, P) (from `x`: an image's planes advanced to the first one) of NB
+ * channel blocks (their weights from `w`, `w_stride` floats apart), into `tile` as
+ * [NB][tile_pixels][L]; the XB-blocked data's pixels are XB floats apart.
  */
-template <int L, int P, int NB, int KW>
+template <int L, int P, int NB, int XB>
 __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, const float* x,
                                                       const float* w, int64_t w_stride,
-                                                      int64_t pixel0, int64_t n, float* tile) {
-  const int64_t kernel_w = KW ? KW : t.kernel_w;
+                                                      float* tile, int64_t tile_pixels) {
   using V = typename VectorOf<L>::Type;
   static_assert(sizeof(V) == L * sizeof(float));
-  const Conv2DParams& p = t.p;
-  // Channel c = cb * XB + ci of pixel (y, x) is at ((cb * H + y) * W + x) * XB + ci.
-  const int64_t xb = t.x_block, plane = t.height * t.width * xb;
-  int64_t offset[P];
-  int64_t oy = pixel0 / t.out_w, ox = pixel0 % t.out_w;
-  for (int q = 0; q < P; ++q) {
-    offset[q] = (oy * p.stride_h * t.width + ox * p.stride_w) * xb;
-    if (q + 1 < n && ++ox == t.out_w) {
-      ox = 0;
-      ++oy;
-    }
-  }
   V acc[NB][P];
+  // (Unrolled whole: GCC leaves a loop of 24 pixels rolled, its accumulators in memory.)
+#pragma GCC unroll 4
   for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 32
     for (int q = 0; q < P; ++q) acc[j][q] = V{};
-  for (int64_t c = 0; c < t.in_c; ++c) {
-    const float* channel = x + (xb == 1 ? c * plane : c / xb * plane + c % xb);
-    for (int64_t kh = 0; kh < t.kernel_h; ++kh) {
-      const float* row = channel + kh * p.dilation_h * t.width * xb;
-      const float* wk = w + (c * t.kernel_h + kh) * kernel_w * L;
-      for (int64_t kw = 0; kw < kernel_w; ++kw) {
-        V wv[NB];
-        for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], wk + kw * L + j * w_stride, sizeof(V));
-        const float* tap = row + kw * p.dilation_w * xb;
-        for (int q = 0; q < P; ++q) {
-          const float v = tap[offset[q]];
-          for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
-        }
-      }
+  for (int64_t tap = 0; tap < t.num_taps; ++tap, w += L) {
+    const float* src = x + t.taps[tap];
+    // Opaque to the optimizer, so that each pixel's load is src plus a constant (GCC otherwise
+    // keeps every pixel's index in a register of its own, spilled past a dozen pixels).
+    asm("" : "+r"(src));
+    V wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], w + j * w_stride, sizeof(V));
+#pragma GCC unroll 32
+    for (int q = 0; q < P; ++q) {
+      const float v = src[q * XB];
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
     }
   }
+#pragma GCC unroll 4
   for (int j = 0; j < NB; ++j)
-    for (int q = 0; q < P; ++q) std::memcpy(tile + (j * P + q) * L, &acc[j][q], sizeof(V));
+#pragma GCC unroll 32
+    for (int q = 0; q < P; ++q) std::memcpy(tile + (j * tile_pixels + q) * L, &acc[j][q], sizeof(V));
 }
 
-/*!
- * \brief DirectTile for a pointwise conv (1x1, stride 1, no padding) on data blocked like the
- * output (XB = L), P whole pixels: a GEMM tile, the pixels' inputs consecutive, no offsets.
- */
-template <int L, int P, int NB>
-__attribute__((always_inline)) inline void PointwiseTile(const DirectConvWork& t, const float* x,
-                                                         const float* w, int64_t w_stride,
-                                                         int64_t pixel0, float* tile) {
-  using V = typename VectorOf<L>::Type;
-  const int64_t plane = t.height * t.width * L;
-  V acc[NB][P];
-  for (int j = 0; j < NB; ++j)
-    for (int q = 0; q < P; ++q) acc[j][q] = V{};
-  for (int64_t cb = 0; cb < t.in_c / L; ++cb) {
-    const float* xc = x + cb * plane + pixel0 * L;
-    const float* wc = w + cb * L * L;
-    for (int ci = 0; ci < L; ++ci) {
-      V wv[NB];
-      for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], wc + ci * L + j * w_stride, sizeof(V));
-      for (int q = 0; q < P; ++q) {
-        const float v = xc[q * L + ci];
-        for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
-      }
-    }
-  }
-  for (int j = 0; j < NB; ++j)
-    for (int q = 0; q < P; ++q) std::memcpy(tile + (j * P + q) * L, &acc[j][q], sizeof(V));
-}
-
-/*! \brief Output pixels [pixel0, pixel1) of channel blocks [b0, b0 + NB) of one image, P at a
- * time, then the epilogue on them. */
-template <int L, int P, int NB, int KW>
+/*! \brief Grid pixels [g0, g1) of channel blocks [b0, b0 + NB) of one image (`x`: its planes),
+ * P at a time, the outputs among them stored, then the epilogue on those. */
+template <int L, int P, int NB, int XB>
 __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, const float* x,
-                                                       int64_t b0, int64_t pixel0, int64_t pixel1,
+                                                       int64_t b0, int64_t g0, int64_t g1,
                                                        float* y_img) {
   alignas(64) float tile[NB * P * L];
-  const int64_t w_stride = t.in_c * t.kernel_h * t.kernel_w * L;
+  const int64_t w_stride = t.num_taps * L;
   const float* w = t.w + b0 * w_stride;
   const int64_t spatial = t.out_h * t.out_w;
   const int64_t ch0 = b0 * L, channels = std::min<int64_t>(t.out_c - ch0, NB * L);
-  float* y = y_img + ch0 * spatial;
-  if (t.y_blocked) {  // blocks of whole L channels, [NB][pixels][L] at y: tiles go as they are
-    for (int64_t pixel = pixel0; pixel < pixel1; pixel += P) {
-      const int64_t n = std::min<int64_t>(P, pixel1 - pixel);
-      if (KW == 1 && n == P) {  // KW 1: the pointwise instance (DirectUnits)
-        PointwiseTile<L, P, NB>(t, x, w, w_stride, pixel, tile);
+  float* y = y_img + ch0 * spatial;  // block b0's plane when blocked, channel ch0's when not
+  for (int64_t g = g0; g < g1; g += P) {
+    const int64_t n = std::min<int64_t>(P, g1 - g);
+    if (n == P || t.slack) {
+      DirectTile<L, P, NB, XB>(t, x + g * XB, w, w_stride, tile, P);
+    } else {  // a last short tile that must not read past the data: pixel by pixel
+      for (int64_t q = 0; q < n; ++q) DirectTile<L, 1, NB, XB>(t, x + (g + q) * XB, w, w_stride, tile + q * L, P);
+    }
+    // Runs of the tile's pixels that are outputs (one row's, up to its grid columns past OW).
+    for (int64_t q = 0; q < n;) {
+      const int64_t oy = (g + q) / t.grid_w, ox = (g + q) % t.grid_w;
+      if (ox >= t.out_w) {
+        q += t.grid_w - ox;
+        continue;
+      }
+      const int64_t run = std::min(n - q, t.out_w - ox), pixel = oy * t.out_w + ox;
+      if (t.y_blocked) {
+        for (int j = 0; j < NB; ++j) {
+          std::memcpy(y + (j * spatial + pixel) * L, tile + (j * P + q) * L, run * L * sizeof(float));
+        }
       } else {
-        DirectTile<L, P, NB, KW>(t, x, w, w_stride, pixel, n, tile);
+        for (int64_t ch = 0; ch < channels; ++ch) {
+          const float* lane = tile + (ch / L * P + q) * L + ch % L;
+          float* out = y + ch * spatial + pixel;
+          for (int64_t r = 0; r < run; ++r) out[r] = lane[r * L];
+        }
       }
-      for (int j = 0; j < NB; ++j) {
-        std::memcpy(y + (j * spatial + pixel) * L, tile + j * P * L, n * L * sizeof(float));
-      }
-    }
-    float* first = y + pixel0 * L;
-    if (t.vector_epilogue) {
-      BlockedEpilogueRows<L>(*t.epilogue, first, first - t.y, NB, pixel1 - pixel0, spatial * L);
-    } else {
-      ApplyEpilogue(*t.epilogue, first, first - t.y, NB, (pixel1 - pixel0) * L, spatial * L);
-    }
-    return;
-  }
-  for (int64_t pixel = pixel0; pixel < pixel1; pixel += P) {
-    const int64_t n = std::min<int64_t>(P, pixel1 - pixel);
-    DirectTile<L, P, NB, KW>(t, x, w, w_stride, pixel, n, tile);
-    for (int64_t ch = 0; ch < channels; ++ch) {
-      const float* lane = tile + ch / L * P * L + ch % L;
-      float* out = y + ch * spatial + pixel;
-      for (int64_t q = 0; q < n; ++q) out[q] = lane[q * L];
+      q += run;
     }
   }
-  if (!t.epilogue->empty()) {
+  const int64_t pixel0 = t.OutputsBefore(g0), pixel1 = t.OutputsBefore(g1);
+  if (pixel0 == pixel1 || t.epilogue->empty()) return;
+  if (!t.y_blocked) {
     ApplyEpilogue(*t.epilogue, y + pixel0, y + pixel0 - t.y, channels, pixel1 - pixel0, spatial);
+  } else if (t.vector_epilogue) {
+    float* first = y + pixel0 * L;
+    BlockedEpilogueRows<L>(*t.epilogue, first, first - t.y, NB, pixel1 - pixel0, spatial * L);
+  } else {
+    float* first = y + pixel0 * L;
+    ApplyEpilogue(*t.epilogue, first, first - t.y, NB, (pixel1 - pixel0) * L, spatial * L);
+  }
+}
+
+/*! \brief DirectChunk on NCHW (XB 1) or L-blocked data. */
+template <int L, int P, int NB>
+__attribute__((always_inline)) inline void DirectChunkOf(const DirectConvWork& t, const float* x,
+                                                         int64_t b0, int64_t g0, int64_t g1,
+                                                         float* y_img) {
+  if (t.x_block == 1) {
+    DirectChunk<L, P, NB, 1>(t, x, b0, g0, g1, y_img);
+  } else {
+    DirectChunk<L, P, NB, L>(t, x, b0, g0, g1, y_img);
   }
 }
 
 /*! \brief Units [begin, end): unit = (image * block_pairs + pair) * chunks + chunk; a tile is
- * kPixels pixels of two blocks, or twice as many (at most 12) pixels of a last odd block: 24
- * pixels' offsets and accumulators spilled (AVX-512: a 16-channel one-block conv, e.g.
- * resnet_cnn's 16->16, took 1.4x as long as with 12, 5x5 kernels 1.2-1.6x). */
-template <int L, int kPixels>
+ * kPixels pixels of two blocks, or kOddBlockPixels of a last odd block (one-block convs: all
+ * of them). */
+template <int L, int kPixels, int kOddBlockPixels>
 __attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, int64_t begin,
                                                        int64_t end) {
-  constexpr int kOddBlockPixels = std::min(kPixels * static_cast<int>(kBlocks), 12);
-  const int64_t spatial = t.out_h * t.out_w;
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t chunk = unit % t.chunks, pair = unit / t.chunks % t.block_pairs;
     const int64_t img = unit / t.chunks / t.block_pairs;
-    const float* x = t.x + img * t.in_c * t.height * t.width;
-    float* y_img = t.y + img * t.out_c * spatial;
+    const float* x = t.x + img * t.image_floats;
+    float* y_img = t.y + img * t.out_c * t.out_h * t.out_w;
     const int64_t b0 = pair * kBlocks;
-    const int64_t pixel0 = chunk * t.chunk, pixel1 = std::min(spatial, pixel0 + t.chunk);
-    // 3-wide kernels (most) get their taps unrolled.
+    const int64_t g0 = chunk * t.chunk, g1 = std::min(t.grid, g0 + t.chunk);
     if (b0 + kBlocks <= t.blocks) {
-      if (t.pointwise) {
-        DirectChunk<L, kPixels, kBlocks, 1>(t, x, b0, pixel0, pixel1, y_img);
-      } else if (t.kernel_w == 3) {
-        DirectChunk<L, kPixels, kBlocks, 3>(t, x, b0, pixel0, pixel1, y_img);
-      } else {
-        DirectChunk<L, kPixels, kBlocks, 0>(t, x, b0, pixel0, pixel1, y_img);
-      }
-    } else if (t.kernel_w == 3) {  // a last odd block (one-block convs: all of them)
-      DirectChunk<L, kOddBlockPixels, 1, 3>(t, x, b0, pixel0, pixel1, y_img);
+      DirectChunkOf<L, kPixels, kBlocks>(t, x, b0, g0, g1, y_img);
     } else {
-      DirectChunk<L, kOddBlockPixels, 1, 0>(t, x, b0, pixel0, pixel1, y_img);
+      DirectChunkOf<L, kOddBlockPixels, 1>(t, x, b0, g0, g1, y_img);
     }
   }
 }
 
-// Output pixels per tile of each instruction set's instance: 8-lane blocks with AVX2 (16
-// vector registers: 6 pixels x 2 blocks is 12 accumulators), 16-lane blocks with AVX-512 (32
-// registers: 12 x 2 = 24) and, for 16-lane weights on a CPU without AVX-512, with AVX2 (each
-// vector two halves).
+// Pixels per tile of each instruction set's instance, two blocks / one block: 8-lane blocks
+// with AVX2 (16 vector registers: 12 accumulators), 16-lane blocks with AVX-512 (32 registers:
+// 24) and, for 16-lane weights on a CPU without AVX-512, with AVX2 (each vector two halves).
 constexpr int kPixelsAvx2 = 6, kPixelsAvx512 = 12, kPixelsAvx2Wide = 3;
-// Each chunk is this many tiles (at most), so a thread's tiles reuse the blocks' weights
-// while the threads get several units each.
+constexpr int kMaxTilePixels = 2 * kPixelsAvx512;  // the most pixels of any tile
+// Each chunk is this many two-block tiles (at most), so a thread's tiles reuse the blocks'
+// weights while the threads get several units each.
 constexpr int64_t kTilesPerChunk = 8;
 
 GIMLET_TARGET("avx2,fma")
 void DirectUnitsAvx2x8(const DirectConvWork& t, int64_t begin, int64_t end) {
-  DirectUnits<8, kPixelsAvx2>(t, begin, end);
+  DirectUnits<8, kPixelsAvx2, 2 * kPixelsAvx2>(t, begin, end);
 }
 GIMLET_TARGET("avx2,fma")
 void DirectUnitsAvx2x16(const DirectConvWork& t, int64_t begin, int64_t end) {
-  DirectUnits<16, kPixelsAvx2Wide>(t, begin, end);
+  DirectUnits<16, kPixelsAvx2Wide, 2 * kPixelsAvx2Wide>(t, begin, end);
 }
 GIMLET_TARGET("avx512f,avx2,fma")
 void DirectUnitsAvx512(const DirectConvWork& t, int64_t begin, int64_t end) {
-  DirectUnits<16, kPixelsAvx512>(t, begin, end);
+  DirectUnits<16, kPixelsAvx512, kMaxTilePixels>(t, begin, end);
 }
 
 bool CpuHasAvx512() {
@@ -1018,45 +1114,12 @@ int RunDirectConvUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   }
   return 0;
 }
-
-/*! \brief Planes [C, H, W] copied into the middle of zeroed [C, HP, WP] planes. */
-struct PadPlanes {
-  const float* x;
-  float* padded;
-  int64_t planes, height, width, padded_h, padded_w, top, left;
-
-  /*! \brief Plane `plane` of x into `dst` (padded_h * padded_w floats). */
-  void Copy(int64_t plane, float* dst) const {
-    std::fill(dst, dst + padded_h * padded_w, 0.0f);
-    for (int64_t i = 0; i < height; ++i) {
-      std::memcpy(dst + (top + i) * padded_w + left, x + (plane * height + i) * width,
-                  width * sizeof(float));
-    }
-  }
-};
-
-int RunPadPlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
-  const auto& t = *static_cast<const PadPlanes*>(cdata);
-  const auto [begin, end] = TaskRange(task_id, penv, t.planes);
-  for (int64_t plane = begin; plane < end; ++plane) {
-    t.Copy(plane, t.padded + plane * t.padded_h * t.padded_w);
-  }
-  return 0;
-}
-
-/*! \brief The rows (or columns) of input a conv reads, padding included: at least the data
- * after the leading padding, and as far as the last output's last tap reaches. */
-int64_t PaddedExtent(int64_t size, int64_t pad, int64_t out, int64_t stride, int64_t kernel,
-                     int64_t dilation) {
-  return std::max(pad + size, (out - 1) * stride + (kernel - 1) * dilation + 1);
-}
-
 /*!
  * \brief conv2d (groups 1) with weights packed as [ceil(O / B), C, KH, KW, B], B 8 or 16 (see
- * DirectConvBlock); data: [N, C, H, W] or channel-blocked [N, C / XB, H, W, XB] (any XB), out:
- * [N, O, OH, OW] or [N, O / B, OH, OW, B]. Units of a chunk of output
- * pixels of two channel blocks run on TVM's pool, consecutive chunks of the same blocks on one
- * thread (their weights stay in cache).
+ * DirectConvBlock); data: [N, C, H, W] or channel-blocked [N, C / B, H, W, B], out:
+ * [N, O, OH, OW] or [N, O / B, OH, OW, B]. Units of a chunk of grid pixels of two channel
+ * blocks run on TVM's pool, consecutive chunks of the same blocks on one thread (their weights
+ * stay in cache).
  */
 void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
                   const Epilogue& epilogue, DLTensor* out) {
@@ -1069,50 +1132,77 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
          "packed weight 5-D";
   const int64_t x_block = data->ndim == 5 ? data->shape[4] : 1;
   const int64_t batch = data->shape[0], in_c = data->shape[1] * x_block;
-  const int64_t block = weight->shape[4];
-  const bool y_blocked = out->ndim == 5;
-  DirectConvWork t{Data(data), Data(weight), Data(out), &epilogue, in_c, data->shape[2],
-                   data->shape[3], x_block, y_blocked,
-                   y_blocked && IsBlockedVectorEpilogue(epilogue, block),
-                   out->shape[1] * (y_blocked ? out->shape[4] : 1), weight->shape[2],
-                   weight->shape[3], out->shape[2], out->shape[3], p, block};
+  const int64_t height = data->shape[2], width = data->shape[3];
+  const int64_t kernel_h = weight->shape[2], kernel_w = weight->shape[3];
+  DirectConvWork t{};
+  t.w = Data(weight);
+  t.x_block = x_block;
+  t.y = Data(out);
+  t.epilogue = &epilogue;
+  t.block = weight->shape[4];
+  t.y_blocked = out->ndim == 5;
+  t.vector_epilogue = t.y_blocked && IsBlockedVectorEpilogue(epilogue, t.block);
+  t.out_c = out->shape[1] * (t.y_blocked ? out->shape[4] : 1);
+  t.out_h = out->shape[2];
+  t.out_w = out->shape[3];
   TVM_FFI_ICHECK(t.block == 8 || t.block == 16)
       << "gimlet.cpu.conv2d_nchw_direct: channel block " << t.block << " is neither 8 nor 16";
   TVM_FFI_ICHECK(DirectConvBlock() != 0)
       << "gimlet.cpu.conv2d_nchw_direct needs a CPU with AVX2 and FMA";
   t.blocks = (t.out_c + t.block - 1) / t.block;
   TVM_FFI_ICHECK(weight->shape[0] == t.blocks && weight->shape[1] == in_c &&
-                 out->shape[0] == batch && (!y_blocked || out->shape[4] == block))
-      << "gimlet.cpu.conv2d_nchw_direct: shapes differ (a blocked output's block must be the "
-         "packed weight's)";
+                 out->shape[0] == batch && (!t.y_blocked || out->shape[4] == t.block) &&
+                 (x_block == 1 || x_block == t.block))
+      << "gimlet.cpu.conv2d_nchw_direct: shapes differ (a blocked data's or output's block must "
+         "be the packed weight's)";
   TVM_FFI_ICHECK(p.stride_h > 0 && p.stride_w > 0 && p.dilation_h > 0 && p.dilation_w > 0 &&
                  p.pad_top >= 0 && p.pad_left >= 0);
-  const int64_t spatial = t.out_h * t.out_w;
-  if (batch == 0 || t.out_c == 0 || spatial == 0) return;
-  const int64_t padded_h = PaddedExtent(t.height, p.pad_top, t.out_h, p.stride_h, t.kernel_h,
-                                        p.dilation_h);
-  const int64_t padded_w = PaddedExtent(t.width, p.pad_left, t.out_w, p.stride_w, t.kernel_w,
-                                        p.dilation_w);
-  thread_local std::vector<float> padded;
-  if (padded_h != t.height || padded_w != t.width) {
-    // A blocked plane's rows are W * XB floats.
-    padded.resize(batch * in_c * padded_h * padded_w);
-    PadPlanes pad{t.x, padded.data(), batch * in_c / x_block, t.height, t.width * x_block,
-                  padded_h, padded_w * x_block, p.pad_top, p.pad_left * x_block};
-    Launch(RunPadPlanes, &pad, padded.size() >= kMinParallelGemm);
-    t.x = padded.data();
-    t.height = padded_h;
-    t.width = padded_w;
+  if (batch == 0 || t.out_c == 0 || t.out_h * t.out_w == 0) return;
+  const bool pointwise = kernel_h == 1 && kernel_w == 1 && p.stride_h == 1 && p.stride_w == 1 &&
+                         p.pad_top == 0 && p.pad_left == 0 && t.out_h == height && t.out_w == width;
+  // Stride phases and their extent: rows reach the last output's last tap.
+  const int64_t sh = pointwise ? 1 : p.stride_h, sw = pointwise ? 1 : p.stride_w;
+  const int64_t phase_h = pointwise ? height : t.out_h + (kernel_h - 1) * p.dilation_h / sh;
+  const int64_t phase_w = pointwise ? width : t.out_w + (kernel_w - 1) * p.dilation_w / sw;
+  t.image_floats = in_c * sh * sw * phase_h * phase_w;
+  if (pointwise) {
+    t.x = Data(data);
+  } else {
+    thread_local std::vector<float> phases;
+    phases.resize(batch * t.image_floats + kMaxTilePixels * x_block);
+    PhasePlanes copy{Data(data), phases.data(), batch * in_c / x_block, height, width, sh, sw,
+                     phase_h, phase_w, p.pad_top, p.pad_left, x_block};
+    if (p.dilation_h == 1) copy.copied_h = kernel_h;  // taps read phases a < KH (of SH)
+    if (p.dilation_w == 1) copy.copied_w = kernel_w;
+    Launch(RunPhasePlanes, &copy, phases.size() >= kMinParallelGemm);
+    t.x = phases.data();
+    t.slack = true;
   }
-  t.pointwise = y_blocked && x_block == block && t.kernel_h == 1 && t.kernel_w == 1 &&
-                t.height == t.out_h && t.width == t.out_w && p.stride_h == 1 && p.stride_w == 1;
+  // Tap (c, kh, kw) of grid pixel 0 reads phase (kh * DH % SH, kw * DW % SW) of channel c at
+  // row kh * DH / SH, column kw * DW / SW.
+  t.num_taps = in_c * kernel_h * kernel_w;
+  thread_local std::vector<int64_t> taps;
+  taps.resize(t.num_taps);
+  const int64_t plane = phase_h * phase_w;
+  for (int64_t c = 0, tap = 0; c < in_c; ++c) {
+    for (int64_t kh = 0; kh < kernel_h; ++kh) {
+      for (int64_t kw = 0; kw < kernel_w; ++kw, ++tap) {
+        const int64_t a = kh * p.dilation_h % sh, b = kw * p.dilation_w % sw;
+        const int64_t pixel = kh * p.dilation_h / sh * phase_w + kw * p.dilation_w / sw;
+        taps[tap] = (((c / x_block * sh + a) * sw + b) * plane + pixel) * x_block + c % x_block;
+      }
+    }
+  }
+  t.taps = taps.data();
+  t.grid_w = phase_w;
+  t.grid = (t.out_h - 1) * t.grid_w + t.out_w;
   t.block_pairs = (t.blocks + kBlocks - 1) / kBlocks;
   const int64_t tile = t.block == 8 ? kPixelsAvx2 : DirectConvBlock() == 16 ? kPixelsAvx512
                                                                            : kPixelsAvx2Wide;
-  t.chunk = std::min(spatial, tile * kTilesPerChunk);
-  t.chunks = (spatial + t.chunk - 1) / t.chunk;
+  t.chunk = std::min(t.grid, tile * kTilesPerChunk);
+  t.chunks = (t.grid + t.chunk - 1) / t.chunk;
   t.num_units = batch * t.block_pairs * t.chunks;
-  const int64_t work = batch * spatial * t.blocks * t.block * in_c * t.kernel_h * t.kernel_w;
+  const int64_t work = batch * t.grid * t.blocks * t.block * t.num_taps;
   Launch(RunDirectConvUnits, &t, work >= kMinParallelGemm);
 }
 
@@ -1218,94 +1308,6 @@ int RunRowConvUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
     RowUnitsAvx512(t, begin, end);
   } else {
     RowUnitsAvx2(t, begin, end);
-  }
-  return 0;
-}
-
-/*! \brief dst[j] = src[j] for j < n, `kLanes` at a time, the last `kLanes` overlapping the
- * ones before (short rows: memcpy's call costs more than the copy). */
-inline void CopyFloats(const float* src, int64_t n, float* dst) {
-  if (n < kLanes) {
-    for (int64_t j = 0; j < n; ++j) dst[j] = src[j];
-    return;
-  }
-  Floats v;
-  for (int64_t j = 0; j + kLanes < n; j += kLanes) {
-    std::memcpy(&v, src + j, sizeof(v));
-    std::memcpy(dst + j, &v, sizeof(v));
-  }
-  std::memcpy(&v, src + n - kLanes, sizeof(v));
-  std::memcpy(dst + n - kLanes, &v, sizeof(v));
-}
-
-/*! \brief a / b rounded up, for b > 0 (toward zero for a < 0); strides 1 and 2 without a
- * division (a 64-bit division costs more than copying a depthwise conv's short row). */
-inline int64_t CeilDiv(int64_t a, int64_t b) {
-  return b == 1 ? a : b == 2 ? (a + 1) >> 1 : (a + b - 1) / b;
-}
-
-/*! \brief dst[j] = src[2 * j] for j < n, reading no further than src[available - 1]:
- * `kLanes` at a time from two vectors' even lanes while those stay inside, then one by one. */
-inline void CopyEvenFloats(const float* src, int64_t n, int64_t available, float* dst) {
-  int64_t j = 0;
-  for (; j + kLanes <= n && 2 * (j + kLanes) <= available; j += kLanes) {
-    Floats lo, hi;
-    std::memcpy(&lo, src + 2 * j, sizeof(lo));
-    std::memcpy(&hi, src + 2 * j + kLanes, sizeof(hi));
-    const Floats even = __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14);
-    std::memcpy(dst + j, &even, sizeof(even));
-  }
-  for (; j < n; ++j) dst[j] = src[2 * j];
-}
-
-/*! \brief Phase planes of N * C data planes (see RowConvWork), zero where the padding is. */
-struct PhasePlanes {
-  const float* x;
-  float* phases;
-  int64_t planes, height, width, stride_h, stride_w, phase_h, phase_w, top, left;
-
-  /*! \brief Phase rows [row0, row0 + rows) of data plane `plane` into `dst`, as stride_h *
-   * stride_w phases of `rows` x phase_w floats; the padding columns are left as they are
-   * unless `zero_columns` (a buffer reused for the same layout keeps them zero). */
-  void Copy(int64_t plane, int64_t row0, int64_t rows, float* dst, bool zero_columns = true) const {
-    const float* src = x + plane * height * width;
-    for (int64_t a = 0; a < stride_h; ++a) {
-      for (int64_t b = 0; b < stride_w; ++b, dst += rows * phase_w) {
-        // Columns j with 0 <= j * stride_w + b - left < width come from the data.
-        const int64_t j0 = std::min(phase_w, CeilDiv(std::max<int64_t>(left - b, 0), stride_w));
-        const int64_t j1 = std::clamp<int64_t>(CeilDiv(width + left - b, stride_w), j0, phase_w);
-        for (int64_t i = 0; i < rows; ++i) {
-          const int64_t row = (row0 + i) * stride_h + a - top;
-          float* out = dst + i * phase_w;
-          if (row < 0 || row >= height) {
-            std::fill(out, out + phase_w, 0.0f);
-            continue;
-          }
-          const float* in = src + row * width + j0 * stride_w + b - left;
-          // (A strided loop compiles to one lane insert per float.)
-          if (stride_w == 1) {
-            CopyFloats(in, j1 - j0, out + j0);
-          } else if (stride_w == 2) {
-            CopyEvenFloats(in, j1 - j0, src + (row + 1) * width - in, out + j0);
-          } else {
-            for (int64_t j = j0; j < j1; ++j) out[j] = in[(j - j0) * stride_w];
-          }
-          if (zero_columns) {
-            std::fill(out, out + j0, 0.0f);
-            std::fill(out + j1, out + phase_w, 0.0f);
-          }
-        }
-      }
-    }
-  }
-};
-
-int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
-  const auto& t = *static_cast<const PhasePlanes*>(cdata);
-  const auto [begin, end] = TaskRange(task_id, penv, t.planes);
-  const int64_t per_plane = t.stride_h * t.stride_w * t.phase_h * t.phase_w;
-  for (int64_t plane = begin; plane < end; ++plane) {
-    t.Copy(plane, 0, t.phase_h, t.phases + plane * per_plane);
   }
   return 0;
 }
