@@ -12,15 +12,16 @@ cover.
    blocked kernel whatever a selection chose, and only the convs left in NCHW get a
    selection's conv algorithm.
 2. B is the CPU's vector width (`dispatch_cpu_library.direct_conv_block`: 16 with AVX-512, 8
-   with AVX2). By default it converts only functions with a depthwise conv it can convert
-   (`blocked_layout_for`: where whole networks were measured faster); `$GIMLET_CPU_BLOCKED_LAYOUT`
+   with AVX2). By default it converts every function with a conv it can convert
+   (`blocked_layout_for`: whole networks were measured faster or even); `$GIMLET_CPU_BLOCKED_LAYOUT`
    (8 or 16) converts every function with that block, 0 none. In dataflow order, it rewrites
    into blocked form
    - `R.nn.conv2d` (NCHW data and output, OIHW float32 weight, static shapes) that is groups 1
      or depthwise (one group per channel, channel multiplier 1), both channel counts multiples
      of B, and that the CPU library would not run with Winograd (`winograd_tile_for`, on NCHW
      only), as `R.nn.conv2d(data_layout="NCHW{B}c", kernel_layout="OIHW",
-     out_layout="NCHW{B}c")`;
+     out_layout="NCHW{B}c")`; a groups-1 conv with output channels a multiple of B and input
+     channels not (an entry conv: a network's 3-channel stem) keeps `data_layout="NCHW"`;
    - ops that do not care about the layout, once an operand is blocked: unary elementwise ops
      (`ELEMENTWISE_UNARY`), binary ones (`ELEMENTWISE_BINARY`) whose other operand is blocked
      too, a scalar, or a constant per-channel vector (reblocked here with numpy), and max /
@@ -32,8 +33,8 @@ cover.
    `gimlet.cpu.nchw_to_nchwc` / `nchwc_to_nchw` calls (TVM's generated `R.layout_transform`
    kernels took several times as long). So conversions of activations sit only at the regions'
    edges (the network's input side, global pooling / flatten, outputs), never around each op.
-3. It does not handle: convs with channel counts that are not multiples of B (they stay NCHW,
-   and so do the ops between them), grouped convs other than depthwise, depthwise convs with a
+3. It does not handle: convs with output channel counts that are not multiples of B (they
+   stay NCHW, and so do the ops between them), grouped convs other than depthwise, depthwise convs with a
    channel multiplier, other dtypes, symbolic channel or spatial extents, binary ops that
    broadcast a blocked operand.
    It does not weigh a region's edge conversions against what its kernels save:
@@ -78,22 +79,21 @@ def blocked_override() -> int | None:
 
 
 def blocked_layout_for(func: relax.Function, cpu_block: int) -> bool:
-    """Whether a function runs blocked by default: one with a depthwise conv the pass converts
-    (MobileNets), on a CPU with blocked kernels (`cpu_block`, `direct_conv_block()`, not 0).
+    """Whether a function runs blocked by default: one with a conv the pass converts, on a CPU
+    with blocked kernels (`cpu_block`, `direct_conv_block()`, not 0).
 
-    benchmarks/README.md ("Blocked layout") has the measurements: mobilenet_cnn ran in
-    less time blocked (its 1x1 convs as GEMM tiles on blocked data beat im2col + OpenBLAS, its
-    depthwise convs tie the generated TIR); resnet_cnn ran slower (its 16-channel 3x3 convs
-    are one block of 16 channels, where the NCHW kernel's two blocks of 8 are faster), and
-    ResNet-18's 3x3 stride-1 convs run Winograd on NCHW, so a region there would be cut at each
-    of them."""
+    benchmarks/README.md ("Blocked layout", "Direct convs on a phase-plane grid") has the
+    measurements: mobilenet_cnn ran in less time blocked (its 1x1 convs as GEMM tiles on
+    blocked data beat im2col + OpenBLAS), and so does resnet_cnn since the direct kernel's
+    tiles run on a grid (stores of whole vectors, vector epilogues); ResNet-18's 3x3 stride-1
+    convs run Winograd on NCHW (a region there is cut at each of them), about even."""
     if cpu_block == 0:
         return False
     found = []
 
     def visit(expr: relax.Expr) -> None:
         if (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.nn.conv2d"
-                and _depthwise(expr) and _convertible(expr, cpu_block)):
+                and _convertible(expr, cpu_block)):
             found.append(expr)
 
     relax.analysis.post_order_visit(func.body, visit)
@@ -143,7 +143,7 @@ def _depthwise(conv: relax.Call) -> bool:
 
 def _convertible(conv: relax.Call, block: int, winograd: int | None = None) -> bool:
     """Whether the pass runs this conv2d blocked (see the module docstring; `winograd`:
-    `$GIMLET_CPU_WINOGRAD`)."""
+    `$GIMLET_CPU_WINOGRAD`): its output, and its data unless it is an entry conv."""
     attrs = conv.attrs
     data_shape, weight_shape, out_shape = _shape(conv.args[0]), _shape(conv.args[1]), _shape(conv)
     if (data_shape is None or weight_shape is None or out_shape is None or attrs.data_layout != "NCHW"
@@ -151,9 +151,16 @@ def _convertible(conv: relax.Call, block: int, winograd: int | None = None) -> b
             or None in weight_shape or None in data_shape[1:] or None in out_shape[1:]):
         return False
     in_c, out_c, groups = data_shape[1], out_shape[1], int(attrs.groups)
-    if in_c % block or out_c % block or not (groups == 1 or _depthwise(conv)):
+    if out_c % block or not (groups == 1 or _depthwise(conv)) or (in_c % block and groups != 1):
         return False
     return groups != 1 or not _runs_winograd(conv, weight_shape, out_shape, winograd)
+
+
+def _entry_conv(conv: relax.Call, block: int) -> bool:
+    """A convertible conv whose input channels are no multiple of the block (a network's
+    3-channel stem): it reads its NCHW data as it is and writes the blocked layout, as
+    onnxruntime's first NCHWc conv does, so the region starts at it with no conversion."""
+    return bool(_shape(conv.args[0])[1] % block)
 
 
 def _runs_winograd(conv: relax.Call, weight_shape: list[int], out_shape: list[int], winograd: int | None) -> bool:
@@ -288,5 +295,9 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if not _convertible(call, self.block, self.winograd):
             return None
         layout = f"NCHW{self.block}c"
-        return relax.op.nn.conv2d(self._edge(data), self.visit_expr(weight), attrs.strides, attrs.padding,
-                                  attrs.dilation, attrs.groups, layout, "OIHW", layout)
+        if _entry_conv(call, self.block):
+            data, data_layout = self.visit_expr(data), "NCHW"
+        else:
+            data, data_layout = self._edge(data), layout
+        return relax.op.nn.conv2d(data, self.visit_expr(weight), attrs.strides, attrs.padding,
+                                  attrs.dilation, attrs.groups, data_layout, "OIHW", layout)

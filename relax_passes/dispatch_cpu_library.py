@@ -41,8 +41,8 @@ OpenBLAS-backed CPU library.
      "gimlet.cpu.conv2d_nchw_depthwise", (data, weight, strides, pads, dilations, lanes))`;
    - `R.nn.conv2d` on channel-blocked data and output (`data_layout` and `out_layout`
      "NCHW{B}c", OIHW weight: what `blocked_layout.BlockedLayout` writes; also with
-     `grouping`, where nothing else could run it): groups 1 into the direct kernel (its 5-D
-     data and output variant, `R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed,
+     `grouping`, where nothing else could run it), or NCHW data and a blocked output (an
+     entry conv, groups 1): groups 1 into the direct kernel (its 5-D output variant, `R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed,
      strides, pads, dilations))`, the weight packed as above with block B; 1x1 stride-1 convs
      run as GEMM tiles), depthwise into `R.call_dps_packed("gimlet.cpu.conv2d_nchwc_depthwise",
      (data, packed, strides, pads, dilations))`;
@@ -724,7 +724,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     def _rewrite_conv2d(self, call: relax.Call) -> relax.Expr | None:
         data, weight = call.args
         attrs = call.attrs
-        if attrs.data_layout != "NCHW" and attrs.data_layout == attrs.out_layout:
+        if attrs.out_layout != "NCHW":
             return self._rewrite_blocked_conv2d(call)
         if not (
             _is_float32_tensor(data.ty, 4)
@@ -753,19 +753,21 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         return self._conv_kernel(generic) if self.conv_kernels else generic
 
     def _rewrite_blocked_conv2d(self, call: relax.Call) -> relax.Expr | None:
-        """A conv2d on NCHW{B}c data and output with an OIHW weight (what `blocked_layout`
-        writes), groups 1 or depthwise, on the direct or blocked depthwise kernel, its weight
-        packed into blocks of B output channels."""
+        """A conv2d with an NCHW{B}c output and an OIHW weight (what `blocked_layout` writes) on
+        NCHW{B}c data, groups 1 or depthwise, or on NCHW data (an entry conv), groups 1: on the
+        direct or blocked depthwise kernel, its weight packed into blocks of B output channels."""
         data, weight = call.args
         attrs = call.attrs
-        layout = str(attrs.data_layout)
-        block = _static_ints([data.ty.shape[4]]) if data.ty.ndim == 5 else None
+        block = _static_ints([call.ty.shape[4]]) if _is_float32_tensor(call.ty, 5) else None
         params = _static_ints([*attrs.strides, *attrs.padding[:2], *attrs.dilation])
-        if not (block is not None and layout == f"NCHW{block[0]}c" and attrs.kernel_layout == "OIHW"
-                and _is_float32_tensor(weight.ty, 4) and _is_float32_tensor(call.ty, 5) and params is not None):
+        if not (block is not None and attrs.out_layout == f"NCHW{block[0]}c" and attrs.kernel_layout == "OIHW"
+                and _is_float32_tensor(weight.ty, 4) and params is not None):
             return None
         block = block[0]
         groups, func = int(attrs.groups), DIRECT_CONV2D_FUNC
+        blocked_data = attrs.data_layout == f"NCHW{block}c" and _is_float32_tensor(data.ty, 5)
+        if not (blocked_data or (attrs.data_layout == "NCHW" and _is_float32_tensor(data.ty, 4) and groups == 1)):
+            return None
         if groups > 1:
             func = BLOCKED_DEPTHWISE_CONV2D_FUNC
             if _static_ints([weight.ty.shape[1]]) != [1]:

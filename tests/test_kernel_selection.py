@@ -835,14 +835,16 @@ def test_convs_the_library_runs_on_its_own_kernels_are_op_groups():
         CONV2D_FUNC, DIRECT_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC, direct_conv_block)
 
     rng = np.random.default_rng(5)
-    weights = {"w1": (64, 64, 3, 3), "b1": (64,), "w2": (32, 64, 3, 3)}
+    # 36 output channels: no multiple of a block, so the blocked layout leaves the second conv
+    # on NCHW (the first runs Winograd, also NCHW), where it is an op group.
+    weights = {"w1": (64, 64, 3, 3), "b1": (64,), "w2": (36, 64, 3, 3)}
     inits = [onnx.numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.05, n)
              for n, s in weights.items()]
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c1"], ["r1"]),
              helper.make_node("Conv", ["r1", "w2"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])]
     graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 28, 28])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 14, 14])], inits)
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 36, 14, 14])], inits)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     _, target = resolve_target("llvm")
     mod, _ = import_model(proto, {})
