@@ -931,14 +931,16 @@ __attribute__((always_inline)) inline void BlockedEpilogueRows(const Epilogue& e
 }
 
 /*!
- * \brief Grid pixels [0, P) (from `x`: an image's planes advanced to the first one) of NB
- * channel blocks (their weights from `w`, `w_stride` floats apart), into `tile` as
- * [NB][tile_pixels][L]; the XB-blocked data's pixels are XB floats apart.
+ * \brief Taps [tap0, tap1) of grid pixels [0, P) (from `x`: an image's planes advanced to the
+ * first one) of NB channel blocks (their weights from `w`, `w_stride` floats apart), added to
+ * `tile` ([NB][tile_pixels][L]) or, for the first taps (`tap0` 0), written to it; the
+ * XB-blocked data's pixels are XB floats apart.
  */
 template <int L, int P, int NB, int XB>
 __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, const float* x,
                                                       const float* w, int64_t w_stride,
-                                                      float* tile, int64_t tile_pixels) {
+                                                      int64_t tap0, int64_t tap1, float* tile,
+                                                      int64_t tile_pixels) {
   using V = typename VectorOf<L>::Type;
   static_assert(sizeof(V) == L * sizeof(float));
   V acc[NB][P];
@@ -946,8 +948,12 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
 #pragma GCC unroll 4
   for (int j = 0; j < NB; ++j)
 #pragma GCC unroll 32
-    for (int q = 0; q < P; ++q) acc[j][q] = V{};
-  for (int64_t tap = 0; tap < t.num_taps; ++tap, w += L) {
+    for (int q = 0; q < P; ++q) {
+      acc[j][q] = V{};
+      if (tap0 > 0) std::memcpy(&acc[j][q], tile + (j * tile_pixels + q) * L, sizeof(V));
+    }
+  w += tap0 * L;
+  for (int64_t tap = tap0; tap < tap1; ++tap, w += L) {
     const float* src = x + t.taps[tap];
     // Opaque to the optimizer, so that each pixel's load is src plus a constant (GCC otherwise
     // keeps every pixel's index in a register of its own, spilled past a dozen pixels).
@@ -968,25 +974,45 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
     for (int q = 0; q < P; ++q) std::memcpy(tile + (j * tile_pixels + q) * L, &acc[j][q], sizeof(V));
 }
 
-/*! \brief Grid pixels [g0, g1) of channel blocks [b0, b0 + NB) of one image (`x`: its planes),
- * P at a time, the outputs among them stored, then the epilogue on those. */
+// Taps per slice: a chunk's tiles run the taps a slice at a time, so that the slice's weights
+// (NB * L floats a tap: 16 KiB) stay in L1 across the tiles, as MLAS runs one input-channel
+// block at a time over an output row. (A tile over all taps streamed the weights of a deep
+// layer, 74 KiB for 64 channels, from L2 once per 12 pixels.)
+constexpr int64_t kSliceBytes = 16 << 10;
+// Tiles per chunk (of its widest tiles), so a slice's weights serve a dozen tiles.
+constexpr int64_t kTilesPerChunk = 8;
+
+/*! \brief Grid pixels [g0, g1) (a chunk) of channel blocks [b0, b0 + NB) of one image (`x`:
+ * its planes), P at a time, one slice of taps after another; then the outputs among them
+ * stored, and the epilogue on those. */
 template <int L, int P, int NB, int XB>
 __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, const float* x,
                                                        int64_t b0, int64_t g0, int64_t g1,
                                                        float* y_img) {
-  alignas(64) float tile[NB * P * L];
+  constexpr int64_t kTiles = kTilesPerChunk * NB / kBlocks;  // one-block tiles are twice as wide
+  alignas(64) float tiles[kTiles][NB * P * L];
   const int64_t w_stride = t.num_taps * L;
   const float* w = t.w + b0 * w_stride;
   const int64_t spatial = t.out_h * t.out_w;
   const int64_t ch0 = b0 * L, channels = std::min<int64_t>(t.out_c - ch0, NB * L);
   float* y = y_img + ch0 * spatial;  // block b0's plane when blocked, channel ch0's when not
-  for (int64_t g = g0; g < g1; g += P) {
-    const int64_t n = std::min<int64_t>(P, g1 - g);
-    if (n == P || t.slack) {
-      DirectTile<L, P, NB, XB>(t, x + g * XB, w, w_stride, tile, P);
-    } else {  // a last short tile that must not read past the data: pixel by pixel
-      for (int64_t q = 0; q < n; ++q) DirectTile<L, 1, NB, XB>(t, x + (g + q) * XB, w, w_stride, tile + q * L, P);
+  const int64_t slice = std::max<int64_t>(1, kSliceBytes / (NB * L * sizeof(float)));
+  for (int64_t tap0 = 0; tap0 < t.num_taps; tap0 += slice) {
+    const int64_t tap1 = std::min(t.num_taps, tap0 + slice);
+    for (int64_t g = g0, i = 0; g < g1; g += P, ++i) {
+      const int64_t n = std::min<int64_t>(P, g1 - g);
+      if (n == P || t.slack) {
+        DirectTile<L, P, NB, XB>(t, x + g * XB, w, w_stride, tap0, tap1, tiles[i], P);
+      } else {  // a last short tile that must not read past the data: pixel by pixel
+        for (int64_t q = 0; q < n; ++q) {
+          DirectTile<L, 1, NB, XB>(t, x + (g + q) * XB, w, w_stride, tap0, tap1, tiles[i] + q * L, P);
+        }
+      }
     }
+  }
+  for (int64_t g = g0, i = 0; g < g1; g += P, ++i) {
+    const int64_t n = std::min<int64_t>(P, g1 - g);
+    const float* tile = tiles[i];
     // Runs of the tile's pixels that are outputs (one row's, up to its grid columns past OW).
     for (int64_t q = 0; q < n;) {
       const int64_t oy = (g + q) / t.grid_w, ox = (g + q) % t.grid_w;
@@ -1060,9 +1086,6 @@ __attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, 
 // 24) and, for 16-lane weights on a CPU without AVX-512, with AVX2 (each vector two halves).
 constexpr int kPixelsAvx2 = 6, kPixelsAvx512 = 12, kPixelsAvx2Wide = 3;
 constexpr int kMaxTilePixels = 2 * kPixelsAvx512;  // the most pixels of any tile
-// Each chunk is this many two-block tiles (at most), so a thread's tiles reuse the blocks'
-// weights while the threads get several units each.
-constexpr int64_t kTilesPerChunk = 8;
 
 GIMLET_TARGET("avx2,fma")
 void DirectUnitsAvx2x8(const DirectConvWork& t, int64_t begin, int64_t end) {
