@@ -848,7 +848,7 @@ struct VectorOf<16> {
   using Type = float __attribute__((vector_size(64)));
 };
 
-/*! \brief Whether `epilogue` has only steps `BlockedEpilogueRows` applies on vectors of a
+/*! \brief Whether `epilogue` has only steps `BlockedEpilogueVector` applies on vectors of a
  * channel-blocked output with blocks of `block` (bias of blocks of `block`, residual, ReLU, clip). */
 constexpr size_t kMaxVectorEpilogue = 8;  // steps
 
@@ -909,25 +909,6 @@ __attribute__((always_inline)) inline typename VectorOf<L>::Type BlockedEpilogue
     }
   }
   return v;
-}
-
-/*! \brief BlockedEpilogueVector on `rows` rows of `pixels` pixels at `y` (element offset
- * `offset` in the output), rows `row_stride` floats apart. */
-template <int L>
-__attribute__((always_inline)) inline void BlockedEpilogueRows(const Epilogue& epilogue, float* y,
-                                                               int64_t offset, int64_t rows,
-                                                               int64_t pixels, int64_t row_stride) {
-  using V = typename VectorOf<L>::Type;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = y + r * row_stride;
-    const BlockedRowVectors vectors(epilogue, offset + r * row_stride);
-    for (int64_t q = 0; q < pixels; ++q) {
-      V v;
-      std::memcpy(&v, row + q * L, sizeof(V));
-      v = BlockedEpilogueVector<L>(epilogue, vectors, v, offset + r * row_stride + q * L);
-      std::memcpy(row + q * L, &v, sizeof(V));
-    }
-  }
 }
 
 /*!
@@ -1021,7 +1002,20 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
         continue;
       }
       const int64_t run = std::min(n - q, t.out_w - ox), pixel = oy * t.out_w + ox;
-      if (t.y_blocked) {
+      if (t.vector_epilogue) {  // the epilogue on each vector on its way out
+        using V = typename VectorOf<L>::Type;
+        for (int j = 0; j < NB; ++j) {
+          float* out = y + (j * spatial + pixel) * L;
+          const int64_t offset = out - t.y;
+          const BlockedRowVectors vectors(*t.epilogue, offset);
+          for (int64_t r = 0; r < run; ++r) {
+            V v;
+            std::memcpy(&v, tile + (j * P + q + r) * L, sizeof(V));
+            v = BlockedEpilogueVector<L>(*t.epilogue, vectors, v, offset + r * L);
+            std::memcpy(out + r * L, &v, sizeof(V));
+          }
+        }
+      } else if (t.y_blocked) {
         for (int j = 0; j < NB; ++j) {
           std::memcpy(y + (j * spatial + pixel) * L, tile + (j * P + q) * L, run * L * sizeof(float));
         }
@@ -1036,12 +1030,9 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
     }
   }
   const int64_t pixel0 = t.OutputsBefore(g0), pixel1 = t.OutputsBefore(g1);
-  if (pixel0 == pixel1 || t.epilogue->empty()) return;
+  if (pixel0 == pixel1 || t.epilogue->empty() || t.vector_epilogue) return;
   if (!t.y_blocked) {
     ApplyEpilogue(*t.epilogue, y + pixel0, y + pixel0 - t.y, channels, pixel1 - pixel0, spatial);
-  } else if (t.vector_epilogue) {
-    float* first = y + pixel0 * L;
-    BlockedEpilogueRows<L>(*t.epilogue, first, first - t.y, NB, pixel1 - pixel0, spatial * L);
   } else {
     float* first = y + pixel0 * L;
     ApplyEpilogue(*t.epilogue, first, first - t.y, NB, (pixel1 - pixel0) * L, spatial * L);
