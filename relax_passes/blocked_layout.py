@@ -22,6 +22,8 @@ cover.
      only), as `R.nn.conv2d(data_layout="NCHW{B}c", kernel_layout="OIHW",
      out_layout="NCHW{B}c")`; a groups-1 conv with output channels a multiple of B and input
      channels not (an entry conv: a network's 3-channel stem) keeps `data_layout="NCHW"`;
+     a groups-1 conv on blocked data with input channels a multiple of B and output channels
+     not (an exit conv) keeps `out_layout="NCHW"`;
    - ops that do not care about the layout, once an operand is blocked: unary elementwise ops
      (`ELEMENTWISE_UNARY`), binary ones (`ELEMENTWISE_BINARY`) whose other operand is blocked
      too, a scalar, or a constant per-channel vector (reblocked here with numpy), and max /
@@ -141,19 +143,41 @@ def _depthwise(conv: relax.Call) -> bool:
             and data[1] is not None and int(conv.attrs.groups) == data[1] == out[1] and weight[1] == 1)
 
 
-def _convertible(conv: relax.Call, block: int, winograd: int | None = None) -> bool:
-    """Whether the pass runs this conv2d blocked (see the module docstring; `winograd`:
-    `$GIMLET_CPU_WINOGRAD`): its output, and its data unless it is an entry conv."""
+def _static_nchw_conv(conv: relax.Call) -> tuple[list, list, list] | None:
+    """The data, weight and output shapes of an NCHW / OIHW float32 conv2d whose extents are
+    static but for the batch; None for any other."""
     attrs = conv.attrs
     data_shape, weight_shape, out_shape = _shape(conv.args[0]), _shape(conv.args[1]), _shape(conv)
     if (data_shape is None or weight_shape is None or out_shape is None or attrs.data_layout != "NCHW"
             or attrs.kernel_layout != "OIHW" or attrs.out_layout != "NCHW" or len(data_shape) != 4
             or None in weight_shape or None in data_shape[1:] or None in out_shape[1:]):
+        return None
+    return data_shape, weight_shape, out_shape
+
+
+def _convertible(conv: relax.Call, block: int, winograd: int | None = None) -> bool:
+    """Whether the pass runs this conv2d blocked (see the module docstring; `winograd`:
+    `$GIMLET_CPU_WINOGRAD`): its output, and its data unless it is an entry conv."""
+    shapes = _static_nchw_conv(conv)
+    if shapes is None:
         return False
-    in_c, out_c, groups = data_shape[1], out_shape[1], int(attrs.groups)
+    data_shape, weight_shape, out_shape = shapes
+    in_c, out_c, groups = data_shape[1], out_shape[1], int(conv.attrs.groups)
     if out_c % block or not (groups == 1 or _depthwise(conv)) or (in_c % block and groups != 1):
         return False
     return groups != 1 or not _runs_winograd(conv, weight_shape, out_shape, winograd)
+
+
+def _exit_conv(conv: relax.Call, block: int, winograd: int | None = None) -> bool:
+    """A groups-1 conv whose input channels fill blocks and whose output channels do not
+    (MobileNetV2's 24-channel projections): on blocked data it writes NCHW, so the region ends
+    at it without a conversion."""
+    shapes = _static_nchw_conv(conv)
+    if shapes is None:
+        return False
+    data_shape, weight_shape, out_shape = shapes
+    return (int(conv.attrs.groups) == 1 and not data_shape[1] % block and bool(out_shape[1] % block)
+            and not _runs_winograd(conv, weight_shape, out_shape, winograd))
 
 
 def _entry_conv(conv: relax.Call, block: int) -> bool:
@@ -212,6 +236,11 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
             rewritten = self._blocked_op(value)
         if rewritten is None:
             super().visit_var_binding_(binding)
+            return
+        rewritten = self.builder_.normalize(rewritten)
+        if rewritten.ty.ndim == 4:  # an exit conv: the value is NCHW again
+            emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
+            self.set_var_remap(binding.var, emit(rewritten))
             return
         blocked_var = self.builder_.emit(rewritten)
         self.blocked[binding.var] = blocked_var
@@ -292,9 +321,12 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
     def _blocked_conv(self, call: relax.Call) -> relax.Expr | None:
         data, weight = call.args
         attrs = call.attrs
+        layout = f"NCHW{self.block}c"
+        if self._operand(data) is not None and _exit_conv(call, self.block, self.winograd):
+            return relax.op.nn.conv2d(self._operand(data), self.visit_expr(weight), attrs.strides, attrs.padding,
+                                      attrs.dilation, attrs.groups, layout, "OIHW", "NCHW")
         if not _convertible(call, self.block, self.winograd):
             return None
-        layout = f"NCHW{self.block}c"
         if _entry_conv(call, self.block):
             data, data_layout = self.visit_expr(data), "NCHW"
         else:

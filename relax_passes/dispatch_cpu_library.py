@@ -724,7 +724,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     def _rewrite_conv2d(self, call: relax.Call) -> relax.Expr | None:
         data, weight = call.args
         attrs = call.attrs
-        if attrs.out_layout != "NCHW":
+        if attrs.out_layout != "NCHW" or attrs.data_layout != "NCHW":
             return self._rewrite_blocked_conv2d(call)
         if not (
             _is_float32_tensor(data.ty, 4)
@@ -753,20 +753,24 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         return self._conv_kernel(generic) if self.conv_kernels else generic
 
     def _rewrite_blocked_conv2d(self, call: relax.Call) -> relax.Expr | None:
-        """A conv2d with an NCHW{B}c output and an OIHW weight (what `blocked_layout` writes) on
-        NCHW{B}c data, groups 1 or depthwise, or on NCHW data (an entry conv), groups 1: on the
-        direct or blocked depthwise kernel, its weight packed into blocks of B output channels."""
+        """A conv2d with an OIHW weight and NCHW{B}c data or output (what `blocked_layout`
+        writes): both blocked, groups 1 or depthwise; NCHW data (an entry conv) or an NCHW
+        output (an exit conv), groups 1. On the direct or blocked depthwise kernel, its weight
+        packed into blocks of B output channels."""
         data, weight = call.args
         attrs = call.attrs
-        block = _static_ints([call.ty.shape[4]]) if _is_float32_tensor(call.ty, 5) else None
+        blocked_out, blocked_data = _is_float32_tensor(call.ty, 5), _is_float32_tensor(data.ty, 5)
+        block = _static_ints([(call if blocked_out else data).ty.shape[4]]) if blocked_out or blocked_data else None
         params = _static_ints([*attrs.strides, *attrs.padding[:2], *attrs.dilation])
-        if not (block is not None and attrs.out_layout == f"NCHW{block[0]}c" and attrs.kernel_layout == "OIHW"
-                and _is_float32_tensor(weight.ty, 4) and params is not None):
+        if block is None or params is None or attrs.kernel_layout != "OIHW" or not _is_float32_tensor(weight.ty, 4):
             return None
         block = block[0]
         groups, func = int(attrs.groups), DIRECT_CONV2D_FUNC
-        blocked_data = attrs.data_layout == f"NCHW{block}c" and _is_float32_tensor(data.ty, 5)
-        if not (blocked_data or (attrs.data_layout == "NCHW" and _is_float32_tensor(data.ty, 4) and groups == 1)):
+        layouts = {True: f"NCHW{block}c", False: "NCHW"}
+        if (attrs.data_layout != layouts[blocked_data] or attrs.out_layout != layouts[blocked_out]
+                or not _is_float32_tensor(data.ty, 4) or not _is_float32_tensor(call.ty, 4)
+                or (blocked_data and _static_ints([data.ty.shape[4]]) != [block])
+                or (groups != 1 and not (blocked_data and blocked_out))):
             return None
         if groups > 1:
             func = BLOCKED_DEPTHWISE_CONV2D_FUNC

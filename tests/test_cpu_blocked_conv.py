@@ -192,6 +192,43 @@ def test_channels_off_the_block_stay_nchw(monkeypatch) -> None:
     assert script.count(f'"{BLOCKED_DEPTHWISE_CONV2D_FUNC}"') == 1
 
 
+def exit_net() -> onnx.ModelProto:
+    """16 -> 32 channels (3x3 + ReLU), then a 1x1 conv to 20 channels (+ bias, ReLU): 20 is no
+    multiple of a block, so the second conv is an exit conv."""
+    rng = np.random.default_rng(4)
+    weights = {
+        "w1": rng.standard_normal((32, 16, 3, 3), dtype=np.float32) * 0.2,
+        "b1": rng.standard_normal(32, dtype=np.float32),
+        "w2": rng.standard_normal((20, 32, 1, 1), dtype=np.float32) * 0.2,
+        "b2": rng.standard_normal(20, dtype=np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"]),
+        helper.make_node("Relu", ["c2"], ["y"]),
+    ]
+    return onnx_model(nodes, [("x", ["N", 16, 9, 11])], ("y", ["N", 20, 9, 11]), weights)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_exit_conv_ends_the_region_without_a_conversion(block, monkeypatch) -> None:
+    """A conv from blocked data to a channel count off the block reads the blocked data and
+    writes NCHW (its bias and ReLU in its epilogue): one conversion into the region, none out;
+    the model computes what onnxruntime does."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
+    model = exit_net()
+    script = dispatched(model)
+    assert script.count(f'"{TO_BLOCKED_FUNC}"') == 1 and script.count(f'"{FROM_BLOCKED_FUNC}"') == 0
+    assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == 2
+    assert "R.add(" not in script and "R.nn.relu(" not in script
+    inputs = {"x": rand(2, 16, 9, 11, seed=7)}
+    ours = gimlet_tvm.build(model, "llvm")(*inputs.values())
+    reference = onnxruntime.InferenceSession(model.SerializeToString(),
+                                             providers=["CPUExecutionProvider"]).run(None, inputs)
+    np.testing.assert_allclose(np.asarray(ours[0]), reference[0], rtol=1e-4, atol=1e-4 * np.abs(reference[0]).max())
+
+
 def test_default_rule_converts_networks_with_convertible_convs(monkeypatch) -> None:
     """Networks with convs whose channel counts are multiples of the CPU's block run blocked;
     the MLP (no conv) is left alone."""
