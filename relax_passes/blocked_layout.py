@@ -36,9 +36,9 @@ cover.
    kernels took several times as long). So conversions of activations sit only at the regions'
    edges (the network's input side, global pooling / flatten, outputs), never around each op.
 3. It does not handle: convs with output channel counts that are not multiples of B (they
-   stay NCHW, and so do the ops between them), grouped convs other than depthwise, depthwise convs with a
-   channel multiplier, other dtypes, symbolic channel or spatial extents, binary ops that
-   broadcast a blocked operand.
+   stay NCHW, and so do the ops between them), grouped convs other than depthwise, depthwise
+   convs with a channel multiplier, other dtypes, symbolic channel or spatial extents, binary
+   ops that broadcast a blocked operand.
    It does not weigh a region's edge conversions against what its kernels save:
    `blocked_layout_for` decides per function.
 """

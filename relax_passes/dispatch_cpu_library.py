@@ -41,10 +41,11 @@ OpenBLAS-backed CPU library.
      "gimlet.cpu.conv2d_nchw_depthwise", (data, weight, strides, pads, dilations, lanes))`;
    - `R.nn.conv2d` on channel-blocked data and output (`data_layout` and `out_layout`
      "NCHW{B}c", OIHW weight: what `blocked_layout.BlockedLayout` writes; also with
-     `grouping`, where nothing else could run it), or NCHW data and a blocked output (an
-     entry conv, groups 1): groups 1 into the direct kernel (its 5-D output variant, `R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed,
-     strides, pads, dilations))`, the weight packed as above with block B; 1x1 stride-1 convs
-     run as GEMM tiles), depthwise into `R.call_dps_packed("gimlet.cpu.conv2d_nchwc_depthwise",
+     `grouping`, where nothing else could run it), or with one of them blocked and the other
+     NCHW (an entry or exit conv, groups 1): groups 1 into the direct kernel
+     (`R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed, strides, pads,
+     dilations))`, the weight packed as above with block B; 1x1 stride-1 convs run as GEMM
+     tiles), depthwise into `R.call_dps_packed("gimlet.cpu.conv2d_nchwc_depthwise",
      (data, packed, strides, pads, dilations))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
@@ -181,11 +182,11 @@ def direct_conv_block_for(out_c: int, in_c: int, kernel: tuple[int, int], cpu_bl
 
     benchmarks/conv_direct.py on Zen 4 (AVX-512, 1 and 2 threads): convs of at least 32
     multiply-adds per output (ResNet-18's, resnet_cnn's but its stem) ran in 0.3-0.9x the
-    time. A conv with fewer channels than this CPU's block runs on the narrower block (8
-    channels on AVX-512: 0.86x im2col's time); since one block's tiles hold 24 pixels, a
-    16-channel conv runs on one 16-channel block (resnet_cnn's 16->16: 0.8x two 8-channel
-    blocks on an AVX-512 Xeon). 1x1 convs are plain GEMMs, where OpenBLAS's packed kernels did as well or better
-    (0.8-2.2x), and so did the 3-channel stems (27 multiply-adds per output: 0.8-1.2x)."""
+    time; 1x1 convs are plain GEMMs, where OpenBLAS's packed kernels did as well or better
+    (0.8-2.2x), and so did the 3-channel stems (27 multiply-adds per output: 0.8-1.2x). On an
+    AVX-512 Xeon, a conv with fewer channels than the CPU's block ran on the narrower block in
+    0.86x im2col's time (8 channels), and since one block's tiles hold 24 pixels, 16-channel
+    convs run on one 16-channel block (resnet_cnn's 16->16: 0.8x two 8-channel blocks)."""
     if tuple(kernel) == (1, 1) or in_c * kernel[0] * kernel[1] < 32:
         return 0
     for block in (cpu_block, 8):

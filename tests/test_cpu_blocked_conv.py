@@ -226,7 +226,8 @@ def test_exit_conv_ends_the_region_without_a_conversion(block, monkeypatch) -> N
     ours = gimlet_tvm.build(model, "llvm")(*inputs.values())
     reference = onnxruntime.InferenceSession(model.SerializeToString(),
                                              providers=["CPUExecutionProvider"]).run(None, inputs)
-    np.testing.assert_allclose(np.asarray(ours[0]), reference[0], rtol=1e-4, atol=1e-4 * np.abs(reference[0]).max())
+    np.testing.assert_allclose(np.asarray(ours[0]), reference[0], rtol=1e-4,
+                               atol=1e-4 * np.abs(reference[0]).max())
 
 
 def test_default_rule_converts_networks_with_convertible_convs(monkeypatch) -> None:
