@@ -81,8 +81,9 @@ def blocked_override() -> int | None:
 
 
 def blocked_layout_for(func: relax.Function, cpu_block: int) -> bool:
-    """Whether a function runs blocked by default: one with a conv the pass converts, on a CPU
-    with blocked kernels (`cpu_block`, `direct_conv_block()`, not 0).
+    """Whether a function runs blocked by default: one with a conv the pass converts that is
+    no entry conv (a function whose only such convs are entry convs would pay a conversion
+    back for nothing), on a CPU with blocked kernels (`cpu_block`, `direct_conv_block()`, not 0).
 
     benchmarks/README.md ("Blocked layout", "Direct convs on a phase-plane grid") has the
     measurements: mobilenet_cnn ran in less time blocked (its 1x1 convs as GEMM tiles on
@@ -95,7 +96,7 @@ def blocked_layout_for(func: relax.Function, cpu_block: int) -> bool:
 
     def visit(expr: relax.Expr) -> None:
         if (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.nn.conv2d"
-                and _convertible(expr, cpu_block)):
+                and _convertible(expr, cpu_block) and not _entry_conv(expr, cpu_block)):
             found.append(expr)
 
     relax.analysis.post_order_visit(func.body, visit)
