@@ -764,6 +764,25 @@ struct PhasePlanes {
       }
     }
   }
+
+  /*! \brief Into `offsets`, where each tap (c, kh, kw) of a `channels`-channel conv reads for
+   * output (0, 0), in floats from an image's phase planes: phase (kh * DH % SH, kw * DW % SW)
+   * of channel c at row kh * DH / SH, column kw * DW / SW. */
+  void TapOffsets(int64_t channels, int64_t kernel_h, int64_t kernel_w, int64_t dilation_h,
+                  int64_t dilation_w, std::vector<int64_t>* offsets) const {
+    offsets->resize(channels * kernel_h * kernel_w);
+    const int64_t plane = phase_h * phase_w;
+    for (int64_t c = 0, tap = 0; c < channels; ++c) {
+      for (int64_t kh = 0; kh < kernel_h; ++kh) {
+        for (int64_t kw = 0; kw < kernel_w; ++kw, ++tap) {
+          const int64_t a = kh * dilation_h % stride_h, b = kw * dilation_w % stride_w;
+          const int64_t pixel = kh * dilation_h / stride_h * phase_w + kw * dilation_w / stride_w;
+          (*offsets)[tap] = (((c / element * stride_h + a) * stride_w + b) * plane + pixel) * element +
+                            c % element;
+        }
+      }
+    }
+  }
 };
 
 int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
@@ -1174,39 +1193,29 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   if (batch == 0 || t.out_c == 0 || t.out_h * t.out_w == 0) return;
   const bool pointwise = kernel_h == 1 && kernel_w == 1 && p.stride_h == 1 && p.stride_w == 1 &&
                          p.pad_top == 0 && p.pad_left == 0 && t.out_h == height && t.out_w == width;
-  // Stride phases and their extent: rows reach the last output's last tap.
+  // Stride phases and their extent: rows reach the last output's last tap (a pointwise conv's
+  // data is its one phase, read as it is).
   const int64_t sh = pointwise ? 1 : p.stride_h, sw = pointwise ? 1 : p.stride_w;
   const int64_t phase_h = pointwise ? height : t.out_h + (kernel_h - 1) * p.dilation_h / sh;
   const int64_t phase_w = pointwise ? width : t.out_w + (kernel_w - 1) * p.dilation_w / sw;
   t.image_floats = in_c * sh * sw * phase_h * phase_w;
+  PhasePlanes phases{Data(data), nullptr, batch * in_c / x_block, height, width, sh, sw,
+                     phase_h, phase_w, p.pad_top, p.pad_left, x_block};
   if (pointwise) {
     t.x = Data(data);
   } else {
-    thread_local std::vector<float> phases;
-    phases.resize(batch * t.image_floats + kMaxTilePixels * x_block);
-    PhasePlanes copy{Data(data), phases.data(), batch * in_c / x_block, height, width, sh, sw,
-                     phase_h, phase_w, p.pad_top, p.pad_left, x_block};
-    if (p.dilation_h == 1) copy.copied_h = kernel_h;  // taps read phases a < KH (of SH)
-    if (p.dilation_w == 1) copy.copied_w = kernel_w;
-    Launch(RunPhasePlanes, &copy, phases.size() >= kMinParallelGemm);
-    t.x = phases.data();
+    thread_local std::vector<float> copied;
+    copied.resize(batch * t.image_floats + kMaxTilePixels * x_block);
+    phases.phases = copied.data();
+    if (p.dilation_h == 1) phases.copied_h = kernel_h;  // taps read phases a < KH (of SH)
+    if (p.dilation_w == 1) phases.copied_w = kernel_w;
+    Launch(RunPhasePlanes, &phases, copied.size() >= kMinParallelGemm);
+    t.x = copied.data();
     t.slack = true;
   }
-  // Tap (c, kh, kw) of grid pixel 0 reads phase (kh * DH % SH, kw * DW % SW) of channel c at
-  // row kh * DH / SH, column kw * DW / SW.
   t.num_taps = in_c * kernel_h * kernel_w;
   thread_local std::vector<int64_t> taps;
-  taps.resize(t.num_taps);
-  const int64_t plane = phase_h * phase_w;
-  for (int64_t c = 0, tap = 0; c < in_c; ++c) {
-    for (int64_t kh = 0; kh < kernel_h; ++kh) {
-      for (int64_t kw = 0; kw < kernel_w; ++kw, ++tap) {
-        const int64_t a = kh * p.dilation_h % sh, b = kw * p.dilation_w % sw;
-        const int64_t pixel = kh * p.dilation_h / sh * phase_w + kw * p.dilation_w / sw;
-        taps[tap] = (((c / x_block * sh + a) * sw + b) * plane + pixel) * x_block + c % x_block;
-      }
-    }
-  }
+  phases.TapOffsets(in_c, kernel_h, kernel_w, p.dilation_h, p.dilation_w, &taps);
   t.taps = taps.data();
   t.grid_w = phase_w;
   t.grid = (t.out_h - 1) * t.grid_w + t.out_w;
@@ -1374,20 +1383,8 @@ void RowConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t 
     }
   }
   t.w = packed.data();
-  // Tap (c, kh, kw) of output (oy, ox) reads phase (kh * DH % SH, kw * DW % SW) of channel c at
-  // row oy + kh * DH / SH, column ox + kw * DW / SW.
   thread_local std::vector<int64_t> offsets;
-  offsets.resize(taps);
-  const int64_t plane = t.phase_h * t.phase_w;
-  for (int64_t c = 0, tap = 0; c < t.in_c; ++c) {
-    for (int64_t kh = 0; kh < t.kernel_h; ++kh) {
-      for (int64_t kw = 0; kw < t.kernel_w; ++kw, ++tap) {
-        const int64_t a = kh * p.dilation_h % p.stride_h, b = kw * p.dilation_w % p.stride_w;
-        offsets[tap] = ((c * p.stride_h + a) * p.stride_w + b) * plane +
-                       kh * p.dilation_h / p.stride_h * t.phase_w + kw * p.dilation_w / p.stride_w;
-      }
-    }
-  }
+  copy.TapOffsets(t.in_c, t.kernel_h, t.kernel_w, p.dilation_h, p.dilation_w, &offsets);
   t.taps = offsets.data();
   t.num_taps = taps;
   t.num_units = batch * t.channel_groups * t.out_h;
