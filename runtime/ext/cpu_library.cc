@@ -1071,9 +1071,9 @@ __attribute__((always_inline)) inline void DirectChunkOf(const DirectConvWork& t
 }
 
 /*! \brief Units [begin, end): unit = (image * block_pairs + pair) * chunks + chunk; a tile is
- * kPixels pixels of two blocks, or kOddBlockPixels of a last odd block (one-block convs: all
- * of them). */
-template <int L, int kPixels, int kOddBlockPixels>
+ * kPixels pixels of two blocks, or twice as many of a last odd block (one-block convs: all of
+ * them), the same number of accumulators. */
+template <int L, int kPixels>
 __attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, int64_t begin,
                                                        int64_t end) {
   for (int64_t unit = begin; unit < end; ++unit) {
@@ -1086,7 +1086,7 @@ __attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, 
     if (b0 + kBlocks <= t.blocks) {
       DirectChunkOf<L, kPixels, kBlocks>(t, x, b0, g0, g1, y_img);
     } else {
-      DirectChunkOf<L, kOddBlockPixels, 1>(t, x, b0, g0, g1, y_img);
+      DirectChunkOf<L, kPixels * kBlocks, 1>(t, x, b0, g0, g1, y_img);
     }
   }
 }
@@ -1095,19 +1095,19 @@ __attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, 
 // with AVX2 (16 vector registers: 12 accumulators), 16-lane blocks with AVX-512 (32 registers:
 // 24) and, for 16-lane weights on a CPU without AVX-512, with AVX2 (each vector two halves).
 constexpr int kPixelsAvx2 = 6, kPixelsAvx512 = 12, kPixelsAvx2Wide = 3;
-constexpr int kMaxTilePixels = 2 * kPixelsAvx512;  // the most pixels of any tile
+constexpr int kMaxTilePixels = kPixelsAvx512 * kBlocks;  // the most pixels of any tile
 
 GIMLET_TARGET("avx2,fma")
 void DirectUnitsAvx2x8(const DirectConvWork& t, int64_t begin, int64_t end) {
-  DirectUnits<8, kPixelsAvx2, 2 * kPixelsAvx2>(t, begin, end);
+  DirectUnits<8, kPixelsAvx2>(t, begin, end);
 }
 GIMLET_TARGET("avx2,fma")
 void DirectUnitsAvx2x16(const DirectConvWork& t, int64_t begin, int64_t end) {
-  DirectUnits<16, kPixelsAvx2Wide, 2 * kPixelsAvx2Wide>(t, begin, end);
+  DirectUnits<16, kPixelsAvx2Wide>(t, begin, end);
 }
 GIMLET_TARGET("avx512f,avx2,fma")
 void DirectUnitsAvx512(const DirectConvWork& t, int64_t begin, int64_t end) {
-  DirectUnits<16, kPixelsAvx512, kMaxTilePixels>(t, begin, end);
+  DirectUnits<16, kPixelsAvx512>(t, begin, end);
 }
 
 bool CpuHasAvx512() {
