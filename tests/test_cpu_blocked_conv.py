@@ -64,6 +64,10 @@ def out_size(size, kernel, stride, pads, dilation):
         (2, 16, (13, 11), 16, (3, 3), (1, 1), (1, 1), (1, 1)),  # one output block
         (1, 32, (15, 14), 64, (3, 3), (2, 2), (1, 1), (1, 1)),  # stride 2
         (1, 16, (12, 10), 32, (3, 3), (1, 1), (2, 2), (2, 2)),  # dilated
+        # AVX-512's row tiles (7x7 and 16x16 planes, where grid tiles waste over 5%)
+        (2, 32, (7, 7), 48, (1, 1), (1, 1), (0, 0), (1, 1)),  # 1x1, odd last block
+        (1, 32, (16, 16), 32, (3, 3), (1, 1), (1, 1), (1, 1)),  # 8 wide
+        (1, 16, (14, 14), 32, (3, 3), (2, 2), (1, 1), (1, 1)),  # 7 wide, stride 2
     ],
 )
 def test_blocked_direct_conv2d_against_numpy(block, blocked_in, batch, in_c, size, out_c, kernel,

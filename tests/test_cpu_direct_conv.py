@@ -59,7 +59,9 @@ def gelu(v: np.ndarray) -> np.ndarray:
         (2, 5, (11, 13), 17, (3, 3), (2, 2), (2, 2), (1, 2), (2, 2)),  # dilated, stride 2
         (2, 9, (10, 9), 20, (1, 1), (2, 2), (0, 0), (0, 0), (1, 1)),  # 1x1 stride 2: one phase read
         (1, 6, (12, 10), 24, (3, 2), (1, 2), (2, 0), (1, 1), (1, 1)),  # asymmetric, uneven strides
-        (3, 64, (7, 7), 48, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1)),  # deep layer: tiles span rows
+        (3, 64, (7, 7), 48, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1)),  # deep layer: row tiles of 7
+        (2, 20, (16, 16), 40, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1)),  # row tiles of 8, odd block
+        (1, 24, (9, 9), 32, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1)),  # 9 wide: grid tiles span rows
     ],
 )
 def test_direct_conv2d_against_numpy(block, batch, in_c, size, out_c, kernel, stride, pads,

@@ -813,9 +813,15 @@ int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
 // offsets held in registers (with 12 pixels they spilled and were reloaded for every tap), and
 // tiles run across rows, so small deep-layer planes fill whole tiles. A pointwise conv (1x1,
 // stride 1, no padding) reads the data as it is (its grid is the output plane).
+//
+// Where a narrower tile width W divides the output width (`RowTileWidth`: 7 for ResNets'
+// 56/28/14/7-pixel planes, 8 for 8/16/32-pixel ones), tiles are instead W-pixel pieces of output
+// rows ("row tiles"): no dropped grid columns and no short last tile. On a 7x7 plane the grid's
+// 12-pixel tiles computed 72 pixels for 49 outputs; a W-pixel tile multiplies as fast per
+// multiply-add as a 12-pixel one (14-16 accumulators still hide the FMA latency).
 
-/*! \brief One direct conv2d call (groups 1), cut into units of `chunk` grid pixels of one
- * image and kBlocks channel blocks. */
+/*! \brief One direct conv2d call (groups 1), cut into units of `chunk_slots` tiles (slots) of
+ * one image and kBlocks channel blocks. */
 struct DirectConvWork {
   const float* x;        // the planes the taps read (phase planes, or a pointwise conv's data)
   const float* w;        // [ceil(O / B), C, KH, KW, B]
@@ -834,8 +840,11 @@ struct DirectConvWork {
   int64_t block;         // B, the weights' last extent
   int64_t blocks;        // ceil(out_c / B)
   int64_t block_pairs;   // ceil(blocks / kBlocks)
-  int64_t chunk;         // grid pixels per unit
-  int64_t chunks;        // ceil(grid / chunk)
+  int64_t row_w;         // W of row tiles (see above), 0 for tiles across the grid
+  int64_t slot_w;        // pixels of a slot: a two-block tile's (row_w, or the grid tiles' P)
+  int64_t slots;         // row tiles OH * OW / W, or grid slots ceil(grid / P)
+  int64_t chunk_slots;   // slots per unit
+  int64_t chunks;        // ceil(slots / chunk_slots)
   int64_t num_units;     // images * block_pairs * chunks
 
   /*! \brief How many outputs come before grid pixel g (the output index of g when it is one). */
@@ -898,36 +907,58 @@ struct BlockedRowVectors {
   }
 };
 
-/*! \brief `epilogue` (IsBlockedVectorEpilogue) on the vector `v` of L channels of one pixel of a
- * channel-blocked output, at element offset `o` in the output, `vectors` its channel block's:
- * each step while it is in a register. */
+/*! \brief Step `i` of `epilogue` (IsBlockedVectorEpilogue) on the vector `v` of L channels of
+ * one pixel of a channel-blocked output, at element offset `o` in the output, `vectors` its
+ * channel block's. */
+template <int L>
+__attribute__((always_inline)) inline typename VectorOf<L>::Type BlockedEpilogueStep(
+    const Epilogue& epilogue, size_t i, const BlockedRowVectors& vectors,
+    typename VectorOf<L>::Type v, int64_t o) {
+  using V = typename VectorOf<L>::Type;
+  const EpilogueStep& step = epilogue[i];
+  V operand;
+  switch (step.kind) {
+    case EpilogueStep::kAddBlockedVector:
+      std::memcpy(&operand, vectors.at[i], sizeof(V));
+      return v + operand;
+    case EpilogueStep::kAddTensor:
+      std::memcpy(&operand, step.data + o, sizeof(V));
+      return v + operand;
+    case EpilogueStep::kRelu:
+      return v < V{} ? V{} : v;
+    default:  // kClip
+      v = v < step.lo ? V{} + step.lo : v;
+      return v > step.hi ? V{} + step.hi : v;
+  }
+}
+
+/*! \brief `epilogue` (IsBlockedVectorEpilogue) on the vector `v` (see BlockedEpilogueStep): each
+ * step while it is in a register. */
 template <int L>
 __attribute__((always_inline)) inline typename VectorOf<L>::Type BlockedEpilogueVector(
     const Epilogue& epilogue, const BlockedRowVectors& vectors, typename VectorOf<L>::Type v,
     int64_t o) {
+  for (size_t i = 0; i < epilogue.size(); ++i) v = BlockedEpilogueStep<L>(epilogue, i, vectors, v, o);
+  return v;
+}
+
+/*! \brief `epilogue` (IsBlockedVectorEpilogue) on `count` consecutive pixels' vectors at `v`,
+ * in place, the first at element offset `o` of the output: one step over all of them at a
+ * time, so the step's switch is decided once per run, not once per vector. */
+template <int L>
+__attribute__((always_inline)) inline void BlockedEpilogueVectors(const Epilogue& epilogue,
+                                                                  const BlockedRowVectors& vectors,
+                                                                  float* v, int64_t count,
+                                                                  int64_t o) {
   using V = typename VectorOf<L>::Type;
   for (size_t i = 0; i < epilogue.size(); ++i) {
-    const EpilogueStep& step = epilogue[i];
-    V operand;
-    switch (step.kind) {
-      case EpilogueStep::kAddBlockedVector:
-        std::memcpy(&operand, vectors.at[i], sizeof(V));
-        v += operand;
-        break;
-      case EpilogueStep::kAddTensor:
-        std::memcpy(&operand, step.data + o, sizeof(V));
-        v += operand;
-        break;
-      case EpilogueStep::kRelu:
-        v = v < V{} ? V{} : v;
-        break;
-      default:  // kClip
-        v = v < step.lo ? V{} + step.lo : v;
-        v = v > step.hi ? V{} + step.hi : v;
-        break;
+    for (int64_t r = 0; r < count; ++r) {
+      V x;
+      std::memcpy(&x, v + r * L, sizeof(V));
+      x = BlockedEpilogueStep<L>(epilogue, i, vectors, x, o + r * L);
+      std::memcpy(v + r * L, &x, sizeof(V));
     }
   }
-  return v;
 }
 
 /*!
@@ -982,25 +1013,39 @@ constexpr int64_t kSliceBytes = 16 << 10;
 // Tiles per chunk (of its widest tiles), so a slice's weights serve a dozen tiles.
 constexpr int64_t kTilesPerChunk = 8;
 
-/*! \brief Grid pixels [g0, g1) (a chunk) of channel blocks [b0, b0 + NB) of one image (`x`:
- * its planes), P at a time, one slice of taps after another; then the outputs among them
- * stored, and the epilogue on those. */
-template <int L, int P, int NB, int XB>
+/*! \brief Slots [s0, s1) (a chunk) of channel blocks [b0, b0 + NB) of one image (`x`: its
+ * planes), in tiles of P pixels: one row tile per slot (kRows), or the grid pixels the slots
+ * cover, P at a time; one slice of taps after another; then the outputs among them stored,
+ * and the epilogue on those. */
+template <int L, int P, int NB, int XB, bool kRows>
 __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, const float* x,
-                                                       int64_t b0, int64_t g0, int64_t g1,
+                                                       int64_t b0, int64_t s0, int64_t s1,
                                                        float* y_img) {
-  constexpr int64_t kTiles = kTilesPerChunk * NB / kBlocks;  // one-block tiles are twice as wide
+  // One-block grid tiles are twice as wide, so half as many.
+  constexpr int64_t kTiles = kRows ? kTilesPerChunk : kTilesPerChunk * NB / kBlocks;
   alignas(64) float tiles[kTiles][NB * P * L];
+  const int64_t spatial = t.out_h * t.out_w;
+  // The epilogue's per-channel vectors of blocks b0 and b0 + NB - 1 (the same for all pixels).
+  static_assert(NB <= 2);
+  const BlockedRowVectors vectors[2] = {BlockedRowVectors(*t.epilogue, b0 * spatial * L),
+                                        BlockedRowVectors(*t.epilogue, (b0 + NB - 1) * spatial * L)};
+  const int64_t g0 = s0 * t.slot_w, g1 = std::min(t.grid, s1 * t.slot_w);  // grid tiles' pixels
+  const int64_t num_tiles = kRows ? s1 - s0 : (g1 - g0 + P - 1) / P;
+  // Tile i's first grid pixel and its pixels (only a last grid tile has fewer than P).
+  auto tile_start = [&](int64_t i) {
+    const int64_t s = s0 + i, row_tiles = t.out_w / P;
+    return kRows ? s / row_tiles * t.grid_w + s % row_tiles * P : g0 + i * P;
+  };
+  auto tile_size = [&](int64_t g) { return kRows ? P : std::min<int64_t>(P, g1 - g); };
   const int64_t w_stride = t.num_taps * L;
   const float* w = t.w + b0 * w_stride;
-  const int64_t spatial = t.out_h * t.out_w;
   const int64_t ch0 = b0 * L, channels = std::min<int64_t>(t.out_c - ch0, NB * L);
   float* y = y_img + ch0 * spatial;  // block b0's plane when blocked, channel ch0's when not
   const int64_t slice = std::max<int64_t>(1, kSliceBytes / (NB * L * sizeof(float)));
   for (int64_t tap0 = 0; tap0 < t.num_taps; tap0 += slice) {
     const int64_t tap1 = std::min(t.num_taps, tap0 + slice);
-    for (int64_t g = g0, i = 0; g < g1; g += P, ++i) {
-      const int64_t n = std::min<int64_t>(P, g1 - g);
+    for (int64_t i = 0; i < num_tiles; ++i) {
+      const int64_t g = tile_start(i), n = tile_size(g);
       if (n == P || t.slack) {
         DirectTile<L, P, NB, XB>(t, x + g * XB, w, w_stride, tap0, tap1, tiles[i], P);
       } else {  // a last short tile that must not read past the data: pixel by pixel
@@ -1010,9 +1055,9 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
       }
     }
   }
-  for (int64_t g = g0, i = 0; g < g1; g += P, ++i) {
-    const int64_t n = std::min<int64_t>(P, g1 - g);
-    const float* tile = tiles[i];
+  for (int64_t i = 0; i < num_tiles; ++i) {
+    const int64_t g = tile_start(i), n = tile_size(g);
+    float* tile = tiles[i];
     // Runs of the tile's pixels that are outputs (one row's, up to its grid columns past OW).
     for (int64_t q = 0; q < n;) {
       const int64_t oy = (g + q) / t.grid_w, ox = (g + q) % t.grid_w;
@@ -1021,22 +1066,12 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
         continue;
       }
       const int64_t run = std::min(n - q, t.out_w - ox), pixel = oy * t.out_w + ox;
-      if (t.vector_epilogue) {  // the epilogue on each vector on its way out
-        using V = typename VectorOf<L>::Type;
+      if (t.y_blocked) {  // the epilogue on the tile's vectors (in L1), on their way out
         for (int j = 0; j < NB; ++j) {
           float* out = y + (j * spatial + pixel) * L;
-          const int64_t offset = out - t.y;
-          const BlockedRowVectors vectors(*t.epilogue, offset);
-          for (int64_t r = 0; r < run; ++r) {
-            V v;
-            std::memcpy(&v, tile + (j * P + q + r) * L, sizeof(V));
-            v = BlockedEpilogueVector<L>(*t.epilogue, vectors, v, offset + r * L);
-            std::memcpy(out + r * L, &v, sizeof(V));
-          }
-        }
-      } else if (t.y_blocked) {
-        for (int j = 0; j < NB; ++j) {
-          std::memcpy(y + (j * spatial + pixel) * L, tile + (j * P + q) * L, run * L * sizeof(float));
+          float* in = tile + (j * P + q) * L;
+          if (t.vector_epilogue) BlockedEpilogueVectors<L>(*t.epilogue, vectors[j], in, run, out - t.y);
+          std::memcpy(out, in, run * L * sizeof(float));
         }
       } else {
         for (int64_t ch = 0; ch < channels; ++ch) {
@@ -1048,7 +1083,9 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
       q += run;
     }
   }
-  const int64_t pixel0 = t.OutputsBefore(g0), pixel1 = t.OutputsBefore(g1);
+  // Row tiles partition each output row, so slot s's outputs start at s * P.
+  const int64_t pixel0 = kRows ? s0 * P : t.OutputsBefore(g0);
+  const int64_t pixel1 = kRows ? s1 * P : t.OutputsBefore(g1);
   if (pixel0 == pixel1 || t.epilogue->empty() || t.vector_epilogue) return;
   if (!t.y_blocked) {
     ApplyEpilogue(*t.epilogue, y + pixel0, y + pixel0 - t.y, channels, pixel1 - pixel0, spatial);
@@ -1059,34 +1096,38 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
 }
 
 /*! \brief DirectChunk on NCHW (XB 1) or L-blocked data. */
-template <int L, int P, int NB>
+template <int L, int P, int NB, bool kRows>
 __attribute__((always_inline)) inline void DirectChunkOf(const DirectConvWork& t, const float* x,
-                                                         int64_t b0, int64_t g0, int64_t g1,
+                                                         int64_t b0, int64_t s0, int64_t s1,
                                                          float* y_img) {
   if (t.x_block == 1) {
-    DirectChunk<L, P, NB, 1>(t, x, b0, g0, g1, y_img);
+    DirectChunk<L, P, NB, 1, kRows>(t, x, b0, s0, s1, y_img);
   } else {
-    DirectChunk<L, P, NB, L>(t, x, b0, g0, g1, y_img);
+    DirectChunk<L, P, NB, L, kRows>(t, x, b0, s0, s1, y_img);
   }
 }
 
-/*! \brief Units [begin, end): unit = (image * block_pairs + pair) * chunks + chunk; a tile is
- * kPixels pixels of two blocks, or twice as many of a last odd block (one-block convs: all of
- * them), the same number of accumulators. */
-template <int L, int kPixels>
+/*! \brief Units [begin, end): unit = (image * block_pairs + pair) * chunks + chunk. A grid tile
+ * (kRowPixels 0) is kPixels pixels of two blocks, or twice as many of a last odd block
+ * (one-block convs: all of them), the same number of accumulators; a row tile is kRowPixels
+ * pixels of two blocks or of the last odd block. */
+template <int L, int kPixels, int kRowPixels = 0>
 __attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, int64_t begin,
                                                        int64_t end) {
+  constexpr bool kRows = kRowPixels > 0;
+  constexpr int kPairPixels = kRows ? kRowPixels : kPixels;
+  constexpr int kSinglePixels = kRows ? kRowPixels : kPixels * kBlocks;
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t chunk = unit % t.chunks, pair = unit / t.chunks % t.block_pairs;
     const int64_t img = unit / t.chunks / t.block_pairs;
     const float* x = t.x + img * t.image_floats;
     float* y_img = t.y + img * t.out_c * t.out_h * t.out_w;
     const int64_t b0 = pair * kBlocks;
-    const int64_t g0 = chunk * t.chunk, g1 = std::min(t.grid, g0 + t.chunk);
+    const int64_t s0 = chunk * t.chunk_slots, s1 = std::min(t.slots, s0 + t.chunk_slots);
     if (b0 + kBlocks <= t.blocks) {
-      DirectChunkOf<L, kPixels, kBlocks>(t, x, b0, g0, g1, y_img);
+      DirectChunkOf<L, kPairPixels, kBlocks, kRows>(t, x, b0, s0, s1, y_img);
     } else {
-      DirectChunkOf<L, kPixels * kBlocks, 1>(t, x, b0, g0, g1, y_img);
+      DirectChunkOf<L, kSinglePixels, 1, kRows>(t, x, b0, s0, s1, y_img);
     }
   }
 }
@@ -1096,6 +1137,9 @@ __attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, 
 // 24) and, for 16-lane weights on a CPU without AVX-512, with AVX2 (each vector two halves).
 constexpr int kPixelsAvx2 = 6, kPixelsAvx512 = 12, kPixelsAvx2Wide = 3;
 constexpr int kMaxTilePixels = kPixelsAvx512 * kBlocks;  // the most pixels of any tile
+// Row tile widths, in order of preference (AVX-512 only: with AVX2's 16 registers a
+// two-block tile holds 6 pixels, no divisor of common widths).
+constexpr int kRowPixelsAvx512[] = {8, 7};
 
 GIMLET_TARGET("avx2,fma")
 void DirectUnitsAvx2x8(const DirectConvWork& t, int64_t begin, int64_t end) {
@@ -1107,7 +1151,14 @@ void DirectUnitsAvx2x16(const DirectConvWork& t, int64_t begin, int64_t end) {
 }
 GIMLET_TARGET("avx512f,avx2,fma")
 void DirectUnitsAvx512(const DirectConvWork& t, int64_t begin, int64_t end) {
-  DirectUnits<16, kPixelsAvx512>(t, begin, end);
+  static_assert(kRowPixelsAvx512[0] == 8 && kRowPixelsAvx512[1] == 7);
+  if (t.row_w == 8) {
+    DirectUnits<16, kPixelsAvx512, 8>(t, begin, end);
+  } else if (t.row_w == 7) {
+    DirectUnits<16, kPixelsAvx512, 7>(t, begin, end);
+  } else {
+    DirectUnits<16, kPixelsAvx512>(t, begin, end);
+  }
 }
 
 bool CpuHasAvx512() {
@@ -1133,6 +1184,20 @@ bool CpuHasAvx2() {
 int64_t DirectConvBlock() {
   static const int64_t block = CpuHasAvx512() ? 16 : CpuHasAvx2() ? 8 : 0;
   return block;
+}
+
+/*! \brief The row tile width (kRowPixelsAvx512) of `t`'s output on AVX-512 (`tile`: the grid
+ * tiles' width): the first that divides the output width where the grid tiles would compute
+ * over 5% more pixels than there are outputs (14x14 and 7x7 planes; not 56x56 ones, where row
+ * tiles were measured no faster), else 0 (grid tiles); 0 too for a conv of one block (its grid
+ * tiles hold 24 pixels, a row tile 7 or 8). */
+int64_t RowTileWidth(const DirectConvWork& t, int64_t tile) {
+  const int64_t grid_pixels = (t.grid + tile - 1) / tile * tile;
+  if (t.blocks < kBlocks || grid_pixels * 20 <= t.out_h * t.out_w * 21) return 0;
+  for (int w : kRowPixelsAvx512) {
+    if (t.out_w % w == 0) return w;
+  }
+  return 0;
 }
 
 int RunDirectConvUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
@@ -1220,10 +1285,13 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   t.grid_w = phase_w;
   t.grid = (t.out_h - 1) * t.grid_w + t.out_w;
   t.block_pairs = (t.blocks + kBlocks - 1) / kBlocks;
-  const int64_t tile = t.block == 8 ? kPixelsAvx2 : DirectConvBlock() == 16 ? kPixelsAvx512
-                                                                           : kPixelsAvx2Wide;
-  t.chunk = std::min(t.grid, tile * kTilesPerChunk);
-  t.chunks = (t.grid + t.chunk - 1) / t.chunk;
+  const bool avx512 = t.block == 16 && DirectConvBlock() == 16;
+  const int64_t tile = t.block == 8 ? kPixelsAvx2 : avx512 ? kPixelsAvx512 : kPixelsAvx2Wide;
+  t.row_w = avx512 ? RowTileWidth(t, tile) : 0;
+  t.slot_w = t.row_w ? t.row_w : tile;
+  t.slots = t.row_w ? t.out_h * t.out_w / t.row_w : (t.grid + tile - 1) / tile;
+  t.chunk_slots = kTilesPerChunk;
+  t.chunks = (t.slots + t.chunk_slots - 1) / t.chunk_slots;
   t.num_units = batch * t.block_pairs * t.chunks;
   const int64_t work = batch * t.grid * t.blocks * t.block * t.num_taps;
   Launch(RunDirectConvUnits, &t, work >= kMinParallelGemm);
