@@ -814,9 +814,10 @@ int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
 // tiles run across rows, so small deep-layer planes fill whole tiles. A pointwise conv (1x1,
 // stride 1, no padding) reads the data as it is (its grid is the output plane).
 //
-// Where a narrower tile width W divides the output width (`RowTileWidth`: 7 for ResNets'
-// 56/28/14/7-pixel planes, 8 for 8/16/32-pixel ones), tiles are instead W-pixel pieces of output
-// rows ("row tiles"): no dropped grid columns and no short last tile. On a 7x7 plane the grid's
+// Where the grid tiles would compute over 5% more pixels than there are outputs and a narrower
+// tile width W divides the output width (`RowTileWidth`: 8 where it divides it, else 7, as on
+// ResNets' 14x14 and 7x7 planes), tiles are instead W-pixel pieces of output rows ("row
+// tiles"): no dropped grid columns and no short last tile. On a 7x7 plane the grid's
 // 12-pixel tiles computed 72 pixels for 49 outputs; a W-pixel tile multiplies as fast per
 // multiply-add as a 12-pixel one (14-16 accumulators still hide the FMA latency).
 
