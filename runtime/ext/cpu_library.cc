@@ -368,6 +368,9 @@ void Sgemm(bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a, in
 
 // GEMMs with fewer multiply-adds than this run on the calling thread.
 constexpr int64_t kMinParallelGemm = int64_t{1} << 18;
+// Copies of fewer floats than this (128 KiB) run on the calling thread: a larger one outlasts
+// a parallel launch's few microseconds, and the other threads would wait for it idle.
+constexpr int64_t kMinParallelCopy = int64_t{1} << 15;
 // Column slices handed to threads are multiples of this (whole vectors and cache lines).
 constexpr int64_t kColumnGranule = 64;
 
@@ -1275,7 +1278,7 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
     phases.phases = copied.data();
     if (p.dilation_h == 1) phases.copied_h = kernel_h;  // taps read phases a < KH (of SH)
     if (p.dilation_w == 1) phases.copied_w = kernel_w;
-    Launch(RunPhasePlanes, &phases, copied.size() >= kMinParallelGemm);
+    Launch(RunPhasePlanes, &phases, copied.size() >= kMinParallelCopy);
     t.x = copied.data();
     t.slack = true;
   }
@@ -1436,7 +1439,7 @@ void RowConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, int64_t 
                    t.phase_h, t.phase_w, p.pad_top, p.pad_left};
   phases.resize(copy.planes * p.stride_h * p.stride_w * t.phase_h * t.phase_w);
   copy.phases = phases.data();
-  Launch(RunPhasePlanes, &copy, phases.size() >= kMinParallelGemm);
+  Launch(RunPhasePlanes, &copy, phases.size() >= kMinParallelCopy);
   t.phases = phases.data();
   const int64_t channels = lanes == 16 ? kRowChannelsAvx512 : kRowChannelsAvx2;
   t.channel_groups = (t.out_c + channels - 1) / channels;
@@ -1930,7 +1933,7 @@ void ConvertBlockedLayout(DLTensor* data, DLTensor* out, bool to_blocked) {
          "that do not match";
   BlockedLayoutWork t{Data(data), Data(out), blocked->shape[0] * blocked->shape[1],
                       blocked->shape[2] * blocked->shape[3], blocked->shape[4], to_blocked};
-  Launch(RunBlockedLayout, &t, t.planes * t.spatial * t.block >= kMinParallelGemm / 8);
+  Launch(RunBlockedLayout, &t, t.planes * t.spatial * t.block >= kMinParallelCopy);
 }
 
 // ---------------------------------------------------------------------------------------------
