@@ -965,17 +965,29 @@ __attribute__((always_inline)) inline void BlockedEpilogueVectors(const Epilogue
   }
 }
 
+/*! \brief Where a tile's last taps store its P pixels straight from the registers: P
+ * consecutive outputs of a channel-blocked output with a vector epilogue, from `y`; block j's
+ * at y + j * OH * OW * L, its per-channel epilogue vectors `vectors[j]`. */
+struct TileOutput {
+  float* y;
+  const BlockedRowVectors* vectors;
+};
+
 /*!
  * \brief Taps [tap0, tap1) of grid pixels [0, P) (from `x`: an image's planes advanced to the
  * first one) of NB channel blocks (their weights from `w`, `w_stride` floats apart), added to
  * `tile` ([NB][tile_pixels][L]) or, for the first taps (`tap0` 0), written to it; the
- * XB-blocked data's pixels are XB floats apart.
+ * XB-blocked data's pixels are XB floats apart. With an `output` (the last taps), the sums
+ * instead take the epilogue in registers and are stored there: shallow convs (a stem, 1x1
+ * convs of few channels) spent a large share of their time writing tiles out and reading
+ * them back for the epilogue and the copy.
  */
 template <int L, int P, int NB, int XB>
 __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, const float* x,
                                                       const float* w, int64_t w_stride,
                                                       int64_t tap0, int64_t tap1, float* tile,
-                                                      int64_t tile_pixels) {
+                                                      int64_t tile_pixels,
+                                                      const TileOutput* output = nullptr) {
   using V = typename VectorOf<L>::Type;
   static_assert(sizeof(V) == L * sizeof(float));
   V acc[NB][P];
@@ -1002,6 +1014,23 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
     }
+  }
+  if (output != nullptr) {
+    const int64_t plane = t.out_h * t.out_w * L, o = output->y - t.y;
+    for (size_t i = 0; i < t.epilogue->size(); ++i) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 32
+        for (int q = 0; q < P; ++q) {
+          acc[j][q] = BlockedEpilogueStep<L>(*t.epilogue, i, output->vectors[j], acc[j][q],
+                                             o + j * plane + q * L);
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 32
+      for (int q = 0; q < P; ++q) std::memcpy(output->y + j * plane + q * L, &acc[j][q], sizeof(V));
+    return;
   }
 #pragma GCC unroll 4
   for (int j = 0; j < NB; ++j)
@@ -1041,6 +1070,13 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
     return kRows ? s / row_tiles * t.grid_w + s % row_tiles * P : g0 + i * P;
   };
   auto tile_size = [&](int64_t g) { return kRows ? P : std::min<int64_t>(P, g1 - g); };
+  // Whether the tile at grid pixel g stores from registers (DirectTile's `output`): P
+  // consecutive outputs (a row tile, a full grid tile inside one row's outputs, or any full
+  // tile where the grid is the output plane) of a blocked output with a vector epilogue.
+  auto stored_from_registers = [&](int64_t g) {
+    return t.vector_epilogue &&
+           (kRows || (tile_size(g) == P && (t.grid_w == t.out_w || g % t.grid_w + P <= t.out_w)));
+  };
   const int64_t w_stride = t.num_taps * L;
   const float* w = t.w + b0 * w_stride;
   const int64_t ch0 = b0 * L, channels = std::min<int64_t>(t.out_c - ch0, NB * L);
@@ -1050,7 +1086,10 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
     const int64_t tap1 = std::min(t.num_taps, tap0 + slice);
     for (int64_t i = 0; i < num_tiles; ++i) {
       const int64_t g = tile_start(i), n = tile_size(g);
-      if (n == P || t.slack) {
+      if (tap1 == t.num_taps && stored_from_registers(g)) {
+        const TileOutput output{y + t.OutputsBefore(g) * L, vectors};
+        DirectTile<L, P, NB, XB>(t, x + g * XB, w, w_stride, tap0, tap1, tiles[i], P, &output);
+      } else if (n == P || t.slack) {
         DirectTile<L, P, NB, XB>(t, x + g * XB, w, w_stride, tap0, tap1, tiles[i], P);
       } else {  // a last short tile that must not read past the data: pixel by pixel
         for (int64_t q = 0; q < n; ++q) {
@@ -1061,6 +1100,7 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
   }
   for (int64_t i = 0; i < num_tiles; ++i) {
     const int64_t g = tile_start(i), n = tile_size(g);
+    if (stored_from_registers(g)) continue;
     float* tile = tiles[i];
     // Runs of the tile's pixels that are outputs (one row's, up to its grid columns past OW).
     for (int64_t q = 0; q < n;) {
