@@ -69,6 +69,8 @@ def out_size(size, kernel, stride, pads, dilation):
         (1, 32, (16, 16), 32, (3, 3), (1, 1), (1, 1), (1, 1)),  # 8 wide
         (1, 16, (14, 14), 32, (3, 3), (2, 2), (1, 1), (1, 1)),  # 7 wide, stride 2
         (3, 16, (48, 40), 16, (3, 3), (1, 1), (1, 1), (1, 1)),  # padded copy split between threads
+        (2, 32, (11, 13), 64, (1, 1), (1, 1), (0, 0), (1, 1)),  # AVX-512: 4-block tiles
+        (1, 48, (9, 10), 128, (3, 3), (2, 2), (1, 1), (1, 1)),  # ... stride 2
     ],
 )
 def test_blocked_direct_conv2d_against_numpy(block, blocked_in, batch, in_c, size, out_c, kernel,

@@ -62,6 +62,8 @@ def gelu(v: np.ndarray) -> np.ndarray:
         (3, 64, (7, 7), 48, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1)),  # deep layer: row tiles of 7
         (2, 20, (16, 16), 40, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1)),  # row tiles of 8, odd block
         (1, 24, (9, 9), 32, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1)),  # 9 wide: grid tiles span rows
+        (2, 20, (13, 11), 64, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1)),  # AVX-512: 4-block tiles
+        (1, 40, (10, 10), 129, (1, 1), (1, 1), (0, 0), (0, 0), (1, 1)),  # ... not whole fours
         # padded copy of 3 planes big enough to be split between threads
         (1, 3, (120, 110), 8, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1)),
     ],
