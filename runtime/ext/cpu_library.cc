@@ -831,8 +831,11 @@ int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
 // run four filter blocks). On ResNet-50's 56x56 1x1 convs with 64 or 128 output channels
 // this was 10-30% faster; on row tiles the four-block tile would need 28-32 accumulators.
 
-/*! \brief One direct conv2d call (groups 1), cut into units of `chunk_slots` tiles (slots) of
- * one image and a group of `group_blocks` channel blocks. */
+/*! \brief One direct conv2d call (groups 1): the slots (tile positions) of every image and
+ * group of `group_blocks` channel blocks, split evenly between the threads, each thread's
+ * share run in chunks of up to `chunk_slots` slots of one image and group. (Fixed chunks as
+ * the threads' units left MobileNetV2's 14x14 projections 5 units for 2 threads, 24 slots
+ * against 9.) */
 struct DirectConvWork {
   const float* x;        // the planes the taps read (phase planes, or a pointwise conv's data)
   const float* w;        // [ceil(O / B), C, KH, KW, B]
@@ -855,9 +858,8 @@ struct DirectConvWork {
   int64_t row_w;         // W of row tiles (see above), 0 for tiles across the grid
   int64_t slot_w;        // pixels of a slot: a G-block tile's (row_w, or the grid tiles' P)
   int64_t slots;         // row tiles OH * OW / W, or grid slots ceil(grid / P)
-  int64_t chunk_slots;   // slots per unit
-  int64_t chunks;        // ceil(slots / chunk_slots)
-  int64_t num_units;     // images * block_groups * chunks
+  int64_t chunk_slots;   // the most slots of a chunk
+  int64_t work_slots;    // images * block_groups * slots
 
   /*! \brief How many outputs come before grid pixel g (the output index of g when it is one). */
   int64_t OutputsBefore(int64_t g) const {
@@ -1160,23 +1162,25 @@ __attribute__((always_inline)) inline void DirectChunkOf(const DirectConvWork& t
   }
 }
 
-/*! \brief Units [begin, end): unit = (image * block_groups + group) * chunks + chunk, groups
- * of G blocks. A grid tile (kRowPixels 0) is kPixels pixels of G blocks, or (G = kBlocks)
- * twice as many of a last odd block (one-block convs: all of them), the same number of
- * accumulators; a row tile is kRowPixels pixels of two blocks or of the last odd block. */
+/*! \brief Work slots [begin, end) (slot s of group g of image n is (n * block_groups + g) *
+ * slots + s) in chunks, groups of G blocks. A grid tile (kRowPixels 0) is kPixels pixels of
+ * G blocks, or (G = kBlocks) twice as many of a last odd block (one-block convs: all of
+ * them), the same number of accumulators; a row tile is kRowPixels pixels of two blocks or
+ * of the last odd block. */
 template <int L, int kPixels, int G = kBlocks, int kRowPixels = 0>
-__attribute__((always_inline)) inline void DirectUnits(const DirectConvWork& t, int64_t begin,
+__attribute__((always_inline)) inline void DirectSlots(const DirectConvWork& t, int64_t begin,
                                                        int64_t end) {
   constexpr bool kRows = kRowPixels > 0;
   constexpr int kGroupPixels = kRows ? kRowPixels : kPixels;
   constexpr int kSinglePixels = kRows ? kRowPixels : kPixels * kBlocks;
-  for (int64_t unit = begin; unit < end; ++unit) {
-    const int64_t chunk = unit % t.chunks, group = unit / t.chunks % t.block_groups;
-    const int64_t img = unit / t.chunks / t.block_groups;
+  for (int64_t pos = begin; pos < end;) {
+    const int64_t plane = pos / t.slots, s0 = pos % t.slots;  // plane: image * groups + group
+    const int64_t s1 = std::min({t.slots, s0 + t.chunk_slots, s0 + end - pos});
+    pos += s1 - s0;
+    const int64_t group = plane % t.block_groups, img = plane / t.block_groups;
     const float* x = t.x + img * t.image_floats;
     float* y_img = t.y + img * t.out_c * t.out_h * t.out_w;
     const int64_t b0 = group * G;
-    const int64_t s0 = chunk * t.chunk_slots, s1 = std::min(t.slots, s0 + t.chunk_slots);
     if (b0 + G <= t.blocks) {
       DirectChunkOf<L, kGroupPixels, G, kRows>(t, x, b0, s0, s1, y_img);
     } else if constexpr (G == kBlocks) {  // wide groups are whole
@@ -1197,24 +1201,24 @@ constexpr int kMaxTilePixels = kPixelsAvx512 * kBlocks;  // the most pixels of a
 constexpr int kRowPixelsAvx512[] = {8, 7};
 
 GIMLET_TARGET("avx2,fma")
-void DirectUnitsAvx2x8(const DirectConvWork& t, int64_t begin, int64_t end) {
-  DirectUnits<8, kPixelsAvx2>(t, begin, end);
+void DirectSlotsAvx2x8(const DirectConvWork& t, int64_t begin, int64_t end) {
+  DirectSlots<8, kPixelsAvx2>(t, begin, end);
 }
 GIMLET_TARGET("avx2,fma")
-void DirectUnitsAvx2x16(const DirectConvWork& t, int64_t begin, int64_t end) {
-  DirectUnits<16, kPixelsAvx2Wide>(t, begin, end);
+void DirectSlotsAvx2x16(const DirectConvWork& t, int64_t begin, int64_t end) {
+  DirectSlots<16, kPixelsAvx2Wide>(t, begin, end);
 }
 GIMLET_TARGET("avx512f,avx2,fma")
-void DirectUnitsAvx512(const DirectConvWork& t, int64_t begin, int64_t end) {
+void DirectSlotsAvx512(const DirectConvWork& t, int64_t begin, int64_t end) {
   static_assert(kRowPixelsAvx512[0] == 8 && kRowPixelsAvx512[1] == 7);
   if (t.row_w == 8) {
-    DirectUnits<16, kPixelsAvx512, kBlocks, 8>(t, begin, end);
+    DirectSlots<16, kPixelsAvx512, kBlocks, 8>(t, begin, end);
   } else if (t.row_w == 7) {
-    DirectUnits<16, kPixelsAvx512, kBlocks, 7>(t, begin, end);
+    DirectSlots<16, kPixelsAvx512, kBlocks, 7>(t, begin, end);
   } else if (t.group_blocks == kWideBlocks) {
-    DirectUnits<16, kWidePixelsAvx512, kWideBlocks>(t, begin, end);
+    DirectSlots<16, kWidePixelsAvx512, kWideBlocks>(t, begin, end);
   } else {
-    DirectUnits<16, kPixelsAvx512>(t, begin, end);
+    DirectSlots<16, kPixelsAvx512>(t, begin, end);
   }
 }
 
@@ -1257,24 +1261,24 @@ int64_t RowTileWidth(const DirectConvWork& t, int64_t tile) {
   return 0;
 }
 
-int RunDirectConvUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+int RunDirectConvSlots(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const auto& t = *static_cast<const DirectConvWork*>(cdata);
-  const auto [begin, end] = TaskRange(task_id, penv, t.num_units);
+  const auto [begin, end] = TaskRange(task_id, penv, t.work_slots);
   if (t.block == 8) {
-    DirectUnitsAvx2x8(t, begin, end);
+    DirectSlotsAvx2x8(t, begin, end);
   } else if (DirectConvBlock() == 16) {
-    DirectUnitsAvx512(t, begin, end);
+    DirectSlotsAvx512(t, begin, end);
   } else {
-    DirectUnitsAvx2x16(t, begin, end);
+    DirectSlotsAvx2x16(t, begin, end);
   }
   return 0;
 }
 /*!
  * \brief conv2d (groups 1) with weights packed as [ceil(O / B), C, KH, KW, B], B 8 or 16 (see
  * DirectConvBlock); data: [N, C, H, W] or channel-blocked [N, C / B, H, W, B], out:
- * [N, O, OH, OW] or [N, O / B, OH, OW, B]. Units of a chunk of grid pixels of two channel
- * blocks run on TVM's pool, consecutive chunks of the same blocks on one thread (their weights
- * stay in cache).
+ * [N, O, OH, OW] or [N, O / B, OH, OW, B]. Chunks of tiles of a group of channel blocks
+ * run on TVM's pool, consecutive chunks of the same blocks on one thread (their weights stay
+ * in cache).
  */
 void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
                   const Epilogue& epilogue, DLTensor* out) {
@@ -1351,10 +1355,9 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   t.slot_w = t.row_w ? t.row_w : tile;
   t.slots = t.row_w ? t.out_h * t.out_w / t.row_w : (t.grid + tile - 1) / tile;
   t.chunk_slots = kTilesPerChunk;
-  t.chunks = (t.slots + t.chunk_slots - 1) / t.chunk_slots;
-  t.num_units = batch * t.block_groups * t.chunks;
+  t.work_slots = batch * t.block_groups * t.slots;
   const int64_t work = batch * t.grid * t.blocks * t.block * t.num_taps;
-  Launch(RunDirectConvUnits, &t, work >= kMinParallelGemm);
+  Launch(RunDirectConvSlots, &t, work >= kMinParallelGemm);
 }
 
 // ---------------------------------------------------------------------------------------------
