@@ -827,7 +827,7 @@ int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
 //
 // A tile holds two channel blocks, or on AVX-512 four (6 pixels) where the blocks come in whole
 // fours and grid tiles are used: each data value loaded then serves 64 output channels, and a
-// unit reads its pixels' data once for 64 channels, not twice (as MLAS's AVX-512 kernels
+// chunk reads its pixels' data once for 64 channels, not twice (as MLAS's AVX-512 kernels
 // run four filter blocks). On ResNet-50's 56x56 1x1 convs with 64 or 128 output channels
 // this was 10-30% faster; on row tiles the four-block tile would need 28-32 accumulators.
 
@@ -1061,7 +1061,7 @@ constexpr int64_t kTilesPerChunk = 8;
 /*! \brief Slots [s0, s1) (a chunk) of channel blocks [b0, b0 + NB) of one image (`x`: its
  * planes), in tiles of P pixels: one row tile per slot (kRows), or the grid pixels the slots
  * cover, P at a time; one slice of taps after another; then the outputs among them stored,
- * and the epilogue on those. */
+ * and the epilogue on those (tiles the last slice stored from registers excepted). */
 template <int L, int P, int NB, int XB, bool kRows>
 __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, const float* x,
                                                        int64_t b0, int64_t s0, int64_t s1,
@@ -1174,10 +1174,10 @@ __attribute__((always_inline)) inline void DirectSlots(const DirectConvWork& t, 
   constexpr int kGroupPixels = kRows ? kRowPixels : kPixels;
   constexpr int kSinglePixels = kRows ? kRowPixels : kPixels * kBlocks;
   for (int64_t pos = begin; pos < end;) {
-    const int64_t plane = pos / t.slots, s0 = pos % t.slots;  // plane: image * groups + group
+    const int64_t image_group = pos / t.slots, s0 = pos % t.slots;
     const int64_t s1 = std::min({t.slots, s0 + t.chunk_slots, s0 + end - pos});
     pos += s1 - s0;
-    const int64_t group = plane % t.block_groups, img = plane / t.block_groups;
+    const int64_t group = image_group % t.block_groups, img = image_group / t.block_groups;
     const float* x = t.x + img * t.image_floats;
     float* y_img = t.y + img * t.out_c * t.out_h * t.out_w;
     const int64_t b0 = group * G;
