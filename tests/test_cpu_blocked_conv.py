@@ -299,10 +299,11 @@ def test_kernel_selection_leaves_blocked_convs_on_their_kernels(tmp_path, monkey
 
 
 @pytest.mark.parametrize("block", BLOCKS)
-def test_layout_conversions_against_numpy(block) -> None:
+@pytest.mark.parametrize("size", [(5, 7), (9, 13), (32, 32)])  # plane sizes below, past and at 8s
+def test_layout_conversions_against_numpy(block, size) -> None:
     load_extensions()
-    x = rand(3, 2 * block, 5, 7, seed=6)
-    blocked = tvm.runtime.tensor(np.full((3, 2, 5, 7, block), np.nan, np.float32))
+    x = rand(3, 2 * block, *size, seed=6)
+    blocked = tvm.runtime.tensor(np.full((3, 2, *size, block), np.nan, np.float32))
     tvm.get_global_func(TO_BLOCKED_FUNC)(tvm.runtime.tensor(x), blocked)
     np.testing.assert_array_equal(blocked.numpy(), to_blocked(x, block))
     back = tvm.runtime.tensor(np.full(x.shape, np.nan, np.float32))
