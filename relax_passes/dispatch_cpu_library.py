@@ -241,14 +241,16 @@ def winograd_tile_for(out_c: int, in_c: int, kernel: tuple[int, int], out_hw: tu
     lost on the 512-channel 7x7 conv at batch 1 (1.3x and 2.2x), where the transformed weight
     (alpha^2 / 9 times the kernel's: 1.8x for F(2x2), 4x for F(4x4)) is read for a few tiles
     per GEMM, and tied or lost on resnet_cnn's 16 to 64 channel convs at 8x8 to 32x32
-    (0.94-1.31x), whose GEMMs are too short for the transforms to pay off. At 2 threads only
-    a loaded machine was measured (the README has it)."""
+    (0.94-1.31x), whose GEMMs are too short for the transforms to pay off. With AVX-512
+    (`cpu_block` 16) the direct kernel's 14-pixel row tiles since beat F(2x2) at 14x14 (2
+    threads, both built in one process and timed in turns: ResNet-50 and ResNet-18 2.3-2.7%
+    faster without it), so F(2x2) is left to AVX2 CPUs, where that was not measured."""
     if tuple(kernel) != (3, 3) or cpu_block == 0:
         return 0
     channels, pixels = min(in_c, out_c), out_hw[0] * out_hw[1]
     if channels >= 64 and pixels >= 28 * 28:
         return 4
-    return 2 if channels >= 128 and pixels >= 14 * 14 else 0
+    return 2 if cpu_block < 16 and channels >= 128 and pixels >= 14 * 14 else 0
 
 
 def row_conv_for(in_c: int, kernel: tuple[int, int], cpu_block: int) -> bool:
