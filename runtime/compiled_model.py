@@ -85,6 +85,8 @@ class CompiledModel:
         self._placement = dict(placement) if placement is not None else None
         # What each target needs at run time, as the artifact records it (no compiler needed).
         self._runtimes = target_runtimes(self.targets)
+        # Inputs the first device's kernels read without alignment (none in older artifacts).
+        self._unaligned = tuple(self.targets[0].get("unaligned_inputs", ())) if self.targets else ()
         # The VM's devices, in the build's vdevice order; inputs and constants live on the
         # first. They need not exist on this machine until the model runs.
         self.devices: list[tvm.runtime.Device] = [target.device() for target in self._runtimes]
@@ -142,7 +144,7 @@ class CompiledModel:
 
     def _execute(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         entry = self._entry()
-        tensors = device_tensors(arrays, self.device)
+        tensors = device_tensors(arrays, self.device, self._unaligned)
         try:
             result = entry(*tensors, *self._weights)
             flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]

@@ -28,15 +28,21 @@ NUMPY_DTYPES = frozenset(("bool", "float16", "float32", "float64", "int8", "int1
 # millisecond, a few percent of the call.
 
 
-def device_tensors(arrays: Sequence[np.ndarray], device: tvm.runtime.Device) -> list:
+def device_tensors(arrays: Sequence[np.ndarray], device: tvm.runtime.Device,
+                   unaligned: Sequence[bool] = ()) -> list:
     """Checked input arrays as tensors on `device`, float8/int4/... as their carriers. On the
     host an array that is C-contiguous, writeable and 64-byte aligned becomes a tensor over its
-    own memory (a model never writes its inputs), any other one over an aligned copy."""
+    own memory (a model never writes its inputs), any other one over an aligned copy; where
+    `unaligned[i]` (its readers load unaligned: relax_passes/unaligned_inputs.py), array i
+    needs no alignment."""
     tensors = []
-    for array in arrays:
+    for i, array in enumerate(arrays):
         array = np.require(to_carrier(array), requirements="C")
         if device.dlpack_device_type() == HOST and array.size and array.dtype.name in NUMPY_DTYPES:
-            tensors.append(tvm.runtime.from_dlpack(_aligned(array)))
+            if i < len(unaligned) and unaligned[i] and array.flags.writeable:
+                tensors.append(tvm_ffi.from_dlpack(array, require_alignment=0))
+            else:
+                tensors.append(tvm.runtime.from_dlpack(_aligned(array)))
         else:
             tensors.append(tvm.runtime.tensor(array, device))
     return tensors

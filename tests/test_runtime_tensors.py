@@ -1,7 +1,7 @@
 """Inputs and outputs crossing the runtime's boundary on the host: an aligned input array is
-shared with its tensor, an unaligned one copied to an aligned buffer; either way the model
-sees the same values, the caller's arrays stay as they were and outputs are arrays of their
-own."""
+shared with its tensor, an unaligned one copied to an aligned buffer unless only the CPU
+library reads it; either way the model sees the same values, the caller's arrays stay as they
+were and outputs are arrays of their own."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def test_outputs_are_arrays_of_their_own() -> None:
     one call's output is not the next call's."""
     model = onnx_model([helper.make_node("Identity", ["x"], ["y"])], [("x", [3, 16])], ("y", [3, 16]), {})
     compiled = gimlet_tvm.build(model, "llvm")
+    assert compiled.targets[0]["unaligned_inputs"] == [False]  # the output is the input
     x = at_offset(rand(3, 16), 0)
     first = compiled.run({"x": x})["y"]
     first[...] = 0
@@ -59,3 +60,32 @@ def test_outputs_are_arrays_of_their_own() -> None:
     second = compiled.run({"x": x})["y"]
     np.testing.assert_array_equal(second, x)
     np.testing.assert_array_equal(first, 0)
+
+
+def test_inputs_only_the_cpu_library_reads_are_not_copied(tmp_path) -> None:
+    """`x` goes straight to a conv of the CPU library (unaligned loads), `y` to its epilogue
+    (a residual add): both are passed as they are at any offset; `z` is read by a generated
+    kernel (aligned loads), so it is copied when unaligned. Results match onnxruntime at every
+    offset, and an exported artifact keeps the choice."""
+    import onnxruntime  # pylint: disable=import-outside-toplevel
+
+    weight = rand(8, 3, 3, 3, seed=2)
+    model = onnx_model(
+        [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+         helper.make_node("Mul", ["z", "z"], ["zz"]),
+         helper.make_node("Add", ["c", "zz"], ["s"]),
+         helper.make_node("Add", ["s", "y"], ["out"])],
+        [("x", [2, 3, 10, 12]), ("z", [2, 8, 10, 12]), ("y", [2, 8, 10, 12])],
+        ("out", [2, 8, 10, 12]), {"w": weight})
+    compiled = gimlet_tvm.build(model, "llvm")
+    assert compiled.targets[0]["unaligned_inputs"] == [True, False, True]
+    inputs = {"x": rand(2, 3, 10, 12, seed=3), "z": rand(2, 8, 10, 12, seed=4), "y": rand(2, 8, 10, 12, seed=5)}
+    expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, inputs)[0]
+    for offset in (0, 4, 16):
+        moved = {name: at_offset(array, offset) for name, array in inputs.items()}
+        np.testing.assert_allclose(compiled.run(moved)["out"], expected, rtol=1e-5, atol=1e-5)
+        passed, copied, _ = device_tensors(list(moved.values()), tvm.cpu(), (True, False, True))
+        assert np.from_dlpack(passed).ctypes.data == moved["x"].ctypes.data
+        assert np.from_dlpack(copied).ctypes.data % TENSOR_ALIGNMENT == 0
+    compiled.export(tmp_path / "model.so")
+    assert gimlet_tvm.load(tmp_path / "model.so").targets[0]["unaligned_inputs"] == [True, False, True]
