@@ -33,6 +33,7 @@ from .relax_passes.library_dispatch import layout_passes, library_passes
 from .relax_passes.nan_safe_comparisons import NaNSafeComparisons
 from .relax_passes.place_on_devices import PlaceOnDevices
 from .relax_passes.placement import Device, Pins
+from .relax_passes.fresh_outputs import RecordFreshOutputs
 from .relax_passes.planned_memory import RecordPlannedMemory
 from .relax_passes.unaligned_inputs import RecordUnalignedInputs
 from .runtime import CompiledModel
@@ -127,14 +128,15 @@ def device_pipeline(
     memory: RecordPlannedMemory | None = None,
     selection: tvm.transform.Pass | None = None,
     checked_indices: bool = True,
-    unaligned: RecordUnalignedInputs | None = None,
+    boundary: Sequence[tvm.transform.Pass] = (),
 ) -> tvm.transform.Pass:
     """The whole Relax pipeline; `devices[0]` compiles the kernels no device claimed.
 
     Each target's kernels get its default schedule rules; `tuned` schedules the first
-    target's kernels that have tuning records; `memory` records the memory plan; `unaligned`
-    which inputs may come unaligned; `checked_indices` as for `kernel_passes`. Target
-    specifics come from the specs alone.
+    target's kernels that have tuning records; `memory` records the memory plan; `boundary`
+    (last) what the runtime may skip at the call's boundary (`RecordUnalignedInputs`,
+    `RecordFreshOutputs`); `checked_indices` as for `kernel_passes`. Target specifics come
+    from the specs alone.
     """
     default = devices[0][1]
 
@@ -152,8 +154,7 @@ def device_pipeline(
         passes.append(finalize)
         if memory is not None and finalize.info.name == "StaticPlanBlockMemory":
             passes.append(memory)
-    if unaligned is not None:
-        passes.append(unaligned)
+    passes.extend(boundary)
     return tvm.transform.Sequential(passes, name="gimlet_tvm.relax_pipeline")
 
 
@@ -360,11 +361,11 @@ def _build(
     if selection is None and records is not None:
         selection = KernelSelection.load(records, target)
     chosen, defaults = kernel_choices(selection, target)
-    memory, unaligned = RecordPlannedMemory(), RecordUnalignedInputs()
+    memory, unaligned, fresh = RecordPlannedMemory(), RecordUnalignedInputs(), RecordFreshOutputs()
     with target, contextlib.ExitStack() as stack:
         codegen = [stack.enter_context(spec.codegen_hooks(t)) for spec, t in devices]
         with _compile_errors(devices):
-            pipeline = device_pipeline(devices, tuned, memory, chosen, unaligned=unaligned)
+            pipeline = device_pipeline(devices, tuned, memory, chosen, boundary=(unaligned, fresh))
             executable = tvm.compile(mod, target, relax_pipeline=pipeline)
     default_kernels = defaults.chosen if defaults is not None else 0
     built_for = []
@@ -386,6 +387,8 @@ def _build(
             "default_kernels": default_kernels if index == 0 else 0,
             "planned_memory": memory.bytes_per_device.get(index, 0),
         })
-    # Inputs live on the first device; which of them its kernels read without alignment.
+    # Inputs live on the first device: which of them its kernels read without alignment; and
+    # which outputs the caller may own without a copy.
     built_for[0]["unaligned_inputs"] = list(unaligned.unaligned[:len(io.inputs)])
+    built_for[0]["fresh_outputs"] = list(fresh.fresh)
     return CompiledModel(executable.mod, io, built_for, placement=placement, linker=devices[0][0].linker), proto

@@ -85,8 +85,11 @@ class CompiledModel:
         self._placement = dict(placement) if placement is not None else None
         # What each target needs at run time, as the artifact records it (no compiler needed).
         self._runtimes = target_runtimes(self.targets)
-        # Inputs the first device's kernels read without alignment (none in older artifacts).
-        self._unaligned = tuple(self.targets[0].get("unaligned_inputs", ())) if self.targets else ()
+        # Inputs the first device's kernels read without alignment, outputs the call allocated
+        # (none in older artifacts).
+        first = self.targets[0] if self.targets else {}
+        self._unaligned = tuple(first.get("unaligned_inputs", ()))
+        self._fresh = tuple(first.get("fresh_outputs", ()))
         # The VM's devices, in the build's vdevice order; inputs and constants live on the
         # first. They need not exist on this machine until the model runs.
         self.devices: list[tvm.runtime.Device] = [target.device() for target in self._runtimes]
@@ -148,8 +151,9 @@ class CompiledModel:
         try:
             result = entry(*tensors, *self._weights)
             flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
-            return [from_carrier(to_numpy(value), spec.dtype)
-                    for value, spec in zip(flat, self.outputs)]
+            fresh = self._fresh if len(self._fresh) == len(flat) else (False,) * len(flat)
+            return [from_carrier(to_numpy(value, owned), spec.dtype)
+                    for value, spec, owned in zip(flat, self.outputs, fresh)]
         except GimletError:
             raise
         except Exception as err:  # TVM's runtime raises its checks' failures as many types

@@ -59,13 +59,15 @@ def _aligned(array: np.ndarray) -> np.ndarray:
     return copy
 
 
-def to_numpy(value: Any) -> np.ndarray:
-    """An output as a numpy array of its own: tensors copy to the host; shapes (ONNX `Shape`)
-    become int64."""
+def to_numpy(value: Any, fresh: bool = False) -> np.ndarray:
+    """An output as a numpy array of its own: tensors copy to the host, except a host tensor
+    the call allocated for it (`fresh`: relax_passes/fresh_outputs.py), which the array takes
+    over; shapes (ONNX `Shape`) become int64."""
     if isinstance(value, tvm_ffi.Shape):
         return np.array(list(value), dtype=np.int64)
     if value.device.dlpack_device_type() == HOST and str(value.dtype) in NUMPY_DTYPES:
-        return np.from_dlpack(value).copy()
+        array = np.from_dlpack(value)
+        return array if fresh else array.copy()
     return value.numpy()
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
-from onnx import helper
+from onnx import TensorProto, helper, numpy_helper
 
 import gimlet_tvm
 from gimlet_tvm.runtime.tensors import TENSOR_ALIGNMENT, device_tensors
@@ -79,6 +79,7 @@ def test_inputs_only_the_cpu_library_reads_are_not_copied(tmp_path) -> None:
         ("out", [2, 8, 10, 12]), {"w": weight})
     compiled = gimlet_tvm.build(model, "llvm")
     assert compiled.targets[0]["unaligned_inputs"] == [True, False, True]
+    assert compiled.targets[0]["fresh_outputs"] == [True]
     inputs = {"x": rand(2, 3, 10, 12, seed=3), "z": rand(2, 8, 10, 12, seed=4), "y": rand(2, 8, 10, 12, seed=5)}
     expected = onnxruntime.InferenceSession(model.SerializeToString()).run(None, inputs)[0]
     for offset in (0, 4, 16):
@@ -89,3 +90,30 @@ def test_inputs_only_the_cpu_library_reads_are_not_copied(tmp_path) -> None:
         assert np.from_dlpack(copied).ctypes.data % TENSOR_ALIGNMENT == 0
     compiled.export(tmp_path / "model.so")
     assert gimlet_tvm.load(tmp_path / "model.so").targets[0]["unaligned_inputs"] == [True, False, True]
+
+
+def test_outputs_the_call_allocates_are_handed_over() -> None:
+    """An output the call computes into memory of its own becomes the caller's array without a
+    copy; one that is a weight, or the same tensor as an earlier output, is still copied: what
+    one call returned can be changed without changing the model or a later call's outputs."""
+    weight = rand(3, 16, seed=2)
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Identity", ["r"], ["same"]),
+         helper.make_node("Identity", ["w"], ["weight"])],
+        "outputs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 16])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, [3, 16]) for name in ("r", "same", "weight")],
+        [numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    compiled = gimlet_tvm.build(model, "llvm")
+    assert compiled.targets[0]["fresh_outputs"] == [True, False, False]
+    x = rand(3, 16)
+    first = compiled(x)
+    assert first[0].flags.writeable and all(not np.shares_memory(first[0], a) for a in first[1:])
+    assert first[0].base is not None and first[1].base is None  # over the tensor; a copy
+    for array in first:
+        array[...] = -1
+    second = compiled(x)
+    np.testing.assert_array_equal(second[0], np.maximum(x, 0))
+    np.testing.assert_array_equal(second[1], np.maximum(x, 0))
+    np.testing.assert_array_equal(second[2], weight)
+    assert not np.shares_memory(first[0], second[0])
