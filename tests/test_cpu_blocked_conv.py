@@ -68,7 +68,8 @@ def out_size(size, kernel, stride, pads, dilation):
         # planes up to 28 wide that 14 divides)
         (2, 32, (7, 7), 48, (1, 1), (1, 1), (0, 0), (1, 1)),  # 1x1, odd last block
         (2, 32, (14, 14), 48, (3, 3), (1, 1), (1, 1), (1, 1)),  # 14 wide, odd last block
-        (1, 16, (28, 28), 64, (1, 1), (1, 1), (0, 0), (1, 1)),  # 14 wide, not four-block grid tiles
+        (1, 16, (28, 28), 128, (1, 1), (1, 1), (0, 0), (1, 1)),  # 14 wide, not four-block grid tiles
+        (1, 16, (14, 14), 64, (1, 1), (1, 1), (0, 0), (1, 1)),  # one four-block group: grid tiles
         (1, 16, (28, 28), 32, (3, 3), (2, 2), (1, 1), (1, 1)),  # 14 wide, stride 2
         (1, 32, (16, 16), 32, (3, 3), (1, 1), (1, 1), (1, 1)),  # 8 wide
         (1, 16, (14, 14), 32, (3, 3), (2, 2), (1, 1), (1, 1)),  # 7 wide, stride 2

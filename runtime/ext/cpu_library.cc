@@ -831,7 +831,7 @@ int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
 // would waste nothing: ResNet-50's 3x3 convs at 14x14 ran 1.28 -> 1.13x onnxruntime's time,
 // its 1x1 convs at 28x28 and 14x14 2-5% faster than on four-block grid tiles. Not at 56x56,
 // where they lost (3% on 64->256, 50% on 256->64: each two-block group reads the 3 MiB of
-// input again).
+// input again), nor for an output of exactly four blocks (one four-block group).
 //
 // A tile holds two channel blocks, or on AVX-512 four (6 pixels) where the blocks come in whole
 // fours and grid tiles are used: each data value loaded then serves 64 output channels, and a
@@ -1260,13 +1260,17 @@ int64_t DirectConvBlock() {
 }
 
 /*! \brief The row tile width (kRowPixelsAvx512) of `t`'s output on AVX-512 (`tile`: the grid
- * tiles' width): 14 on planes up to kMaxAlwaysRowWidth wide that it divides; else the first
+ * tiles' width): 14 on planes up to kMaxAlwaysRowWidth wide that it divides, unless the output
+ * is one four-block group (there grid tiles read the input once, not twice: MobileNetV2's
+ * 384->64 1x1 at 14x14 ran 16% faster on them); else the first
  * that divides the output width where the grid tiles would compute over 5% more pixels than
  * there are outputs (7x7 planes; not 56x56 ones, where row tiles were measured slower), else 0
  * (grid tiles); 0 too for a conv of one block (its grid tiles hold 24 pixels). */
 int64_t RowTileWidth(const DirectConvWork& t, int64_t tile) {
   if (t.blocks < kBlocks) return 0;
-  if (t.out_w <= kMaxAlwaysRowWidth && t.out_w % kRowPixelsAvx512[0] == 0) return kRowPixelsAvx512[0];
+  if (t.blocks != kWideBlocks && t.out_w <= kMaxAlwaysRowWidth && t.out_w % kRowPixelsAvx512[0] == 0) {
+    return kRowPixelsAvx512[0];
+  }
   const int64_t grid_pixels = (t.grid + tile - 1) / tile * tile;
   if (grid_pixels * 20 <= t.out_h * t.out_w * 21) return 0;
   for (int w : kRowPixelsAvx512) {
