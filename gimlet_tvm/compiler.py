@@ -27,13 +27,13 @@ from .frontend import InputShapes, ModelLike, import_model, load_model
 from .logs import TVMLog, quiet_tvm_logs
 from .op_timing import OpTimer, RecordedTimes
 from .relax_passes.checked_indexing import CheckedIndexing
+from .relax_passes.fresh_outputs import RecordFreshOutputs
 from .relax_passes.graph_fusion import graph_fusion_passes
 from .relax_passes.kernel_targets import AssignKernelTargets, PerTarget
 from .relax_passes.library_dispatch import layout_passes, library_passes
 from .relax_passes.nan_safe_comparisons import NaNSafeComparisons
 from .relax_passes.place_on_devices import PlaceOnDevices
 from .relax_passes.placement import Device, Pins
-from .relax_passes.fresh_outputs import RecordFreshOutputs
 from .relax_passes.planned_memory import RecordPlannedMemory
 from .relax_passes.unaligned_inputs import RecordUnalignedInputs
 from .runtime import CompiledModel
