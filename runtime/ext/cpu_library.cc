@@ -1267,15 +1267,15 @@ int64_t DirectConvBlock() {
   return block;
 }
 
-/*! \brief The row tile width (kRowPixelsAvx512) of `t`'s output on AVX-512 (`tile`: the grid
- * tiles' width): 14 on planes up to kMaxAlwaysRowWidth wide that it divides, unless the output
- * is one four-block group (there grid tiles read the input once, not twice: MobileNetV2's
- * 384->64 1x1 at 14x14 ran 16% faster on them); else the first
- * that divides the output width where the grid tiles would compute over 5% more pixels than
- * there are outputs (7x7 planes; not 56x56 ones, where row tiles were measured slower), else 0
- * (grid tiles); 0 too for a conv of one block (see kOneBlockRowPixels for its row tiles). */
+/*! \brief The row tile width of `t`'s output on AVX-512 (`tile`: the grid tiles' width), 0 for
+ * grid tiles. A conv of one block: kOneBlockRowPixels where it divides the output width.
+ * Others (kRowPixelsAvx512): 14 on planes up to kMaxAlwaysRowWidth wide that it divides,
+ * unless the output is one four-block group (there grid tiles read the input once, not twice:
+ * MobileNetV2's 384->64 1x1 at 14x14 ran 16% faster on them); else the first that divides the
+ * output width where the grid tiles would compute over 5% more pixels than there are outputs
+ * (7x7 planes; not 56x56 ones, where row tiles were measured slower). */
 int64_t RowTileWidth(const DirectConvWork& t, int64_t tile) {
-  if (t.blocks < kBlocks) return 0;
+  if (t.blocks == 1) return t.out_w % kOneBlockRowPixels == 0 ? kOneBlockRowPixels : 0;
   if (t.blocks != kWideBlocks && t.out_w <= kMaxAlwaysRowWidth && t.out_w % kRowPixelsAvx512[0] == 0) {
     return kRowPixelsAvx512[0];
   }
@@ -1374,10 +1374,8 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   const bool avx512 = t.block == 16 && DirectConvBlock() == 16;
   int64_t tile = t.block == 8 ? kPixelsAvx2 : avx512 ? kPixelsAvx512 : kPixelsAvx2Wide;
   t.row_w = avx512 ? RowTileWidth(t, tile) : 0;
-  const bool one_row = avx512 && t.blocks == 1 && t.out_w % kOneBlockRowPixels == 0;
-  if (one_row) t.row_w = kOneBlockRowPixels;
   const bool wide = avx512 && t.row_w == 0 && t.blocks % kWideBlocks == 0;
-  t.group_blocks = one_row ? 1 : wide ? kWideBlocks : kBlocks;
+  t.group_blocks = t.blocks == 1 && t.row_w != 0 ? 1 : wide ? kWideBlocks : kBlocks;
   t.block_groups = (t.blocks + t.group_blocks - 1) / t.group_blocks;
   if (wide) tile = kWidePixelsAvx512;
   t.slot_w = t.row_w ? t.row_w : tile;
