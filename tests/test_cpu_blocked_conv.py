@@ -75,7 +75,11 @@ def out_size(size, kernel, stride, pads, dilation):
         (1, 16, (28, 28), 32, (3, 3), (2, 2), (1, 1), (1, 1)),  # 14 wide, stride 2
         (1, 32, (16, 16), 32, (3, 3), (1, 1), (1, 1), (1, 1)),  # 8 wide
         (1, 16, (14, 14), 32, (3, 3), (2, 2), (1, 1), (1, 1)),  # 7 wide, stride 2
-        (3, 16, (48, 40), 16, (3, 3), (1, 1), (1, 1), (1, 1)),  # padded copy split between threads
+        # each thread copies the input rows its own tiles read: an image's rows split between
+        # threads, groups of blocks split between them (each reads every row), images and groups
+        (3, 16, (48, 40), 16, (3, 3), (1, 1), (1, 1), (1, 1)),
+        (1, 64, (28, 28), 128, (3, 3), (1, 1), (1, 1), (1, 1)),
+        (2, 32, (30, 30), 96, (3, 3), (2, 2), (1, 1), (1, 1)),
         (2, 32, (11, 13), 64, (1, 1), (1, 1), (0, 0), (1, 1)),  # AVX-512: 4-block tiles
         (1, 48, (9, 10), 128, (3, 3), (2, 2), (1, 1), (1, 1)),  # ... stride 2
     ],

@@ -731,13 +731,16 @@ struct PhasePlanes {
   int64_t copied_w = std::numeric_limits<int64_t>::max();
 
   /*! \brief Phase rows [row0, row0 + rows) of data plane `plane` into `dst`, as stride_h *
-   * stride_w phases of `rows` x phase_w pixels; the padding columns are left as they are
-   * unless `zero_columns` (a buffer reused for the same layout keeps them zero). */
-  void Copy(int64_t plane, int64_t row0, int64_t rows, float* dst, bool zero_columns = true) const {
+   * stride_w phases of `rows` x phase_w pixels, `dst_phase_rows` rows apart (0: `rows`, the
+   * phases back to back); the padding columns are left as they are unless `zero_columns` (a
+   * buffer reused for the same layout keeps them zero). */
+  void Copy(int64_t plane, int64_t row0, int64_t rows, float* dst, bool zero_columns = true,
+            int64_t dst_phase_rows = 0) const {
     const int64_t e = element, row_floats = phase_w * e;
+    const int64_t phase_floats = (dst_phase_rows ? dst_phase_rows : rows) * row_floats;
     const float* src = x + plane * height * width * e;
     for (int64_t a = 0; a < stride_h; ++a) {
-      for (int64_t b = 0; b < stride_w; ++b, dst += rows * row_floats) {
+      for (int64_t b = 0; b < stride_w; ++b, dst += phase_floats) {
         if (a >= copied_h || b >= copied_w) continue;
         // Columns j with 0 <= j * stride_w + b - left < width come from the data.
         const int64_t j0 = std::min(phase_w, CeilDiv(std::max<int64_t>(left - b, 0), stride_w));
@@ -811,13 +814,14 @@ int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
 // channel blocks: each weight vector is loaded once per tap and multiplied with P broadcast
 // input values, so no column matrix is written or read.
 //
-// The data is first copied into zero-padded stride-phase planes (PhasePlanes), and the output
-// is computed on a grid as wide as a phase row: output (oy, ox) is grid pixel oy * GW + ox, and
-// the grid columns past OW (the taps' reach, 2 for a 3x3 stride-1 conv) are computed and
-// dropped. Then every tap of grid pixel g reads at g * XB from that tap's own offset, so a
-// tile's P pixels read at distances the compiler knows (immediate displacements): no per-pixel
-// offsets held in registers (with 12 pixels they spilled and were reloaded for every tap), and
-// tiles run across rows, so small deep-layer planes fill whole tiles. A pointwise conv (1x1,
+// The data is copied into zero-padded stride-phase planes (PhasePlanes; each thread copies
+// the rows its own tiles read: TaskInput), and the output is computed on a grid as wide as a
+// phase row: output (oy, ox) is grid pixel oy * GW + ox, and the grid columns past OW (the
+// taps' reach, 2 for a 3x3 stride-1 conv) are computed and dropped. Then every tap of grid
+// pixel g reads at g * XB from that tap's own offset, so a tile's P pixels read at distances
+// the compiler knows (immediate displacements): no per-pixel offsets held in registers (with
+// 12 pixels they spilled and were reloaded for every tap), and tiles run across rows, so small
+// deep-layer planes fill whole tiles. A pointwise conv (1x1,
 // stride 1, no padding) reads the data as it is (its grid is the output plane).
 //
 // Where the grid tiles would compute over 5% more pixels than there are outputs and a narrower
@@ -845,11 +849,14 @@ int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
  * the threads' units left MobileNetV2's 14x14 projections 5 units for 2 threads, 24 slots
  * against 9.) */
 struct DirectConvWork {
-  const float* x;        // the planes the taps read (phase planes, or a pointwise conv's data)
+  const float* x;        // a pointwise conv's data (its taps read it as it is), else null
+  const PhasePlanes* source;  // else the data's phase planes, each task copying its own rows
+  int64_t reach;         // grid pixels past a pixel that its last tap reads
   const float* w;        // [ceil(O / B), C, KH, KW, B]
   const int64_t* taps;   // [C * KH * KW]: where each tap of grid pixel 0 reads in an image's x
   int64_t num_taps;
-  int64_t image_floats;  // x's floats per image
+  int64_t image_floats;  // floats per image of the planes the taps read
+  int64_t plane_floats;  // ... per plane (of one data channel, or channel block)
   int64_t x_block;       // XB, the data's channel block: 1 (NCHW data) or B
   float* y;              // [N, O, OH, OW] or [N, O / B, OH, OW, B]
   const Epilogue* epilogue;
@@ -1170,6 +1177,65 @@ __attribute__((always_inline)) inline void DirectChunkOf(const DirectConvWork& t
   }
 }
 
+// Pixels per tile of each instruction set's instance, two blocks / one block: 8-lane blocks
+// with AVX2 (16 vector registers: 12 accumulators), 16-lane blocks with AVX-512 (32 registers:
+// 24) and, for 16-lane weights on a CPU without AVX-512, with AVX2 (each vector two halves);
+// AVX-512's four-block tiles hold the same 24 accumulators.
+constexpr int kPixelsAvx2 = 6, kPixelsAvx512 = 12, kPixelsAvx2Wide = 3;
+constexpr int kWidePixelsAvx512 = kPixelsAvx512 * kBlocks / kWideBlocks;
+constexpr int kMaxTilePixels = kPixelsAvx512 * kBlocks;  // the most pixels of any tile
+
+/*!
+ * \brief The planes one task's taps read: a pointwise conv's data as it is; otherwise the
+ * task's own copy of one image's zero-padded phase planes, into which the rows each chunk
+ * reads are copied just before it runs. Every thread copies what its own tiles read, at the
+ * start of its share, where a copy by all threads before the conv took a launch and a barrier
+ * of its own and, for an image of one channel block, ran on one thread (a third of a
+ * 16-channel 3x3 conv's time at 32x32); the rows a thread copies are mostly those of the
+ * previous layer's output that the same thread wrote, still in its cache.
+ */
+class TaskInput {
+ public:
+  explicit TaskInput(const DirectConvWork& t) : t_(t) {
+    if (t.source != nullptr) Buffer().resize(t.image_floats + kMaxTilePixels * t.x_block);
+  }
+
+  /*! \brief Image `img`'s planes, their phase rows [row0, row1) (clipped to the planes) in
+   * place: the rows the task has not copied since it started on this image are copied. */
+  const float* Rows(int64_t img, int64_t row0, int64_t row1) {
+    if (t_.source == nullptr) return t_.x + img * t_.image_floats;
+    row1 = std::min(row1, t_.source->phase_h);
+    if (img != image_) {
+      image_ = img;
+      copied0_ = copied1_ = row0;
+    }
+    if (row0 < copied0_) Copy(row0, copied0_);
+    if (row1 > copied1_) Copy(copied1_, row1);
+    copied0_ = std::min(copied0_, row0);
+    copied1_ = std::max(copied1_, row1);
+    return Buffer().data();
+  }
+
+ private:
+  /*! \brief Phase rows [row0, row1) of every plane of the current image into the buffer. */
+  void Copy(int64_t row0, int64_t row1) {
+    const PhasePlanes& s = *t_.source;
+    const int64_t planes = t_.image_floats / t_.plane_floats, row_floats = s.phase_w * s.element;
+    float* dst = Buffer().data() + row0 * row_floats;
+    for (int64_t p = 0; p < planes; ++p, dst += t_.plane_floats) {
+      s.Copy(image_ * planes + p, row0, row1 - row0, dst, true, s.phase_h);
+    }
+  }
+
+  static std::vector<float>& Buffer() {
+    thread_local std::vector<float> buffer;
+    return buffer;
+  }
+
+  const DirectConvWork& t_;
+  int64_t image_ = -1, copied0_ = 0, copied1_ = 0;  // the image and rows in the buffer
+};
+
 /*! \brief Work slots [begin, end) (slot s of group g of image n is (n * block_groups + g) *
  * slots + s) in chunks, groups of G blocks. A grid tile (kRowPixels 0) is kPixels pixels of
  * G blocks, or (G = kBlocks) twice as many of a last odd block (one-block convs: all of
@@ -1181,12 +1247,18 @@ __attribute__((always_inline)) inline void DirectSlots(const DirectConvWork& t, 
   constexpr bool kRows = kRowPixels > 0;
   constexpr int kGroupPixels = kRows ? kRowPixels : kPixels;
   constexpr int kSinglePixels = kRows ? kRowPixels : kPixels * kBlocks;
+  TaskInput input(t);
   for (int64_t pos = begin; pos < end;) {
     const int64_t image_group = pos / t.slots, s0 = pos % t.slots;
     const int64_t s1 = std::min({t.slots, s0 + t.chunk_slots, s0 + end - pos});
     pos += s1 - s0;
     const int64_t group = image_group % t.block_groups, img = image_group / t.block_groups;
-    const float* x = t.x + img * t.image_floats;
+    // The grid pixels of the chunk's tiles, from its first to its last (a row tile's rows
+    // whole), and the rows their taps read.
+    const int64_t row_tiles = t.out_w / kGroupPixels;
+    const int64_t g0 = kRows ? s0 / row_tiles * t.grid_w : s0 * t.slot_w;
+    const int64_t g1 = kRows ? (s1 - 1) / row_tiles * t.grid_w + t.out_w : s1 * t.slot_w;
+    const float* x = input.Rows(img, g0 / t.grid_w, (g1 - 1 + t.reach) / t.grid_w + 1);
     float* y_img = t.y + img * t.out_c * t.out_h * t.out_w;
     const int64_t b0 = group * G;
     if (b0 + G <= t.blocks) {
@@ -1197,13 +1269,6 @@ __attribute__((always_inline)) inline void DirectSlots(const DirectConvWork& t, 
   }
 }
 
-// Pixels per tile of each instruction set's instance, two blocks / one block: 8-lane blocks
-// with AVX2 (16 vector registers: 12 accumulators), 16-lane blocks with AVX-512 (32 registers:
-// 24) and, for 16-lane weights on a CPU without AVX-512, with AVX2 (each vector two halves);
-// AVX-512's four-block tiles hold the same 24 accumulators.
-constexpr int kPixelsAvx2 = 6, kPixelsAvx512 = 12, kPixelsAvx2Wide = 3;
-constexpr int kWidePixelsAvx512 = kPixelsAvx512 * kBlocks / kWideBlocks;
-constexpr int kMaxTilePixels = kPixelsAvx512 * kBlocks;  // the most pixels of any tile
 // Row tile widths, in order of preference (AVX-512 only: with AVX2's 16 registers a
 // two-block tile holds 6 pixels, no divisor of common widths), and the widest plane whose
 // rows are cut into the first even where grid tiles would waste nothing.
@@ -1353,16 +1418,14 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   t.image_floats = in_c * sh * sw * phase_h * phase_w;
   PhasePlanes phases{Data(data), nullptr, batch * in_c / x_block, height, width, sh, sw,
                      phase_h, phase_w, p.pad_top, p.pad_left, x_block};
+  t.plane_floats = sh * sw * phase_h * phase_w * x_block;
   if (pointwise) {
     t.x = Data(data);
   } else {
-    thread_local std::vector<float> copied;
-    copied.resize(batch * t.image_floats + kMaxTilePixels * x_block);
-    phases.phases = copied.data();
     if (p.dilation_h == 1) phases.copied_h = kernel_h;  // taps read phases a < KH (of SH)
     if (p.dilation_w == 1) phases.copied_w = kernel_w;
-    Launch(RunPhasePlanes, &phases, copied.size() >= kMinParallelCopy);
-    t.x = copied.data();
+    t.source = &phases;
+    t.reach = (kernel_h - 1) * p.dilation_h / sh * phase_w + (kernel_w - 1) * p.dilation_w / sw;
     t.slack = true;
   }
   t.num_taps = in_c * kernel_h * kernel_w;
