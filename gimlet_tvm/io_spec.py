@@ -6,6 +6,7 @@ Built once by the frontend, stored in the artifact, and used to check inputs at 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
@@ -50,6 +51,18 @@ class IOSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
 
+    @functools.cached_property
+    def _input_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.inputs)
+
+    @functools.cached_property
+    def _fixed_inputs(self) -> tuple[tuple[np.dtype, tuple[int, ...]], ...] | None:
+        """Each input's dtype and shape where no input has a symbolic dim, else None: arrays
+        that match these pass `check_inputs` at once (a dtype's name costs about 2 us)."""
+        if any(isinstance(d, str) for t in self.inputs for d in t.shape):
+            return None
+        return tuple((np.dtype(t.dtype), t.shape) for t in self.inputs)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "inputs": [t.to_json() for t in self.inputs],
@@ -70,15 +83,15 @@ class IOSpec:
 
         Raises `InputError` naming the input and what was expected on any mismatch.
         """
-        names = [t.name for t in self.inputs]
+        names = list(self._input_names)
         if named is not None:
             if args:
                 raise InputError("pass inputs either positionally or by name, not both")
-            unknown = sorted(set(named) - set(names))
-            if unknown:
-                raise InputError(f"unknown input(s) {unknown}; the model's inputs are {names}")
-            missing = [n for n in names if n not in named]
-            if missing:
+            if len(named) != len(names) or not all(n in named for n in names):
+                unknown = sorted(set(named) - set(names))
+                if unknown:
+                    raise InputError(f"unknown input(s) {unknown}; the model's inputs are {names}")
+                missing = [n for n in names if n not in named]
                 raise InputError(f"missing input(s) {missing}; the model's inputs are {names}")
             args = [named[n] for n in names]
         if len(args) != len(names):
@@ -89,6 +102,10 @@ class IOSpec:
 
     def check_inputs(self, arrays: Sequence[np.ndarray]) -> None:
         """Check dtypes and shapes; a symbolic dim must take one value across all inputs."""
+        fixed = self._fixed_inputs
+        if fixed is not None and len(arrays) == len(fixed) and all(
+                a.dtype == dtype and a.shape == shape for a, (dtype, shape) in zip(arrays, fixed)):
+            return
         bound: dict[str, tuple[int, str]] = {}
         for spec, array in zip(self.inputs, arrays):
             if str(array.dtype) != spec.dtype:

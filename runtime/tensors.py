@@ -22,6 +22,8 @@ HOST = tvm.cpu().dlpack_device_type()
 NUMPY_DTYPES = frozenset(("bool", "float16", "float32", "float64", "int8", "int16", "int32", "int64",
                           "uint8", "uint16", "uint32", "uint64"))
 """Dtypes numpy passes through DLPack; others (ml_dtypes' bfloat16, ...) go through TVM's copies."""
+_NUMPY_DTYPES = frozenset(np.dtype(name) for name in NUMPY_DTYPES)
+"""The same as dtypes (see carriers._CARRIED: a dtype's `.name` costs about 2 us)."""
 
 # Through DLPack the host's tensors cost about 2 us each way; `tvm.runtime.tensor` (allocation
 # and copy through the FFI) about 12 us, `.numpy()` about 5 us: on models that run in under a
@@ -36,9 +38,12 @@ def device_tensors(arrays: Sequence[np.ndarray], device: tvm.runtime.Device,
     `unaligned[i]` (its readers load unaligned: relax_passes/unaligned_inputs.py), array i
     needs no alignment."""
     tensors = []
+    on_host = device.dlpack_device_type() == HOST
     for i, array in enumerate(arrays):
-        array = np.require(to_carrier(array), requirements="C")
-        if device.dlpack_device_type() == HOST and array.size and array.dtype.name in NUMPY_DTYPES:
+        array = to_carrier(array)
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        if on_host and array.size and array.dtype in _NUMPY_DTYPES:
             if i < len(unaligned) and unaligned[i] and array.flags.writeable:
                 tensors.append(tvm_ffi.from_dlpack(array, require_alignment=0))
             else:
