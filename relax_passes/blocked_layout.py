@@ -28,7 +28,11 @@ cover.
      (`ELEMENTWISE_UNARY`), binary ones (`ELEMENTWISE_BINARY`) whose other operand is blocked
      too, a scalar, or a constant per-channel vector (reblocked here with numpy), and max /
      average pooling (`layout="NCHW{B}c"`). The batch extent may be symbolic; the others
-     must be static.
+     must be static;
+   - a mean over the spatial axes of a blocked value (global average pooling), taken on the
+     blocked data and reshaped to the NCHW result: with one pixel left, [N, C / B, 1, 1, B]
+     is NCHW's order, so the region ends without converting the whole tensor back (as
+     onnxruntime's NCHWc global pooling; each window step adds a vector of B channels).
    An op it does not rewrite that reads a blocked value gets a conversion back to NCHW (once per
    value), and so does a dataflow block's output; a blocked conv or binary op that reads an
    NCHW tensor gets one into NCHW{B}c (once per tensor). Conversions are the CPU library's
@@ -239,7 +243,7 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
             super().visit_var_binding_(binding)
             return
         rewritten = self.builder_.normalize(rewritten)
-        if rewritten.ty.ndim == 4:  # an exit conv: the value is NCHW again
+        if rewritten.ty.ndim != 5:  # an exit conv or a spatial mean: the value is NCHW again
             emit = self.builder_.emit if isinstance(binding.var, relax.DataflowVar) else self.builder_.emit_output
             self.set_var_remap(binding.var, emit(rewritten))
             return
@@ -274,6 +278,8 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
                     return None
                 return self._pool(call, data)
             return relax.Call(call.op, [data, *call.args[1:]], call.attrs)
+        if name == "relax.mean":
+            return self._spatial_mean(call)
         if name in ELEMENTWISE_BINARY:
             lhs, rhs = call.args
             blocked_lhs, blocked_rhs = self._operand(lhs), self._operand(rhs)
@@ -312,6 +318,17 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
             return None
         vector = expr.value.numpy().reshape(channels // self.block, self.block)
         return relax.const(vector.reshape(1, channels // self.block, 1, 1, self.block))
+
+    def _spatial_mean(self, call: relax.Call) -> relax.Expr | None:
+        """A mean over axes 2 and 3 of a blocked value, as an NCHW-ordered result (see the
+        module docstring); None for other means."""
+        data = self._operand(call.args[0])
+        if data is None or call.attrs.axis is None:
+            return None
+        if sorted(int(a) % 4 for a in call.attrs.axis) != [2, 3]:
+            return None
+        mean = relax.op.mean(data, axis=[2, 3], keepdims=True)
+        return relax.op.reshape(mean, call.ty.shape)
 
     def _pool(self, call: relax.Call, data: relax.Expr) -> relax.Expr:
         attrs, layout = call.attrs, f"NCHW{self.block}c"
