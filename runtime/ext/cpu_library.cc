@@ -1072,6 +1072,22 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
 constexpr int64_t kSliceBytes = 16 << 10;
 // Tiles per chunk (of its widest tiles), so a slice's weights serve a dozen tiles.
 constexpr int64_t kTilesPerChunk = 8;
+// While a slice runs, the next slice's weights are prefetched into L2, a share before each
+// tile: deep layers at batch 1 stream their weights from memory (ResNet-50's 2048->512 1x1
+// conv: 4 MiB for 49 pixels), and the hardware prefetcher stops at each 4 KiB page (64 taps
+// of a 16-lane block). ResNet-18 ran in 0.932 of its time, ResNet-50 0.951 (both in one
+// process, alternating); into L1 instead, ResNet-50 0.963.
+
+/*! \brief Prefetch taps [tap0, tap1) of NB channel blocks' weights (`w`, blocks `w_stride`
+ * floats apart) into L2. */
+template <int L, int NB>
+__attribute__((always_inline)) inline void PrefetchWeights(const float* w, int64_t w_stride,
+                                                           int64_t tap0, int64_t tap1) {
+  for (int64_t tap = tap0; tap < tap1; ++tap) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) __builtin_prefetch(w + j * w_stride + tap * L, 0, 2);
+  }
+}
 
 /*! \brief Slots [s0, s1) (a chunk) of channel blocks [b0, b0 + NB) of one image (`x`: its
  * planes), in tiles of P pixels: one row tile per slot (kRows), or the grid pixels the slots
@@ -1110,8 +1126,11 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
   const int64_t slice = std::max<int64_t>(1, kSliceBytes / (NB * L * sizeof(float)));
   for (int64_t tap0 = 0; tap0 < t.num_taps; tap0 += slice) {
     const int64_t tap1 = std::min(t.num_taps, tap0 + slice);
+    // The next slice's weights, a share before each tile (see kSliceBytes).
+    const int64_t next1 = std::min(t.num_taps, tap1 + slice), share = CeilDiv(next1 - tap1, num_tiles);
     for (int64_t i = 0; i < num_tiles; ++i) {
       const int64_t g = tile_start(i), n = tile_size(g);
+      PrefetchWeights<L, NB>(w, w_stride, tap1 + i * share, std::min(next1, tap1 + (i + 1) * share));
       if (tap1 == t.num_taps && stored_from_registers(g)) {
         const TileOutput output{y + t.OutputsBefore(g) * L, vectors.data()};
         DirectTile<L, P, NB, XB>(t, x + g * XB, w, w_stride, tap0, tap1, tiles[i], P, &output);
