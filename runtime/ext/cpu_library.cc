@@ -821,8 +821,8 @@ int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
 // pixel g reads at g * XB from that tap's own offset, so a tile's P pixels read at distances
 // the compiler knows (immediate displacements): no per-pixel offsets held in registers (with
 // 12 pixels they spilled and were reloaded for every tap), and tiles run across rows, so small
-// deep-layer planes fill whole tiles. A pointwise conv (1x1,
-// stride 1, no padding) reads the data as it is (its grid is the output plane).
+// deep-layer planes fill whole tiles. A pointwise conv (1x1, stride 1, no padding) reads the
+// data as it is (its grid is the output plane).
 //
 // Where the grid tiles would compute over 5% more pixels than there are outputs and a narrower
 // tile width W divides the output width (`RowTileWidth`: 8 where it divides it, else 7, as on
@@ -1102,14 +1102,13 @@ constexpr int64_t kTilesPerChunk = 8;
 // ResNet-50 ran in 0.963 of its time, ResNet-18 0.988, MobileNetV2 0.986 (one process,
 // alternating; 2 MiB gave the same).
 constexpr int64_t kGroupsInnerWeightBytes = 512 << 10;
-// While a slice runs, the next slice's weights are prefetched into L2, a share before each
-// tile: deep layers at batch 1 stream their weights from memory (ResNet-50's 2048->512 1x1
-// conv: 4 MiB for 49 pixels), and the hardware prefetcher stops at each 4 KiB page (64 taps
-// of a 16-lane block). ResNet-18 ran in 0.932 of its time, ResNet-50 0.951 (both in one
-// process, alternating); into L1 instead, ResNet-50 0.963.
 
 /*! \brief Prefetch taps [tap0, tap1) of NB channel blocks' weights (`w`, blocks `w_stride`
- * floats apart) into L2. */
+ * floats apart) into L2. While a slice runs, DirectChunk prefetches the next slice's weights
+ * this way, a share before each tile: deep layers at batch 1 stream their weights from memory
+ * (ResNet-50's 2048->512 1x1 conv: 4 MiB for 49 pixels), and the hardware prefetcher stops at
+ * each 4 KiB page (64 taps of a 16-lane block). ResNet-18 ran in 0.932 of its time, ResNet-50
+ * 0.951 (both in one process, alternating); into L1 instead, ResNet-50 0.963. */
 template <int L, int NB>
 __attribute__((always_inline)) inline void PrefetchWeights(const float* w, int64_t w_stride,
                                                            int64_t tap0, int64_t tap1) {
@@ -1156,7 +1155,7 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
   const int64_t slice = std::max<int64_t>(1, kSliceBytes / (NB * L * sizeof(float)));
   for (int64_t tap0 = 0; tap0 < t.num_taps; tap0 += slice) {
     const int64_t tap1 = std::min(t.num_taps, tap0 + slice);
-    // The next slice's weights, a share before each tile (see kSliceBytes).
+    // The next slice's weights, a share before each tile (see PrefetchWeights).
     const int64_t next1 = std::min(t.num_taps, tap1 + slice), share = CeilDiv(next1 - tap1, num_tiles);
     for (int64_t i = 0; i < num_tiles; ++i) {
       const int64_t g = tile_start(i), n = tile_size(g);
@@ -1285,11 +1284,10 @@ class TaskInput {
   int64_t image_ = -1, copied0_ = 0, copied1_ = 0;  // the image and rows in the buffer
 };
 
-/*! \brief Work slots [begin, end) (slot s of group g of image n is (n * block_groups + g) *
- * slots + s) in chunks, groups of G blocks. A grid tile (kRowPixels 0) is kPixels pixels of
- * G blocks, or (G = kBlocks) twice as many of a last odd block (one-block convs: all of
- * them), the same number of accumulators; a row tile is kRowPixels pixels of two blocks or
- * of the last odd block. */
+/*! \brief Work slots [begin, end) (in DirectConvWork::ChunkAt's order) in chunks, groups of G
+ * blocks. A grid tile (kRowPixels 0) is kPixels pixels of G blocks, or (G = kBlocks) twice as
+ * many of a last odd block (one-block convs: all of them), the same number of accumulators; a
+ * row tile is kRowPixels pixels of two blocks or of the last odd block. */
 template <int L, int kPixels, int G = kBlocks, int kRowPixels = 0>
 __attribute__((always_inline)) inline void DirectSlots(const DirectConvWork& t, int64_t begin,
                                                        int64_t end) {
