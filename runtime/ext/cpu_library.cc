@@ -690,6 +690,51 @@ inline void CopyFloats(const float* src, int64_t n, float* dst) {
   std::memcpy(dst + n - kLanes, &v, sizeof(v));
 }
 
+/*! \brief dst[j][i] = src[i][j] for an 8x8 block of floats, rows `src_stride` and
+ * `dst_stride` floats apart: three rounds of shuffles, as a vectorized transpose does (the
+ * element-by-element loop ran about 1 float a cycle; ResNet-50 spent 0.5 ms in layout
+ * conversions). */
+inline void Transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  static_assert(kLanes == 8);
+  Floats r[8], u[8];
+  for (int i = 0; i < 8; ++i) std::memcpy(&r[i], src + i * src_stride, sizeof(Floats));
+  for (int i = 0; i < 8; i += 4) {  // u[i + k]: columns k and k + 4 of rows i..i+3
+    const Floats a = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    const Floats b = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    const Floats c = __builtin_shufflevector(r[i + 2], r[i + 3], 0, 8, 1, 9, 4, 12, 5, 13);
+    const Floats d = __builtin_shufflevector(r[i + 2], r[i + 3], 2, 10, 3, 11, 6, 14, 7, 15);
+    u[i] = __builtin_shufflevector(a, c, 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 1] = __builtin_shufflevector(a, c, 2, 3, 10, 11, 6, 7, 14, 15);
+    u[i + 2] = __builtin_shufflevector(b, d, 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 3] = __builtin_shufflevector(b, d, 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const Floats low = __builtin_shufflevector(u[k], u[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    const Floats high = __builtin_shufflevector(u[k], u[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    std::memcpy(dst + k * dst_stride, &low, sizeof(Floats));
+    std::memcpy(dst + (k + 4) * dst_stride, &high, sizeof(Floats));
+  }
+}
+
+/*! \brief dst[c * dst_stride + r] = src[r * src_stride + c] for r < rows, c < cols: 8 x 8
+ * blocks by Transpose8x8 (where rows are not whole 8s, the last block of rows overlaps the one
+ * before it and writes its values again), the channels past whole 8s and rows of fewer than 8
+ * one value at a time. A direct conv's tile ([pixels][B channels]) goes this way into an NCHW
+ * output. */
+inline void TransposeFloats(const float* src, int64_t src_stride, int64_t rows, int64_t cols,
+                            float* dst, int64_t dst_stride) {
+  const int64_t whole = rows >= 8 ? cols / 8 * 8 : 0;
+  for (int64_t c = 0; c < whole; c += 8) {
+    for (int64_t r = 0; r < rows; r += 8) {
+      const int64_t r0 = std::min(r, rows - 8);
+      Transpose8x8(src + r0 * src_stride + c, src_stride, dst + c * dst_stride + r0, dst_stride);
+    }
+  }
+  for (int64_t c = whole; c < cols; ++c) {
+    for (int64_t r = 0; r < rows; ++r) dst[c * dst_stride + r] = src[r * src_stride + c];
+  }
+}
+
 /*! \brief a / b rounded up, for b > 0 (toward zero for a < 0); strides 1 and 2 without a
  * division (a 64-bit division costs more than copying a depthwise conv's short row). */
 inline int64_t CeilDiv(int64_t a, int64_t b) {
@@ -1192,10 +1237,9 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
           std::memcpy(out, in, run * L * sizeof(float));
         }
       } else {
-        for (int64_t ch = 0; ch < channels; ++ch) {
-          const float* lane = tile + (ch / L * P + q) * L + ch % L;
-          float* out = y + ch * spatial + pixel;
-          for (int64_t r = 0; r < run; ++r) out[r] = lane[r * L];
+        for (int j = 0; j < NB; ++j) {
+          TransposeFloats(tile + (j * P + q) * L, L, run, std::min<int64_t>(L, channels - j * L),
+                          y + j * L * spatial + pixel, spatial);
         }
       }
       q += run;
@@ -2094,32 +2138,6 @@ struct BlockedLayoutWork {
   int64_t planes, spatial, block;
   bool to_blocked;  // NCHW -> NCHW{B}c, else back
 };
-
-/*! \brief dst[j][i] = src[i][j] for an 8x8 block of floats, rows `src_stride` and
- * `dst_stride` floats apart: three rounds of shuffles, as a vectorized transpose does (the
- * element-by-element loop ran about 1 float a cycle; ResNet-50 spent 0.5 ms in layout
- * conversions). */
-inline void Transpose8x8(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
-  static_assert(kLanes == 8);
-  Floats r[8], u[8];
-  for (int i = 0; i < 8; ++i) std::memcpy(&r[i], src + i * src_stride, sizeof(Floats));
-  for (int i = 0; i < 8; i += 4) {  // u[i + k]: columns k and k + 4 of rows i..i+3
-    const Floats a = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-    const Floats b = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-    const Floats c = __builtin_shufflevector(r[i + 2], r[i + 3], 0, 8, 1, 9, 4, 12, 5, 13);
-    const Floats d = __builtin_shufflevector(r[i + 2], r[i + 3], 2, 10, 3, 11, 6, 14, 7, 15);
-    u[i] = __builtin_shufflevector(a, c, 0, 1, 8, 9, 4, 5, 12, 13);
-    u[i + 1] = __builtin_shufflevector(a, c, 2, 3, 10, 11, 6, 7, 14, 15);
-    u[i + 2] = __builtin_shufflevector(b, d, 0, 1, 8, 9, 4, 5, 12, 13);
-    u[i + 3] = __builtin_shufflevector(b, d, 2, 3, 10, 11, 6, 7, 14, 15);
-  }
-  for (int k = 0; k < 4; ++k) {
-    const Floats low = __builtin_shufflevector(u[k], u[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-    const Floats high = __builtin_shufflevector(u[k], u[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
-    std::memcpy(dst + k * dst_stride, &low, sizeof(Floats));
-    std::memcpy(dst + (k + 4) * dst_stride, &high, sizeof(Floats));
-  }
-}
 
 int RunBlockedLayout(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const auto& t = *static_cast<const BlockedLayoutWork*>(cdata);
