@@ -1166,8 +1166,12 @@ constexpr int64_t kTilesPerChunk = 8;
 // weights, all of them, in L2; above it (deep layers), group by group. ResNet's 1x1 convs that
 // shrink the channels at 56x56 and 28x28 had streamed their 1.6-3 MiB input once per group:
 // ResNet-50 ran in 0.963 of its time, ResNet-18 0.988, MobileNetV2 0.986 (one process,
-// alternating; 2 MiB gave the same).
+// alternating; 2 MiB gave the same). A conv that copies padded rows (TaskInput) does so up to
+// twice as many bytes: group by group, each thread ran every group's slots of all rows, so
+// each copied the whole input, half of it written by the other core. ResNet-50's 3x3 stride-2
+// 128->128 conv at 56x56 (590 KiB of weights) ran 9% faster split by rows.
 constexpr int64_t kGroupsInnerWeightBytes = 512 << 10;
+constexpr int64_t kGroupsInnerCopiedWeightBytes = 1 << 20;
 
 /*! \brief Prefetch taps [tap0, tap1) of NB channel blocks' weights (`w`, blocks `w_stride`
  * floats apart) into L2. While a slice runs, DirectChunk prefetches the next slice's weights
@@ -1555,7 +1559,8 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   t.slots = t.row_w ? t.out_h * t.out_w / t.row_w : (t.grid + tile - 1) / tile;
   t.chunk_slots = kTilesPerChunk;
   t.groups_inner = t.block_groups > 1 &&
-                   t.blocks * t.block * t.num_taps * int64_t{sizeof(float)} <= kGroupsInnerWeightBytes;
+                   t.blocks * t.block * t.num_taps * int64_t{sizeof(float)} <=
+                       (pointwise ? kGroupsInnerWeightBytes : kGroupsInnerCopiedWeightBytes);
   t.work_slots = batch * t.block_groups * t.slots;
   const int64_t work = batch * t.grid * t.blocks * t.block * t.num_taps;
   Launch(RunDirectConvSlots, &t, work >= kMinParallelGemm);
