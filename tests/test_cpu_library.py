@@ -18,7 +18,7 @@ from tvm.relax.frontend.onnx import from_onnx
 from gimlet_tvm.compiler import relax_pipeline
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
     CONV2D_FUNC, DEPTHWISE_CONV2D_FUNC, DIRECT_CONV2D_FUNC, DIRECT_CONV_BLOCK_ENV, MATMUL_FUNC,
-    ROW_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC, DispatchCPULibrary)
+    ROW_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC, DispatchCPULibrary, library_matmul)
 from gimlet_tvm.runtime.extensions import load_extensions
 from gimlet_tvm.targets.llvm import LLVM_CPU
 
@@ -138,6 +138,25 @@ def test_skinny_transposed_matmul_every_row_count(k: int) -> None:
         out = tvm.runtime.tensor(np.full((rows, 300), np.nan, np.float32))
         matmul(tvm.runtime.tensor(x), tvm.runtime.tensor(w), 1, out)
         np.testing.assert_allclose(out.numpy(), x @ w.T, rtol=1e-4, atol=1e-4, err_msg=f"{rows} rows")
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_one_row_by_a_constant_weight_streams_its_rows(trans_b: int) -> None:
+    """A classifier at batch 1: x [1, K] by a constant weight runs as dot products over the
+    weight's rows (transpose_b, the weight transposed at build time) whichever way the model
+    stores it; two rows keep the weight as it is."""
+    k, n = 300, 250
+    weight = rand(n, k, seed=8) if trans_b else rand(k, n, seed=8)
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=trans_b)]
+    for rows in (1, 2):
+        model = onnx_model(nodes, [("x", [rows, k])], ("y", [rows, n]), {"w": weight, "b": rand(n, seed=9)})
+        dispatched = DispatchCPULibrary()(from_onnx(model, keep_params_in_input=False))
+        matmuls = []
+        relax.analysis.post_order_visit(
+            dispatched["main"].body, lambda e: matmuls.append(library_matmul(e)) if library_matmul(e) else None)
+        assert [transpose for _, _, transpose, _ in matmuls] == [rows == 1 or trans_b == 1]
+        ours, reference = run_both(model, {"x": rand(rows, k, seed=rows)})
+        np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
 
 
 def test_unsupported_ops_stay() -> None:

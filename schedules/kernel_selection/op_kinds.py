@@ -186,9 +186,15 @@ class Matmul(OpKind):
         if _is_op(call, "relax.matmul"):
             return Group(list(call.args), (), [], [])
         parts = library_matmul(call)
-        if parts is None or parts[2]:  # a transposed b: not a candidate's input
+        if parts is None:
             return None
-        a, b, _, library_steps = parts
+        a, b, transposed, library_steps = parts
+        if transposed:
+            # A constant the dispatch transposed (a one-row matmul's weight) is the group's
+            # [K, N] weight again; another transposed b is not a candidate's input.
+            if not isinstance(b, tvm.ir.GenericConst):
+                return None
+            b = relax.const(np.ascontiguousarray(b.value.numpy().T))
         return _with_epilogue([a, b], (), library_steps, vectors_on_any_axis=False)
 
     def valid(self, shapes: tuple[Shape, ...]) -> bool:
