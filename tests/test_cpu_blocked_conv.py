@@ -82,6 +82,10 @@ def out_size(size, kernel, stride, pads, dilation):
         (3, 16, (48, 40), 16, (3, 3), (1, 1), (1, 1), (1, 1)),
         (1, 64, (28, 28), 128, (3, 3), (1, 1), (1, 1), (1, 1)),
         (2, 32, (30, 30), 96, (3, 3), (2, 2), (1, 1), (1, 1)),
+        # a padded copy with over 512 KiB of weights (rows split, each chunk through all
+        # groups) and over 1 MiB (group by group, each thread copying every row)
+        (1, 128, (14, 14), 128, (3, 3), (2, 2), (1, 1), (1, 1)),
+        (1, 128, (12, 12), 256, (3, 3), (1, 1), (1, 1), (1, 1)),
         (2, 32, (11, 13), 64, (1, 1), (1, 1), (0, 0), (1, 1)),  # AVX-512: 4-block tiles
         (1, 48, (9, 10), 128, (3, 3), (2, 2), (1, 1), (1, 1)),  # ... stride 2
     ],
