@@ -9,8 +9,8 @@ OpenBLAS-backed CPU library.
      operands of rank >= 2 with any (also symbolic) batch axes that broadcast; a one-row `a`
      (a classifier at batch 1) by a constant 2-D `b` gets `b` transposed here, at build time,
      so the library runs N dot products, each of B's rows read once in
-     order, instead of OpenBLAS's GEMV over [K, N] (MobileNetV2's 1280 x 1000 classifier:
-     93 -> 77 us, onnxruntime 80);
+     order, instead of OpenBLAS's GEMV over [K, N] (faster on classifiers' weights:
+     benchmarks/README.md, "NCHW tiles transposed, ...");
    - `R.nn.conv2d` with NCHW data, OIHW weights and NCHW output into
      `R.call_dps_packed("gimlet.cpu.conv2d_nchw", (data, weight, strides, pads, dilations,
      groups))`, for float32 and any `groups` except depthwise (with `grouping`, kernel
