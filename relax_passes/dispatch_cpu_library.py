@@ -454,6 +454,12 @@ def depthwise_conv_for(in_c: int, groups: int, width: int, cpu_block: int, wante
     return width >= DEPTHWISE_MIN_WIDTH if wanted is None else wanted
 
 
+def transposed_constant(matrix: relax.Constant) -> relax.Constant:
+    """A 2-D constant transposed, at build time: the one-row matmul's weight ([K, N] to the
+    library's [N, K]), and back for kernel selection's op group."""
+    return relax.const(np.ascontiguousarray(matrix.value.numpy().T))
+
+
 def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list] | None:
     """`(a, b, transpose_b, epilogue)` of a `gimlet.cpu.matmul` call this pass wrote, None for
     any other expression. `epilogue`: its steps in order, `("add", addend, divisor)` (an
@@ -732,7 +738,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             return None
         weight = self._transposed_operand(b)
         if weight is None and isinstance(b, tvm.ir.GenericConst) and b.ty.ndim == 2 and _one_row(a):
-            weight = relax.const(np.ascontiguousarray(b.value.numpy().T))
+            weight = transposed_constant(b)
         args = [a, b, relax.prim_value(0)] if weight is None else [a, weight, relax.prim_value(1)]
         return relax.call_dps_packed(MATMUL_FUNC, args, call.ty)
 

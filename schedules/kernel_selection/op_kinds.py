@@ -29,7 +29,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ...relax_passes.dispatch_cpu_library import library_attention, library_conv2d, library_matmul
+from ...relax_passes.dispatch_cpu_library import (library_attention, library_conv2d, library_matmul,
+                                                   transposed_constant)
 from ...targets.kernels import Shape, Step
 from ...targets.kernels.dequant_gemv import BLOCK, BLOCK_FORMAT, DEQUANT_GEMV, HALF, LAYOUTS, OP_GROUP, dequant_gemv
 
@@ -194,7 +195,7 @@ class Matmul(OpKind):
             # [K, N] weight again; another transposed b is not a candidate's input.
             if not isinstance(b, tvm.ir.GenericConst):
                 return None
-            b = relax.const(np.ascontiguousarray(b.value.numpy().T))
+            b = transposed_constant(b)
         return _with_epilogue([a, b], (), library_steps, vectors_on_any_axis=False)
 
     def valid(self, shapes: tuple[Shape, ...]) -> bool:
