@@ -983,16 +983,21 @@ constexpr int64_t kWideBlocks = 4;  // ... on AVX-512, where the blocks come in 
 #endif
 
 /*! \brief L floats in one vector (GCC drops a vector_size that depends on a template argument,
- * so each width is spelled out). */
+ * so each width is spelled out); `Unaligned`, the same at any float's address, for loads and
+ * stores of one instruction each (a std::memcpy into an element of an array of vectors is a
+ * copy through memory, done in halves, and reading the vector back stalls on the halves'
+ * store forwarding). */
 template <int L>
 struct VectorOf;
 template <>
 struct VectorOf<8> {
   using Type = float __attribute__((vector_size(32)));
+  using Unaligned = float __attribute__((vector_size(32), aligned(4), may_alias));
 };
 template <>
 struct VectorOf<16> {
   using Type = float __attribute__((vector_size(64)));
+  using Unaligned = float __attribute__((vector_size(64), aligned(4), may_alias));
 };
 
 /*! \brief Whether `epilogue` has only steps `BlockedEpilogueVector` applies on vectors of a
@@ -2230,6 +2235,15 @@ void ConvertBlockedLayout(DLTensor* data, DLTensor* out, bool to_blocked) {
 // Per-call costs that mattered (64 channels at 56x56, F(4x4), 1 thread): single-lane stores of
 // a row's last vector of tiles made the input transform 2x slower, and the output transform's
 // per-element interleave (an index division per element) 1.8x.
+//
+// On channel-blocked data and output (NCHW{B}c, what relax_passes/blocked_layout.py runs a
+// network's regions in) the transforms work on vectors of a pixel's B channels instead: V is
+// [alpha^2, tiles, C] and M [alpha^2, tiles, O], each patch element one vector load and each
+// transformed point one vector store, the GEMMs M[xi] = V[xi] U[xi] with U transposed at build
+// time ([alpha^2, C, O]), and the output written in its layout with its epilogue. ResNets' 3x3
+// convs then run blocked like the 1x1 convs around them, with no conversion to NCHW and back
+// at each (about 300 us of ResNet-50's 29 ms), and the transforms and GEMMs ran in 0.78x the
+// NCHW ones' time (64 channels at 56x56, F(4x4), 2 threads; benchmarks/README.md).
 
 /*! \brief The transform matrices of F(M x M, 3 x 3): B^T (alpha x alpha) and A^T (M x alpha);
  * G is applied at build time (winograd_weight). Points 0, 1, -1 (and 2, -2 for M = 4), infinity. */
@@ -2256,20 +2270,20 @@ struct Winograd<4> {
  * unrolling, zero coefficients drop out and ones become plain adds (the compiler may not fold
  * 0 * x or 1 * x into the sum by itself: NaN and signed zeros).
  */
-template <int R, int C>
+template <int R, int C, typename V>
 __attribute__((always_inline)) inline void MultiplyConstant(const float (&mat)[R][C],
-                                                            const Floats* in, int in_stride,
-                                                            Floats* out, int out_stride) {
+                                                            const V* in, int in_stride, V* out,
+                                                            int out_stride) {
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
-    Floats acc{};
+    V acc{};
     bool first = true;
 #pragma GCC unroll 8
     for (int k = 0; k < C; ++k) {
       const float c = mat[i][k];
       if (c == 0.0f) continue;
-      const Floats v = in[k * in_stride];
-      const Floats term = c == 1.0f ? v : c == -1.0f ? -v : c * v;
+      const V v = in[k * in_stride];
+      const V term = c == 1.0f ? v : c == -1.0f ? -v : c * v;
       acc = first ? term : acc + term;
       first = false;
     }
@@ -2279,13 +2293,15 @@ __attribute__((always_inline)) inline void MultiplyConstant(const float (&mat)[R
 
 /*! \brief One Winograd conv2d call (see above). */
 struct WinogradWork {
-  const float* x;  // [N, C, H, W]
-  const float* u;  // [alpha^2, O, C]
-  float* v;        // [alpha^2, C, N * tiles]
-  float* m;        // [alpha^2, O, N * tiles]
-  float* y;        // [N, O, OH, OW]
+  const float* x;  // [N, C, H, W], or blocked [N, C / B, H, W, B]
+  const float* u;  // [alpha^2, O, C]; blocked: [alpha^2, C, O]
+  float* v;        // [alpha^2, C, N * tiles]; blocked: [alpha^2, N * tiles, C]
+  float* m;        // [alpha^2, O, N * tiles]; blocked: [alpha^2, N * tiles, O]
+  float* y;        // [N, O, OH, OW], or blocked [N, O / B, OH, OW, B]
   const Epilogue* epilogue;
   int64_t batch, in_c, height, width, out_c, out_h, out_w, pad_top, pad_left;
+  int64_t block;             // B of blocked data and output, 0 for NCHW
+  bool vector_epilogue;      // blocked, and IsBlockedVectorEpilogue
   int64_t tiles_h, tiles_w;  // ceil(OH / m), ceil(OW / m)
   int64_t phase_len;         // elements per phase row: ceil(tiles_w / kLanes) * kLanes + 1
 
@@ -2379,6 +2395,144 @@ void WinogradOutputPlane(const WinogradWork& t, int64_t plane, float* rows) {
   }
 }
 
+/*! \brief Blocked data: V[:, tiles of row `ty` of image `img`, :] (`unit`: img * tiles_h + ty),
+ * each patch element one vector of the L channels of a pixel; a tile's channel blocks one after
+ * another, so a thread writes V's rows (one tile's channels at a point) whole. */
+template <int M, int L>
+__attribute__((always_inline)) inline void BlockedWinogradInputRow(const WinogradWork& t,
+                                                                   int64_t unit) {
+  using V = typename VectorOf<L>::Type;
+  using U = typename VectorOf<L>::Unaligned;
+  constexpr int A = Winograd<M>::kAlpha;
+  const int64_t blocks = t.in_c / L, ty = unit % t.tiles_h, img = unit / t.tiles_h;
+  const int64_t tiles = t.Tiles(), plane = t.height * t.width * L;
+  const int64_t y0 = ty * M - t.pad_top;
+  float* v = t.v + unit * t.tiles_w * t.in_c;
+  for (int64_t tx = 0; tx < t.tiles_w; ++tx) {
+    const int64_t x0 = tx * M - t.pad_left;
+    const bool inside = y0 >= 0 && x0 >= 0 && y0 + A <= t.height && x0 + A <= t.width;
+    const float* x = t.x + img * blocks * plane;
+    for (int64_t cb = 0; cb < blocks; ++cb, x += plane, v += L) {
+      V d[A][A], tmp[A][A], out[A][A];
+      for (int k = 0; k < A; ++k) {
+        for (int j = 0; j < A; ++j) {
+          const int64_t iy = y0 + k, ix = x0 + j;
+          if (inside || (iy >= 0 && iy < t.height && ix >= 0 && ix < t.width)) {
+            d[k][j] = *reinterpret_cast<const U*>(x + (iy * t.width + ix) * L);
+          } else {
+            d[k][j] = V{};
+          }
+        }
+      }
+      for (int j = 0; j < A; ++j) MultiplyConstant(Winograd<M>::kBt, &d[0][j], A, &tmp[0][j], A);
+      for (int i = 0; i < A; ++i) MultiplyConstant(Winograd<M>::kBt, tmp[i], 1, out[i], 1);
+      for (int i = 0; i < A; ++i) {
+        for (int j = 0; j < A; ++j) {
+          *reinterpret_cast<U*>(v + (i * A + j) * tiles * t.in_c) = out[i][j];
+        }
+      }
+    }
+  }
+}
+
+/*! \brief Blocked output: the rows of tile row `ty` of image `img` (`unit` as in
+ * BlockedWinogradInputRow) from M, block by block, each block's rows then taking the epilogue
+ * while they are in cache. */
+template <int M, int L>
+__attribute__((always_inline)) inline void BlockedWinogradOutputRow(const WinogradWork& t,
+                                                                    int64_t unit) {
+  using V = typename VectorOf<L>::Type;
+  using U = typename VectorOf<L>::Unaligned;
+  constexpr int A = Winograd<M>::kAlpha;
+  const int64_t blocks = t.out_c / L, ty = unit % t.tiles_h, img = unit / t.tiles_h;
+  const int64_t tiles = t.Tiles(), plane = t.out_h * t.out_w * L;
+  const int64_t rows = std::min<int64_t>(M, t.out_h - ty * M);
+  for (int64_t ob = 0; ob < blocks; ++ob) {
+    float* y = t.y + (img * blocks + ob) * plane;
+    const float* m = t.m + unit * t.tiles_w * t.out_c + ob * L;
+    for (int64_t tx = 0; tx < t.tiles_w; ++tx, m += t.out_c) {
+      V s[A][A], tmp[M][A], out[M][M];
+      for (int i = 0; i < A; ++i) {
+        for (int j = 0; j < A; ++j) {
+          s[i][j] = *reinterpret_cast<const U*>(m + (i * A + j) * tiles * t.out_c);
+        }
+      }
+      for (int j = 0; j < A; ++j) MultiplyConstant(Winograd<M>::kAt, &s[0][j], A, &tmp[0][j], A);
+      for (int i = 0; i < M; ++i) MultiplyConstant(Winograd<M>::kAt, tmp[i], 1, out[i], 1);
+      const int64_t cols = std::min<int64_t>(M, t.out_w - tx * M);
+      for (int64_t i = 0; i < rows; ++i) {
+        float* dst = y + ((ty * M + i) * t.out_w + tx * M) * L;
+        for (int64_t j = 0; j < cols; ++j) *reinterpret_cast<U*>(dst + j * L) = out[i][j];
+      }
+    }
+    float* first = y + ty * M * t.out_w * L;
+    const int64_t pixels = rows * t.out_w, offset = first - t.y;
+    if (t.vector_epilogue) {
+      BlockedEpilogueVectors<L>(*t.epilogue, BlockedRowVectors(*t.epilogue, offset), first,
+                                pixels, offset);
+    } else if (!t.epilogue->empty()) {
+      ApplyEpilogue(*t.epilogue, first, offset, 1, pixels * L, pixels * L);
+    }
+  }
+}
+
+/*! \brief Blocked units [begin, end) of the input (`input`) or output transform, per instance. */
+template <int M, int L>
+__attribute__((always_inline)) inline void BlockedWinogradUnits(const WinogradWork& t,
+                                                                bool input, int64_t begin,
+                                                                int64_t end) {
+  for (int64_t unit = begin; unit < end; ++unit) {
+    if (input) {
+      BlockedWinogradInputRow<M, L>(t, unit);
+    } else {
+      BlockedWinogradOutputRow<M, L>(t, unit);
+    }
+  }
+}
+
+GIMLET_TARGET("avx2,fma")
+void BlockedWinogradUnitsAvx2x8(const WinogradWork& t, int m, bool input, int64_t begin,
+                                int64_t end) {
+  if (m == 2) {
+    BlockedWinogradUnits<2, 8>(t, input, begin, end);
+  } else {
+    BlockedWinogradUnits<4, 8>(t, input, begin, end);
+  }
+}
+GIMLET_TARGET("avx2,fma")
+void BlockedWinogradUnitsAvx2x16(const WinogradWork& t, int m, bool input, int64_t begin,
+                                 int64_t end) {
+  if (m == 2) {
+    BlockedWinogradUnits<2, 16>(t, input, begin, end);
+  } else {
+    BlockedWinogradUnits<4, 16>(t, input, begin, end);
+  }
+}
+GIMLET_TARGET("avx512f,avx2,fma")
+void BlockedWinogradUnitsAvx512(const WinogradWork& t, int m, bool input, int64_t begin,
+                                int64_t end) {
+  if (m == 2) {
+    BlockedWinogradUnits<2, 16>(t, input, begin, end);
+  } else {
+    BlockedWinogradUnits<4, 16>(t, input, begin, end);
+  }
+}
+
+/*! \brief The blocked transform's units of one task: (image, tile row) each. */
+template <int M, bool kInput>
+int RunBlockedWinogradUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const WinogradWork*>(cdata);
+  const auto [begin, end] = TaskRange(task_id, penv, t.batch * t.tiles_h);
+  if (t.block == 8) {
+    BlockedWinogradUnitsAvx2x8(t, M, kInput, begin, end);
+  } else if (DirectConvBlock() == 16) {
+    BlockedWinogradUnitsAvx512(t, M, kInput, begin, end);
+  } else {
+    BlockedWinogradUnitsAvx2x16(t, M, kInput, begin, end);
+  }
+  return 0;
+}
+
 template <int M>
 int RunWinogradInput(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const auto& t = *static_cast<const WinogradWork*>(cdata);
@@ -2405,8 +2559,14 @@ int RunWinogradGemms(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const int64_t tiles = t.Tiles();
   const auto [begin, end] = TaskRange(task_id, penv, Winograd<M>::kAlpha * Winograd<M>::kAlpha);
   for (int64_t xi = begin; xi < end; ++xi) {
-    Sgemm(false, t.out_c, tiles, t.in_c, t.u + xi * t.out_c * t.in_c, t.in_c,
-          t.v + xi * t.in_c * tiles, tiles, t.m + xi * t.out_c * tiles, tiles);
+    const float* u = t.u + xi * t.out_c * t.in_c;
+    const float* v = t.v + xi * t.in_c * tiles;
+    float* m = t.m + xi * t.out_c * tiles;
+    if (t.block != 0) {  // M[xi] [tiles, O] = V[xi] [tiles, C] @ U[xi] [C, O]
+      Sgemm(false, tiles, t.out_c, t.in_c, v, t.in_c, u, t.out_c, m, t.out_c);
+    } else {  // M[xi] [O, tiles] = U[xi] [O, C] @ V[xi] [C, tiles]
+      Sgemm(false, t.out_c, tiles, t.in_c, u, t.in_c, v, tiles, m, tiles);
+    }
   }
   return 0;
 }
@@ -2421,23 +2581,34 @@ void RunWinograd(WinogradWork& t, bool parallel) {
   t.v = Scratch(v, kPoints * t.in_c * t.Tiles());
   // The output transform reads whole vectors: up to kLanes - 1 floats past the last tile.
   t.m = Scratch(m, kPoints * t.out_c * t.Tiles() + kLanes);
+  if (t.block != 0) {
+    Launch(RunBlockedWinogradUnits<M, true>, &t, parallel);
+    Launch(RunWinogradGemms<M>, &t, parallel);
+    Launch(RunBlockedWinogradUnits<M, false>, &t, parallel);
+    return;
+  }
   Launch(RunWinogradInput<M>, &t, parallel);
   Launch(RunWinogradGemms<M>, &t, parallel);
   Launch(RunWinogradOutput<M>, &t, parallel);
 }
 
 /*!
- * \brief NCHW conv2d with a 3x3 kernel, stride 1, dilation 1, groups 1, by Winograd F(m x m,
- * 3 x 3); data: [N, C, H, W], weight: the transformed kernel [alpha^2, O, C] (alpha^2 16: m = 2;
- * 36: m = 4), out: [N, O, OH, OW].
+ * \brief conv2d with a 3x3 kernel, stride 1, dilation 1, groups 1, by Winograd F(m x m, 3 x 3);
+ * data: [N, C, H, W], out: [N, O, OH, OW], weight: the transformed kernel [alpha^2, O, C]
+ * (alpha^2 16: m = 2; 36: m = 4); or channel-blocked data [N, C / B, H, W, B] and out
+ * [N, O / B, OH, OW, B] (B 8 or 16; AVX2 at least, 16-lane vectors in halves without AVX-512),
+ * weight [alpha^2, C / B, B, O] (the transformed kernel transposed: the GEMMs' B operand).
  */
 void WinogradConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
                     const Epilogue& epilogue, DLTensor* out) {
   CheckCompactFloat32(data, "data");
   CheckCompactFloat32(weight, "weight");
   CheckCompactFloat32(out, "out");
-  TVM_FFI_ICHECK(data->ndim == 4 && weight->ndim == 3 && out->ndim == 4)
-      << "gimlet.cpu.conv2d_nchw_winograd: data and out must be 4-D, the transformed weight 3-D";
+  const bool blocked = data->ndim == 5;
+  TVM_FFI_ICHECK((data->ndim == 4 && out->ndim == 4 && weight->ndim == 3) ||
+                 (blocked && out->ndim == 5 && weight->ndim == 4))
+      << "gimlet.cpu.conv2d_nchw_winograd: data, out and the transformed weight must be 4-D, "
+         "4-D and 3-D (NCHW) or 5-D, 5-D and 4-D (NCHW{B}c)";
   TVM_FFI_ICHECK(p.stride_h == 1 && p.stride_w == 1 && p.dilation_h == 1 && p.dilation_w == 1)
       << "gimlet.cpu.conv2d_nchw_winograd: stride and dilation must be 1";
   TVM_FFI_ICHECK(p.pad_top >= 0 && p.pad_left >= 0)
@@ -2446,11 +2617,25 @@ void WinogradConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   TVM_FFI_ICHECK(points == 16 || points == 36)
       << "gimlet.cpu.conv2d_nchw_winograd: " << points
       << " transform points is neither 16 (F(2x2, 3x3)) nor 36 (F(4x4, 3x3))";
+  const int64_t block = blocked ? data->shape[4] : 0;
+  if (blocked) {
+    TVM_FFI_ICHECK(out->shape[4] == block && (block == 8 || block == 16))
+        << "gimlet.cpu.conv2d_nchw_winograd: blocked data and out need one block of 8 or 16 "
+           "channels, not "
+        << block << " and " << out->shape[4];
+    TVM_FFI_ICHECK(DirectConvBlock() != 0)
+        << "gimlet.cpu.conv2d_nchw_winograd: blocked data needs AVX2 and FMA on the CPU";
+  }
+  const int64_t lanes = std::max<int64_t>(block, 1);
   WinogradWork t{Data(data), Data(weight), nullptr, nullptr, Data(out), &epilogue,
-                 data->shape[0], data->shape[1], data->shape[2], data->shape[3], out->shape[1],
-                 out->shape[2], out->shape[3], p.pad_top, p.pad_left};
-  TVM_FFI_ICHECK(weight->shape[1] == t.out_c && weight->shape[2] == t.in_c &&
-                 out->shape[0] == t.batch)
+                 data->shape[0], data->shape[1] * lanes, data->shape[2], data->shape[3],
+                 out->shape[1] * lanes, out->shape[2], out->shape[3], p.pad_top, p.pad_left};
+  t.block = block;
+  t.vector_epilogue = blocked && IsBlockedVectorEpilogue(epilogue, block);
+  const bool weight_fits =
+      blocked ? weight->shape[1] * weight->shape[2] == t.in_c && weight->shape[3] == t.out_c
+              : weight->shape[1] == t.out_c && weight->shape[2] == t.in_c;
+  TVM_FFI_ICHECK(weight_fits && out->shape[0] == t.batch)
       << "gimlet.cpu.conv2d_nchw_winograd: shapes differ";
   if (t.batch * t.out_c * t.out_h * t.out_w == 0) return;
   const bool parallel = t.batch * t.out_c * t.out_h * t.out_w * t.in_c * 9 >= kMinParallelGemm;
