@@ -49,8 +49,10 @@ OpenBLAS-backed CPU library.
      NCHW (an entry or exit conv, groups 1): groups 1 into the direct kernel
      (`R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed, strides, pads,
      dilations))`, the weight packed as above with block B; 1x1 stride-1 convs run as GEMM
-     tiles), depthwise into `R.call_dps_packed("gimlet.cpu.conv2d_nchwc_depthwise",
-     (data, packed, strides, pads, dilations))`;
+     tiles) or, both blocked, where the Winograd algorithms' rule picks one (as for NCHW), into
+     the Winograd kernel, its weight transformed at build time as [alpha^2, I / B, B, O]
+     (`winograd_weight` with the block); depthwise into `R.call_dps_packed(
+     "gimlet.cpu.conv2d_nchwc_depthwise", (data, packed, strides, pads, dilations))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
@@ -208,15 +210,20 @@ _WINOGRAD_G = {
 }
 
 
-def winograd_weight(weight: np.ndarray, tile: int) -> np.ndarray:
+def winograd_weight(weight: np.ndarray, tile: int, block: int = 0) -> np.ndarray:
     """An OIHW 3x3 weight transformed for `gimlet.cpu.conv2d_nchw_winograd` with m x m output
     tiles (`tile` 2 or 4): U = G g G^T per (output, input) channel pair, in float64, as float32
-    [alpha^2, O, I] (alpha = tile + 2)."""
+    [alpha^2, O, I] (alpha = tile + 2); for channel-blocked data (`block` B, not 0), transposed
+    as [alpha^2, I / B, B, O]."""
     if tile not in _WINOGRAD_G or weight.shape[2:] != (3, 3):
         raise CompileError(f"no Winograd transform for tile {tile} and kernel {weight.shape[2:]}")
     g = _WINOGRAD_G[tile]
+    out_c, in_c = weight.shape[:2]
+    if block:
+        u = np.einsum("ak,oikl,bl->abio", g, weight.astype(np.float64), g)
+        return np.ascontiguousarray(u.reshape(-1, in_c // block, block, out_c).astype(np.float32))
     u = np.einsum("ak,oikl,bl->aboi", g, weight.astype(np.float64), g)
-    return np.ascontiguousarray(u.reshape(-1, *weight.shape[:2]).astype(np.float32))
+    return np.ascontiguousarray(u.reshape(-1, out_c, in_c).astype(np.float32))
 
 
 def winograd_override() -> int | None:
@@ -351,16 +358,25 @@ def _winograd(tile: int) -> ConvAlgorithm:
 
     def emit(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> relax.Expr:
         data, weight, params, epilogue = _split_args(call)
-        if isinstance(weight, tvm.ir.GenericConst):
-            transformed = relax.const(winograd_weight(weight.value.numpy(), tile))
-        else:  # a weight kernel selection's checks pass as a parameter: the same transform in float32
-            g = relax.const(_WINOGRAD_G[tile].astype(np.float32))
-            u = bb.emit(relax.op.einsum((g, weight, g), "ak,oikl,bl->aboi"))
-            out_c, in_c = weight.ty.shape[0], weight.ty.shape[1]
-            transformed = bb.emit(relax.op.reshape(u, ((tile + 2) ** 2, out_c, in_c)))
-        return relax.call_dps_packed(WINOGRAD_CONV2D_FUNC, [data, transformed, *params, *epilogue], call.ty_args[0])
+        return winograd_call(bb, data, weight, [*params, *epilogue], call.ty_args[0], tile)
 
     return ConvAlgorithm(f"winograd{tile}", WINOGRAD_CONV2D_FUNC, unavailable, wanted, emit)
+
+
+def winograd_call(bb: relax.BlockBuilder, data: relax.Expr, weight: relax.Expr, args: list[relax.Expr],
+                  out_ty: relax.Type, tile: int, block: int = 0) -> relax.Expr:
+    """The Winograd kernel's call on `data` (NCHW, or NCHW{B}c with `block` B, as `out_ty`) with
+    an OIHW `weight` transformed for F(tile x tile, 3 x 3): by numpy here for a constant, else
+    (a weight kernel selection's checks pass as a parameter; NCHW only) by the same transform
+    in float32; `args`: the 6 conv params and the epilogue."""
+    if isinstance(weight, tvm.ir.GenericConst):
+        transformed = relax.const(winograd_weight(weight.value.numpy(), tile, block))
+    else:
+        g = relax.const(_WINOGRAD_G[tile].astype(np.float32))
+        u = bb.emit(relax.op.einsum((g, weight, g), "ak,oikl,bl->aboi"))
+        out_c, in_c = weight.ty.shape[0], weight.ty.shape[1]
+        transformed = bb.emit(relax.op.reshape(u, ((tile + 2) ** 2, out_c, in_c)))
+    return relax.call_dps_packed(WINOGRAD_CONV2D_FUNC, [data, transformed, *args], out_ty)
 
 
 def packed_conv_weight(bb: relax.BlockBuilder, weight: relax.Expr, block: int) -> relax.Expr:
@@ -777,7 +793,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         """A conv2d with an OIHW weight and NCHW{B}c data or output (what `blocked_layout`
         writes): both blocked, groups 1 or depthwise; NCHW data (an entry conv) or an NCHW
         output (an exit conv), groups 1. On the direct or blocked depthwise kernel, its weight
-        packed into blocks of B output channels."""
+        packed into blocks of B output channels; both blocked and groups 1, on the Winograd
+        kernel where the default rule picks it."""
         data, weight = call.args
         attrs = call.attrs
         blocked_out, blocked_data = _is_float32_tensor(call.ty, 5), _is_float32_tensor(data.ty, 5)
@@ -797,8 +814,29 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             func = BLOCKED_DEPTHWISE_CONV2D_FUNC
             if _static_ints([weight.ty.shape[1]]) != [1]:
                 return None
+        args = [relax.prim_value(p) for p in params]
+        both_blocked = blocked_data and blocked_out
+        tile = self._blocked_winograd_tile(call, params) if both_blocked and groups == 1 else 0
+        if tile:
+            return winograd_call(self.builder_, data, weight, args, call.ty, tile, block)
         packed = packed_conv_weight(self.builder_, weight, block)
-        return relax.call_dps_packed(func, [data, packed, *(relax.prim_value(p) for p in params)], call.ty)
+        return relax.call_dps_packed(func, [data, packed, *args], call.ty)
+
+    def _blocked_winograd_tile(self, call: relax.Call, params: list[int]) -> int:
+        """The Winograd tile (4 or 2) of the conv algorithm the default rule picks for a groups-1
+        conv2d on blocked data and output, 0 where it picks no Winograd (the direct kernel)."""
+        weight_shape, out_hw = _static_ints(call.args[1].ty.shape), _static_ints(list(call.ty.shape)[2:4])
+        if weight_shape is None:
+            return 0
+        shape = ConvShape(weight_shape[0], weight_shape[1], tuple(weight_shape[2:]),
+                          None if out_hw is None else tuple(out_hw), tuple(params), 1,
+                          isinstance(call.args[1], tvm.ir.GenericConst))
+        for tile in (4, 2):
+            algorithm = CONV_ALGORITHMS[f"winograd{tile}"]
+            if (algorithm.unavailable(shape, self.direct_block) is None
+                    and algorithm.wanted(shape, self.direct_block, self.winograd)):
+                return tile
+        return 0
 
     def _conv_kernel(self, call: relax.Call) -> relax.Expr:
         """A `gimlet.cpu.conv2d_nchw` call (with its epilogue) on the algorithm the default rule

@@ -25,7 +25,8 @@ from gimlet_tvm.errors import CompileError
 from gimlet_tvm.frontend import import_model
 from gimlet_tvm.relax_passes.blocked_layout import BLOCKED_LAYOUT_ENV, FROM_BLOCKED_FUNC, TO_BLOCKED_FUNC
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
-    BLOCKED_DEPTHWISE_CONV2D_FUNC, DIRECT_CONV2D_FUNC, IM2COL_CONV2D_FUNC, direct_conv_block, pack_conv_weight)
+    BLOCKED_DEPTHWISE_CONV2D_FUNC, DIRECT_CONV2D_FUNC, IM2COL_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC,
+    WINOGRAD_ENV, direct_conv_block, pack_conv_weight)
 from gimlet_tvm.relax_passes.library_dispatch import layout_passes, library_passes
 from gimlet_tvm.runtime.extensions import load_extensions
 from gimlet_tvm.schedules.kernel_selection.choices import KernelSelection, OpChoice, Tried
@@ -175,11 +176,15 @@ def block_net(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
     return onnx_model(nodes, [("x", ["N", c, 15, 15])], ("y", ["N", c2]), weights)
 
 
+def lowered(model: onnx.ModelProto) -> tvm.IRModule:
+    """The model after the graph and library passes."""
+    mod, _ = import_model(model)
+    return tvm.transform.Sequential([*graph_passes(), *layout_passes(host_spec()), *library_passes(host_spec())])(mod)
+
+
 def dispatched(model: onnx.ModelProto) -> str:
     """The model's main function after the graph and library passes, as TVMScript."""
-    mod, _ = import_model(model)
-    mod = tvm.transform.Sequential([*graph_passes(), *layout_passes(host_spec()), *library_passes(host_spec())])(mod)
-    return mod["main"].script()
+    return lowered(model)["main"].script()
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -201,6 +206,37 @@ def test_conversions_only_at_the_edges(block, monkeypatch) -> None:
             assert 'R.layout_transform(metadata["ir.GenericConst"]' in line, line
     # Bias, residual and clip went into the kernels' epilogues.
     assert "R.add(" not in script and "R.minimum(" not in script and "R.nn.relu(" not in script
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("tile", ["2", "4"])
+def test_winograd_convs_run_blocked(block, tile, monkeypatch) -> None:
+    """With Winograd for every 3x3 stride-1 conv, `block_net`'s first conv runs it on the
+    blocked data (the network's one conversion before it), its weight transformed as
+    [alpha^2, C / B, B, O], its bias and ReLU in its epilogue; the model computes what
+    onnxruntime does."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
+    monkeypatch.setenv(WINOGRAD_ENV, tile)
+    model = block_net()
+    main = lowered(model)["main"]
+    script = main.script()
+    assert script.count(f'"{TO_BLOCKED_FUNC}"') == 1 and script.count(f'"{FROM_BLOCKED_FUNC}"') == 0
+    exprs = []
+    tvm.relax.analysis.post_order_visit(main.body, exprs.append)
+    winograd = [e for e in exprs if isinstance(e, tvm.relax.Call) and e.args
+                and getattr(e.args[0], "global_symbol", None) == WINOGRAD_CONV2D_FUNC]
+    assert len(winograd) == 1
+    data, weight = winograd[0].args[1].fields[:2]
+    assert data.ty.ndim == 5 and winograd[0].ty_args[0].ndim == 5
+    assert tuple(weight.value.shape) == ((int(tile) + 2) ** 2, 16 // block, block, 16)
+    assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == 2
+    assert "R.add(" not in script and "R.nn.relu(" not in script
+    inputs = {"x": rand(2, 16, 15, 15, seed=8)}
+    ours = gimlet_tvm.build(model, "llvm")(*inputs.values())
+    reference = onnxruntime.InferenceSession(model.SerializeToString(),
+                                             providers=["CPUExecutionProvider"]).run(None, inputs)
+    np.testing.assert_allclose(np.asarray(ours[0]), reference[0], rtol=1e-4,
+                               atol=1e-4 * np.abs(reference[0]).max())
 
 
 def test_channels_off_the_block_stay_nchw(monkeypatch) -> None:

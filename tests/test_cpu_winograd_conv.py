@@ -1,5 +1,6 @@
 """The CPU library's Winograd conv2d (`gimlet.cpu.conv2d_nchw_winograd`, F(2x2, 3x3) and
-F(4x4, 3x3)) against numpy and onnxruntime, and the dispatch rule that picks it.
+F(4x4, 3x3), on NCHW and on channel-blocked NCHW{B}c data) against numpy and onnxruntime, and
+the dispatch rule that picks it.
 
 Tolerance: Winograd adds rounding in the transforms, more with larger tiles (F(4x4)'s B^T and
 A^T hold 4, 5 and 8, its G 1/6 and 1/24). With standard-normal data and weights the largest
@@ -11,6 +12,8 @@ error as the others).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -25,10 +28,11 @@ from gimlet_tvm.relax_passes.dispatch_cpu_library import (
     DispatchCPULibrary, winograd_override, winograd_tile_for, winograd_weight)
 from gimlet_tvm.runtime.extensions import load_extensions
 
+from .test_cpu_blocked_conv import to_blocked
 from .test_cpu_direct_conv import reference_conv
 from .test_cpu_library import onnx_model, packed_calls, rand, run_both
 
-ADD_VECTOR, ADD_TENSOR, RELU, CLIP = 0, 1, 2, 3
+ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU, ADD_BLOCKED_VECTOR = 0, 1, 2, 3, 4, 5
 TILES = [2, 4]
 TOLERANCE = {2: 2e-6, 4: 4e-5}
 
@@ -85,6 +89,52 @@ def test_winograd_conv2d_epilogues(tile) -> None:
         assert_close(winograd(x, weight, tile, (1, 1), (size, size), steps), expected, tile, conv)
 
 
+def blocked_winograd(x: np.ndarray, weight: np.ndarray, tile: int, block: int, pads: tuple,
+                     out_hw: tuple, epilogue: tuple = ()) -> np.ndarray:
+    """The library's Winograd conv2d on NCHW{block}c data (`x` NCHW, blocked here), its
+    output back in NCHW."""
+    n, out_c = x.shape[0], weight.shape[0]
+    y = tvm.runtime.tensor(np.full((n, out_c // block, *out_hw, block), np.nan, np.float32))
+    tvm.get_global_func(WINOGRAD_CONV2D_FUNC)(
+        tvm.runtime.tensor(to_blocked(x, block)), tvm.runtime.tensor(winograd_weight(weight, tile, block)),
+        1, 1, *pads, 1, 1, *epilogue, y)
+    blocked = y.numpy()
+    return blocked.transpose(0, 1, 4, 2, 3).reshape(n, out_c, *out_hw)
+
+
+@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize(
+    "batch, in_c, size, out_c, pads, out_hw",
+    [
+        (1, 16, (7, 7), 32, (1, 1), (7, 7)),  # a whole tile and a cut one per row and column
+        (2, 32, (9, 14), 16, (1, 1), (9, 14)),  # batch 2, fewer output than input channels
+        (1, 16, (14, 9), 48, (0, 0), (12, 7)),  # no padding
+        (1, 48, (17, 17), 32, (1, 0), (16, 15)),  # top and left padding only
+        (2, 16, (6, 9), 16, (0, 1), (4, 9)),  # left and right padding, one tile row (F(4x4))
+    ],
+)
+def test_blocked_winograd_conv2d_against_numpy(block, tile, batch, in_c, size, out_c, pads, out_hw) -> None:
+    """On NCHW{B}c data and output, with a blocked bias + ReLU, a residual + clip (both taken
+    on vectors) and GELU (taken on the unit's rows afterwards)."""
+    load_extensions()
+    x, weight = rand(batch, in_c, *size, seed=11), rand(out_c, in_c, 3, 3, seed=12)
+    bias, residual = rand(out_c, seed=13), rand(batch, out_c, *out_hw, seed=14)
+    conv = reference_conv(x, weight, (1, 1), pads, (1, 1), out_hw)
+    gelu = np.vectorize(lambda v: 0.5 * v * (1 + math.erf(v / math.sqrt(2))))
+    cases = [
+        ((), conv),
+        ((ADD_BLOCKED_VECTOR, tvm.runtime.tensor(bias), math.prod(out_hw) * block, block, RELU),
+         np.maximum(conv + bias[:, None, None], 0)),
+        ((ADD_TENSOR, tvm.runtime.tensor(to_blocked(residual, block)), CLIP, -0.5, 2.0),
+         np.clip(conv + residual, -0.5, 2.0)),
+        ((GELU,), gelu(conv.astype(np.float64)).astype(np.float32)),
+    ]
+    for steps, expected in cases:
+        actual = blocked_winograd(x, weight, tile, block, pads, out_hw, steps)
+        assert_close(actual, expected, tile, conv)
+
+
 def test_winograd_conv2d_rejects_bad_input() -> None:
     load_extensions()
     x, weight = tvm.runtime.tensor(rand(1, 2, 6, 6)), rand(3, 2, 3, 3)
@@ -98,6 +148,17 @@ def test_winograd_conv2d_rejects_bad_input() -> None:
         func(x, tvm.runtime.tensor(winograd_weight(rand(3, 4, 3, 3), 2)), 1, 1, 1, 1, 1, 1, y)
     with pytest.raises(CompileError, match="no Winograd transform for tile 3"):
         winograd_weight(weight, 3)
+    blocked = tvm.runtime.tensor(rand(1, 1, 6, 6, 16))
+    blocked_out = tvm.runtime.tensor(np.zeros((1, 2, 6, 6, 8), np.float32))
+    blocked_weight = tvm.runtime.tensor(winograd_weight(rand(16, 16, 3, 3), 2, 16))
+    with pytest.raises(Exception, match="must be 4-D, 4-D and 3-D .NCHW. or 5-D, 5-D and 4-D"):
+        func(blocked, tvm.runtime.tensor(winograd_weight(rand(16, 16, 3, 3), 2)), 1, 1, 1, 1, 1, 1,
+             tvm.runtime.tensor(np.zeros((1, 1, 6, 6, 16), np.float32)))
+    with pytest.raises(Exception, match="one block of 8 or 16 channels, not 16 and 8"):
+        func(blocked, blocked_weight, 1, 1, 1, 1, 1, 1, blocked_out)
+    with pytest.raises(Exception, match="shapes differ"):
+        func(blocked, tvm.runtime.tensor(winograd_weight(rand(32, 16, 3, 3), 2, 16)), 1, 1, 1, 1,
+             1, 1, tvm.runtime.tensor(np.zeros((1, 1, 6, 6, 16), np.float32)))
 
 
 def _conv_model(in_c: int, out_c: int, size: int, stride: int = 1, dilation: int = 1, groups: int = 1):
