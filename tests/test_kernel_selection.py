@@ -835,28 +835,28 @@ def test_convs_the_library_runs_on_its_own_kernels_are_op_groups():
         CONV2D_FUNC, DIRECT_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC, direct_conv_block)
 
     rng = np.random.default_rng(5)
-    # 36 output channels: no multiple of a block, so the blocked layout leaves the second conv
-    # on NCHW (the first runs Winograd, also NCHW), where it is an op group.
-    weights = {"w1": (64, 64, 3, 3), "b1": (64,), "w2": (36, 64, 3, 3)}
+    # 68 and 36 channels: no multiples of a block, so the blocked layout leaves both convs on
+    # NCHW (the first runs Winograd, the second the direct kernel), where they are op groups.
+    weights = {"w1": (68, 68, 3, 3), "b1": (68,), "w2": (36, 68, 3, 3)}
     inits = [onnx.numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.05, n)
              for n, s in weights.items()]
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c1"], ["r1"]),
              helper.make_node("Conv", ["r1", "w2"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])]
-    graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 28, 28])],
+    graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 68, 28, 28])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 36, 14, 14])], inits)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     _, target = resolve_target("llvm")
     mod, _ = import_model(proto, {})
     sigs = list(op_signatures(mod, target))
-    assert [sig.key.split(" * ")[0] for sig in sigs] == ["conv2d float32 1x64x28x28", "conv2d float32 1x64x28x28"]
+    assert [sig.key.split(" * ")[0] for sig in sigs] == ["conv2d float32 1x68x28x28", "conv2d float32 1x68x28x28"]
     block = direct_conv_block()
     expected = [WINOGRAD_CONV2D_FUNC, DIRECT_CONV2D_FUNC] if block else [CONV2D_FUNC, CONV2D_FUNC]
     assert [default_algorithm(sig).func if block else CONV2D_FUNC for sig in sigs] == expected
     library, rewritten = rewrite_ops(mod, lambda sig: find("library:openblas", sig, target), target)
     assert rewritten == 2 and library.script().count(CONV2D_FUNC) == 2
     model = gimlet_tvm.build(proto, "llvm")
-    x = {"x": rng.standard_normal((1, 64, 28, 28)).astype(np.float32)}
+    x = {"x": rng.standard_normal((1, 68, 28, 28)).astype(np.float32)}
     ok, diff = check_against_onnxruntime(proto, model, x, tolerance=1e-4)
     assert ok, diff
 
