@@ -176,6 +176,15 @@ def block_net(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
     return onnx_model(nodes, [("x", ["N", c, 15, 15])], ("y", ["N", c2]), weights)
 
 
+def assert_matches_onnxruntime(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> None:
+    """The model built for this CPU computes what onnxruntime does."""
+    ours = gimlet_tvm.build(model, "llvm")(*inputs.values())
+    reference = onnxruntime.InferenceSession(model.SerializeToString(),
+                                             providers=["CPUExecutionProvider"]).run(None, inputs)
+    for got, expected in zip(ours, reference):
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
 def lowered(model: onnx.ModelProto) -> tvm.IRModule:
     """The model after the graph and library passes."""
     mod, _ = import_model(model)
@@ -232,11 +241,7 @@ def test_winograd_convs_run_blocked(block, tile, monkeypatch) -> None:
     assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == 2
     assert "R.add(" not in script and "R.nn.relu(" not in script
     inputs = {"x": rand(2, 16, 15, 15, seed=8)}
-    ours = gimlet_tvm.build(model, "llvm")(*inputs.values())
-    reference = onnxruntime.InferenceSession(model.SerializeToString(),
-                                             providers=["CPUExecutionProvider"]).run(None, inputs)
-    np.testing.assert_allclose(np.asarray(ours[0]), reference[0], rtol=1e-4,
-                               atol=1e-4 * np.abs(reference[0]).max())
+    assert_matches_onnxruntime(model, inputs)
 
 
 def test_channels_off_the_block_stay_nchw(monkeypatch) -> None:
@@ -286,11 +291,7 @@ def test_exit_conv_ends_the_region_without_a_conversion(block, monkeypatch) -> N
     assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == 2
     assert "R.add(" not in script and "R.nn.relu(" not in script
     inputs = {"x": rand(2, 16, 9, 11, seed=7)}
-    ours = gimlet_tvm.build(model, "llvm")(*inputs.values())
-    reference = onnxruntime.InferenceSession(model.SerializeToString(),
-                                             providers=["CPUExecutionProvider"]).run(None, inputs)
-    np.testing.assert_allclose(np.asarray(ours[0]), reference[0], rtol=1e-4,
-                               atol=1e-4 * np.abs(reference[0]).max())
+    assert_matches_onnxruntime(model, inputs)
 
 
 def test_default_rule_converts_networks_with_convertible_convs(monkeypatch) -> None:
@@ -319,12 +320,7 @@ def test_blocked_models_against_onnxruntime(name, setting, monkeypatch) -> None:
         model, inputs = block_net(channels), {"x": rand(3, channels, 15, 15, seed=5)}
     else:
         model, inputs = models.SUITE[name].build(), models.SUITE[name].example_inputs(batch=3)
-    compiled = gimlet_tvm.build(model, "llvm")
-    ours = compiled(*inputs.values())
-    reference = onnxruntime.InferenceSession(model.SerializeToString(),
-                                             providers=["CPUExecutionProvider"]).run(None, inputs)
-    for got, expected in zip(ours, reference):
-        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    assert_matches_onnxruntime(model, inputs)
 
 
 def test_kernel_selection_leaves_blocked_convs_on_their_kernels(tmp_path, monkeypatch) -> None:

@@ -2490,32 +2490,32 @@ __attribute__((always_inline)) inline void BlockedWinogradUnits(const WinogradWo
   }
 }
 
+/*! \brief BlockedWinogradUnits for tiles of `m` x `m` outputs. */
+template <int L>
+__attribute__((always_inline)) inline void BlockedWinogradUnitsOf(const WinogradWork& t, int m,
+                                                                  bool input, int64_t begin,
+                                                                  int64_t end) {
+  if (m == 2) {
+    BlockedWinogradUnits<2, L>(t, input, begin, end);
+  } else {
+    BlockedWinogradUnits<4, L>(t, input, begin, end);
+  }
+}
+
 GIMLET_TARGET("avx2,fma")
 void BlockedWinogradUnitsAvx2x8(const WinogradWork& t, int m, bool input, int64_t begin,
                                 int64_t end) {
-  if (m == 2) {
-    BlockedWinogradUnits<2, 8>(t, input, begin, end);
-  } else {
-    BlockedWinogradUnits<4, 8>(t, input, begin, end);
-  }
+  BlockedWinogradUnitsOf<8>(t, m, input, begin, end);
 }
 GIMLET_TARGET("avx2,fma")
 void BlockedWinogradUnitsAvx2x16(const WinogradWork& t, int m, bool input, int64_t begin,
                                  int64_t end) {
-  if (m == 2) {
-    BlockedWinogradUnits<2, 16>(t, input, begin, end);
-  } else {
-    BlockedWinogradUnits<4, 16>(t, input, begin, end);
-  }
+  BlockedWinogradUnitsOf<16>(t, m, input, begin, end);
 }
 GIMLET_TARGET("avx512f,avx2,fma")
 void BlockedWinogradUnitsAvx512(const WinogradWork& t, int m, bool input, int64_t begin,
                                 int64_t end) {
-  if (m == 2) {
-    BlockedWinogradUnits<2, 16>(t, input, begin, end);
-  } else {
-    BlockedWinogradUnits<4, 16>(t, input, begin, end);
-  }
+  BlockedWinogradUnitsOf<16>(t, m, input, begin, end);
 }
 
 /*! \brief The blocked transform's units of one task: (image, tile row) each. */
