@@ -371,6 +371,8 @@ def winograd_call(bb: relax.BlockBuilder, data: relax.Expr, weight: relax.Expr, 
     in float32; `args`: the 6 conv params and the epilogue."""
     if isinstance(weight, tvm.ir.GenericConst):
         transformed = relax.const(winograd_weight(weight.value.numpy(), tile, block))
+    elif block:
+        raise CompileError("the Winograd kernel on blocked data needs a constant weight")
     else:
         g = relax.const(_WINOGRAD_G[tile].astype(np.float32))
         u = bb.emit(relax.op.einsum((g, weight, g), "ak,oikl,bl->aboi"))
