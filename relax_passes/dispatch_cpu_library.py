@@ -8,9 +8,9 @@ OpenBLAS-backed CPU library.
      into `R.call_dps_packed("gimlet.cpu.matmul", (a, b_or_w, transpose_b))`, for float32
      operands of rank >= 2 with any (also symbolic) batch axes that broadcast; a one-row `a`
      (a classifier at batch 1) by a constant 2-D `b` gets `b` transposed here, at build time,
-     so the library runs N dot products, each of B's rows read once in
-     order, instead of OpenBLAS's GEMV over [K, N] (faster on classifiers' weights:
-     benchmarks/README.md, "NCHW tiles transposed, ...");
+     so the library runs N dot products, each of B's rows read once in order, instead of
+     OpenBLAS's GEMV over [K, N] (faster on classifiers' weights: benchmarks/README.md, "NCHW
+     tiles transposed, ...");
    - `R.nn.conv2d` with NCHW data, OIHW weights and NCHW output into
      `R.call_dps_packed("gimlet.cpu.conv2d_nchw", (data, weight, strides, pads, dilations,
      groups))`, for float32 and any `groups` except depthwise (with `grouping`, kernel

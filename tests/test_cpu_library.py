@@ -151,9 +151,9 @@ def test_one_row_by_a_constant_weight_streams_its_rows(trans_b: int) -> None:
     for rows in (1, 2):
         model = onnx_model(nodes, [("x", [rows, k])], ("y", [rows, n]), {"w": weight, "b": rand(n, seed=9)})
         dispatched = DispatchCPULibrary()(from_onnx(model, keep_params_in_input=False))
-        matmuls = []
-        relax.analysis.post_order_visit(
-            dispatched["main"].body, lambda e: matmuls.append(library_matmul(e)) if library_matmul(e) else None)
+        exprs = []
+        relax.analysis.post_order_visit(dispatched["main"].body, exprs.append)
+        matmuls = [parts for parts in map(library_matmul, exprs) if parts is not None]
         assert [transpose for _, _, transpose, _ in matmuls] == [rows == 1 or trans_b == 1]
         ours, reference = run_both(model, {"x": rand(rows, k, seed=rows)})
         np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)

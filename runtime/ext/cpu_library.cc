@@ -2581,15 +2581,10 @@ void RunWinograd(WinogradWork& t, bool parallel) {
   t.v = Scratch(v, kPoints * t.in_c * t.Tiles());
   // The output transform reads whole vectors: up to kLanes - 1 floats past the last tile.
   t.m = Scratch(m, kPoints * t.out_c * t.Tiles() + kLanes);
-  if (t.block != 0) {
-    Launch(RunBlockedWinogradUnits<M, true>, &t, parallel);
-    Launch(RunWinogradGemms<M>, &t, parallel);
-    Launch(RunBlockedWinogradUnits<M, false>, &t, parallel);
-    return;
-  }
-  Launch(RunWinogradInput<M>, &t, parallel);
+  const bool blocked = t.block != 0;
+  Launch(blocked ? RunBlockedWinogradUnits<M, true> : RunWinogradInput<M>, &t, parallel);
   Launch(RunWinogradGemms<M>, &t, parallel);
-  Launch(RunWinogradOutput<M>, &t, parallel);
+  Launch(blocked ? RunBlockedWinogradUnits<M, false> : RunWinogradOutput<M>, &t, parallel);
 }
 
 /*!
