@@ -123,6 +123,10 @@ def test_blocked_direct_conv2d_against_numpy(block, blocked_in, batch, in_c, siz
         (1, 16, (12, 14), (3, 3), (2, 1), (1, 1), (1, 1)),
         (1, 16, (13, 13), (3, 3), (1, 3), (1, 1), (1, 1)),
         (1, 16, (12, 12), (3, 3), (1, 2), (2, 1), (2, 1)),  # rows dilated, columns not
+        # one image on two threads, large planes: one band of rows per thread through all
+        # blocks (41 rows: bands of 21 and 20; a thread's share ends inside the first band)
+        (1, 48, (41, 30), (3, 3), (1, 1), (1, 1), (1, 1)),
+        (1, 48, (81, 60), (3, 3), (2, 2), (1, 1), (1, 1)),
     ],
 )
 def test_blocked_depthwise_against_numpy(block, batch, channels, size, kernel, stride, pads,

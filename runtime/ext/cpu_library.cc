@@ -1977,7 +1977,8 @@ void DepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p, in
 // multiply-add with the tap's B weights, whatever the stride and dilation; a register tile is
 // kDepthwiseTile consecutive output pixels of a row, the taps' weights in registers.
 
-/*! \brief One blocked depthwise call: units of one output row of one channel block. */
+/*! \brief One blocked depthwise call: units of one output row of one channel block, in the
+ * order (image, band, block, row in the band), the tasks taking equal runs of them. */
 struct BlockedDepthwiseWork {
   const float* x;  // [N, C / B, H, W, B]
   const float* w;  // [C / B, KH, KW, B]
@@ -1989,6 +1990,60 @@ struct BlockedDepthwiseWork {
   int64_t block;         // B
   bool vector_epilogue;  // IsBlockedVectorEpilogue
   int64_t num_units;     // N * C / B * OH
+  int64_t bands;         // bands of output rows per image (DepthwiseBands)
+};
+
+// An image the threads share (batch 1 on 2 threads) is cut into one band of output rows per
+// thread, each band through every channel block, where a band's rows of one block hold at
+// least this many bytes. The direct conv before and after a depthwise conv splits such an
+// image by rows too, so each thread reads the rows its own core wrote; split by channel blocks,
+// half of every block came from the other core. MobileNetV2 ran in 0.97 of its time (one
+// process, alternating; its depthwise convs on 112x112 and 56x56 inputs 0.69-0.94 of their
+// time, the 1x1 convs after them 0.77-0.95). Bands of shorter runs (its 14x14 and 7x7 planes,
+// 2-6 KiB a block) ran 1.2-1.6x slower: each block's band is a short sequential run where the
+// block split reads one long one.
+constexpr int64_t kDepthwiseBandBytes = 16 << 10;
+
+/*! \brief Row bands per image for `num_tasks` tasks (see kDepthwiseBandBytes), else 1. */
+int64_t DepthwiseBands(const BlockedDepthwiseWork& t, int64_t batch, int64_t num_tasks) {
+  const int64_t band_bytes = t.out_h / num_tasks * t.out_w * t.block * int64_t{sizeof(float)};
+  return batch < num_tasks && band_bytes >= kDepthwiseBandBytes ? num_tasks : 1;
+}
+
+/*! \brief A walk over units in BlockedDepthwiseWork's order from a given one, without a
+ * division per unit (a 7x7 plane's unit is a few hundred multiply-adds). */
+class DepthwiseUnitWalk {
+ public:
+  DepthwiseUnitWalk(const BlockedDepthwiseWork& t, int64_t unit)
+      : t_(t), band_rows_((t.out_h + t.bands - 1) / t.bands) {
+    const int64_t image_units = t.blocks * t.out_h, r = unit % image_units;
+    image_ = unit / image_units;
+    band_ = r / (t.blocks * band_rows_);
+    rows_ = std::min(band_rows_, t.out_h - band_ * band_rows_);
+    const int64_t k = r - band_ * t.blocks * band_rows_;
+    block_ = k / rows_;
+    row_ = k % rows_;
+  }
+
+  int64_t plane() const { return image_ * t_.blocks + block_; }  // image * blocks + block
+  int64_t output_row() const { return band_ * band_rows_ + row_; }
+
+  void Next() {
+    if (++row_ < rows_) return;
+    row_ = 0;
+    if (++block_ < t_.blocks) return;
+    block_ = 0;
+    if (++band_ == t_.bands) {
+      band_ = 0;
+      ++image_;
+    }
+    rows_ = std::min(band_rows_, t_.out_h - band_ * band_rows_);
+  }
+
+ private:
+  const BlockedDepthwiseWork& t_;
+  const int64_t band_rows_;
+  int64_t image_, band_, block_, row_, rows_;  // rows_: the current band's
 };
 
 constexpr int kDepthwiseTile = 8;
@@ -2034,7 +2089,7 @@ __attribute__((always_inline)) inline void BlockedDepthwiseTile(
   }
 }
 
-/*! \brief Units [begin, end) (unit = plane * OH + output row) with K x K taps (K 0: any) at
+/*! \brief Units [begin, end) (see BlockedDepthwiseWork) with K x K taps (K 0: any) at
  * column stride S with dilation 1 (S 0: any stride and dilation): tiles of kDepthwiseTile pixels
  * whose taps are all inside the input, pixel by pixel (bounds checked) at the padded borders;
  * no padded copy of the data. */
@@ -2045,8 +2100,9 @@ __attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDep
   constexpr int kMaxRows = 16;  // taps rows (BlockedDepthwiseConv2D checks)
   const Conv2DParams& p = t.p;
   const int64_t reach = (t.kernel_w - 1) * p.dilation_w;  // of a pixel's taps, in columns
-  for (int64_t unit = begin; unit < end; ++unit) {
-    const int64_t oy = unit % t.out_h, plane = unit / t.out_h;  // plane: image * blocks + block
+  DepthwiseUnitWalk walk(t, begin);
+  for (int64_t unit = begin; unit < end; ++unit, walk.Next()) {
+    const int64_t oy = walk.output_row(), plane = walk.plane();
     const float* x_plane = t.x + plane * t.height * t.width * L;
     const float* w = t.w + plane % t.blocks * t.kernel_h * t.kernel_w * L;
     float* y = t.y + (plane * t.out_h + oy) * t.out_w * L;
@@ -2115,7 +2171,8 @@ void BlockedDepthwiseUnitsAvx512(const BlockedDepthwiseWork& t, int64_t begin, i
 }
 
 int RunBlockedDepthwiseUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
-  const auto& t = *static_cast<const BlockedDepthwiseWork*>(cdata);
+  BlockedDepthwiseWork t = *static_cast<const BlockedDepthwiseWork*>(cdata);
+  t.bands = DepthwiseBands(t, t.num_units / (t.blocks * t.out_h), penv->num_task);
   const auto [begin, end] = TaskRange(task_id, penv, t.num_units);
   if (t.block == 8) {
     BlockedDepthwiseUnitsAvx2x8(t, begin, end);
@@ -2152,7 +2209,7 @@ void BlockedDepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams
   TVM_FFI_ICHECK(weight->shape[2] <= 16) << name << ": kernels of at most 16 rows";
   BlockedDepthwiseWork t{Data(data), Data(weight), Data(out), &epilogue, blocks, data->shape[2],
                          data->shape[3], weight->shape[2], weight->shape[3], out->shape[2],
-                         out->shape[3], p, block, IsBlockedVectorEpilogue(epilogue, block)};
+                         out->shape[3], p, block, IsBlockedVectorEpilogue(epilogue, block), 0, 1};
   if (batch == 0 || blocks == 0 || t.out_h * t.out_w == 0) return;
   t.num_units = batch * blocks * t.out_h;
   const int64_t work = t.num_units * t.out_w * block * t.kernel_h * t.kernel_w;
