@@ -27,6 +27,7 @@ from .frontend import InputShapes, ModelLike, import_model, load_model
 from .logs import TVMLog, quiet_tvm_logs
 from .op_timing import OpTimer, RecordedTimes
 from .relax_passes.checked_indexing import CheckedIndexing
+from .relax_passes.fold_constants import FoldConstantsWithNumpy
 from .relax_passes.fresh_outputs import RecordFreshOutputs
 from .relax_passes.graph_fusion import graph_fusion_passes
 from .relax_passes.kernel_targets import AssignKernelTargets, PerTarget
@@ -63,6 +64,7 @@ def canonicalize_passes() -> list[tvm.transform.Pass]:
         NaNSafeComparisons(),
         relax.transform.FoldBatchnormToConv2D(),
         relax.transform.DecomposeOpsForInference(),
+        FoldConstantsWithNumpy(),
         relax.transform.FoldConstant(),
         relax.transform.EliminateCommonSubexpr(),
         relax.transform.DeadCodeElimination(),
@@ -92,6 +94,7 @@ def kernel_passes(
         *[p for spec, _ in devices for p in layout_passes(spec)],
         *([selection] if selection is not None else []),
         *[p for spec, _ in devices for p in library_passes(spec)],
+        FoldConstantsWithNumpy(),
         relax.backend.DispatchSortScan(),
         *([CheckedIndexing()] if checked_indices and index_checks() else []),
         relax.transform.LegalizeOps(),
