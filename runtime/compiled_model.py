@@ -14,7 +14,7 @@ import tvm_ffi
 from tvm.runtime.vm import VirtualMachine
 
 from .. import __version__
-from ..carriers import carrier, from_carrier
+from ..carriers import CARRIERS, carrier, from_carrier
 from ..errors import ArtifactError, GimletError, RunError, TargetUnavailableError, summary
 from ..io_spec import IOSpec, TensorSpec
 from ..resources import Need, require
@@ -23,7 +23,7 @@ from .index_checks import input_error
 from .libraries import target_runtimes
 from .placement_report import PlacementReport
 from .remote import RemoteDevice, RemoteModel
-from .tensors import device_tensors, random_inputs, to_numpy
+from .tensors import device_tensors, numpy_converter, random_inputs
 from .timing import BenchmarkResult
 
 WEIGHTS_FUNCTION = "gimlet_weights"
@@ -56,6 +56,13 @@ class Profile:
                            for name, b in self.planned_memory.items())
         lines.append(f"time per device: {per_device}; planned memory per device: {memory}")
         return "\n".join(lines)
+
+
+def _with_dtype(convert: Callable[[Any], np.ndarray], dtype: str) -> Callable[[Any], np.ndarray]:
+    """`convert`, then the carrier array viewed as `dtype` where it has a carrier."""
+    if dtype not in CARRIERS:
+        return convert
+    return lambda value: from_carrier(convert(value), dtype)
 
 
 class CompiledModel:
@@ -97,6 +104,9 @@ class CompiledModel:
         self._vm: VirtualMachine | None = None
         self._main: tvm_ffi.Function | None = None
         self._weights: list[Any] = []
+        # From the first call's result (see _outputs): whether the call returns a tuple, and
+        # each output's conversion to numpy.
+        self._output_plan: tuple[bool, tuple[Callable[[Any], np.ndarray], ...]] | None = None
 
     def _machine(self) -> VirtualMachine:
         """A VM over the model's devices (and its weights copied to them once): created on
@@ -149,11 +159,7 @@ class CompiledModel:
         entry = self._entry()
         tensors = device_tensors(arrays, self.device, self._unaligned)
         try:
-            result = entry(*tensors, *self._weights)
-            flat = list(result) if isinstance(result, (tvm_ffi.Array, list, tuple)) else [result]
-            fresh = self._fresh if len(self._fresh) == len(flat) else (False,) * len(flat)
-            return [from_carrier(to_numpy(value, owned), spec.dtype)
-                    for value, spec, owned in zip(flat, self.outputs, fresh)]
+            return self._outputs(entry(*tensors, *self._weights))
         except GimletError:
             raise
         except Exception as err:  # TVM's runtime raises its checks' failures as many types
@@ -164,6 +170,18 @@ class CompiledModel:
             if error is not None:
                 raise error from None
             raise RunError(f"running the model failed: {summary(err)}") from err
+
+    def _outputs(self, result: Any) -> list[np.ndarray]:
+        """The call's result as numpy arrays, converted as the first call's result was."""
+        if self._output_plan is None:
+            is_tuple = isinstance(result, (tvm_ffi.Array, list, tuple))
+            flat = list(result) if is_tuple else [result]
+            fresh = self._fresh if len(self._fresh) == len(flat) else (False,) * len(flat)
+            self._output_plan = (is_tuple, tuple(
+                _with_dtype(numpy_converter(value, owned), spec.dtype)
+                for value, spec, owned in zip(flat, self.outputs, fresh)))
+        is_tuple, converters = self._output_plan
+        return [convert(value) for convert, value in zip(converters, result if is_tuple else (result,))]
 
     def benchmark(
         self,
