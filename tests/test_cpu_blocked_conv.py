@@ -127,6 +127,9 @@ def test_blocked_direct_conv2d_against_numpy(block, blocked_in, batch, in_c, siz
         # blocks (41 rows: bands of 21 and 20; a thread's share ends inside the first band)
         (1, 48, (41, 30), (3, 3), (1, 1), (1, 1), (1, 1)),
         (1, 48, (81, 60), (3, 3), (2, 2), (1, 1), (1, 1)),
+        # two images, 5 wide rows: banded only on more threads than images (4 threads: 3 bands
+        # of 2, 2 and 1 rows; TVM's pool here has the machine's 2 cores, so not in this run)
+        (2, 16, (5, 600), (3, 3), (1, 1), (1, 1), (1, 1)),
     ],
 )
 def test_blocked_depthwise_against_numpy(block, batch, channels, size, kernel, stride, pads,

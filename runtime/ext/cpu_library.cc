@@ -2004,10 +2004,13 @@ struct BlockedDepthwiseWork {
 // block split reads one long one.
 constexpr int64_t kDepthwiseBandBytes = 16 << 10;
 
-/*! \brief Row bands per image for `num_tasks` tasks (see kDepthwiseBandBytes), else 1. */
+/*! \brief Row bands per image for `num_tasks` tasks (see kDepthwiseBandBytes), else 1: up to
+ * one per task, each of ceil(OH / tasks) rows but the last, none empty (5 rows on 4 tasks: 3
+ * bands of 2, 2 and 1 rows). */
 int64_t DepthwiseBands(const BlockedDepthwiseWork& t, int64_t batch, int64_t num_tasks) {
   const int64_t band_bytes = t.out_h / num_tasks * t.out_w * t.block * int64_t{sizeof(float)};
-  return batch < num_tasks && band_bytes >= kDepthwiseBandBytes ? num_tasks : 1;
+  if (batch >= num_tasks || band_bytes < kDepthwiseBandBytes) return 1;
+  return CeilDiv(t.out_h, CeilDiv(t.out_h, num_tasks));
 }
 
 /*! \brief A walk over units in BlockedDepthwiseWork's order from a given one, without a
