@@ -6,12 +6,12 @@
    `LegalizeOps` turns those ops into `call_tir`s only FoldConstant can evaluate).
 2. FoldConstant evaluates each foldable op by building a TIR function for it with LLVM, about
    12 ms each and more around it: the suite's resnet18_like (batch norms) had 174 of them and
-   built in 6.4 s, 1.2 s with them folded here (benchmarks/README.md, "Constants folded with
-   numpy"). Here an op whose tensor operands are all constants (bound ones included)
-   and whose kind is in `HOST_FOLDS` becomes the constant numpy computes. The ops kept are
-   those numpy computes bit for bit as the compiled kernel does: IEEE-rounded float
-   arithmetic (+, -, *, /, sqrt, min, max, negation) and data movement (reshape,
-   transposes, layout transforms with padding).
+   built in 6.4 s, 1.2 s with them folded here (benchmarks/README.md, "Depthwise convs in row
+   bands, constants folded with numpy"). Here an op whose tensor operands are all constants
+   (bound ones included) and whose kind is in `HOST_FOLDS` becomes the constant numpy
+   computes. The ops kept are those numpy computes bit for bit as the compiled kernel does:
+   IEEE-rounded float arithmetic (+, -, *, /, sqrt, min, max, negation) and data movement
+   (reshape, transposes, layout transforms with padding).
 3. It does not handle: ops with inexact results (exp, rsqrt, ...), integer division,
    symbolic shapes, anything else; those stay for FoldConstant.
 """
@@ -64,11 +64,11 @@ _INDEX_CHUNK = 1 << 20  # input elements whose output indices are computed at on
 def _layout_transform(call: relax.Call, x: np.ndarray) -> np.ndarray:
     """x moved by the op's index map into its (static) output shape, pad_value elsewhere; a
     chunk of x's leading axis at a time (the indices take 8 bytes an element and axis)."""
+    if x.ndim == 0 or x.size == 0:
+        raise _NotFoldable
     index_map = call.attrs.index_map
     pad = call.attrs.pad_value
     out = np.full(_static_shape(call), 0 if pad is None else pad.value, x.dtype)
-    if x.ndim == 0 or x.size == 0:
-        raise _NotFoldable
     rows = max(1, _INDEX_CHUNK * x.shape[0] // x.size)
     for start in range(0, x.shape[0], rows):
         chunk = x[start:start + rows]
