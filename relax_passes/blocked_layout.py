@@ -27,23 +27,26 @@ cover.
      that the library would run with Winograd (which takes both layouts alike) stay NCHW;
    - ops that do not care about the layout, once an operand is blocked: unary elementwise ops
      (`ELEMENTWISE_UNARY`), binary ones (`ELEMENTWISE_BINARY`) whose other operand is blocked
-     too, a scalar, or a constant per-channel vector (reblocked here with numpy), and max /
+     too, a scalar, or a per-channel vector ([1 or N, C, 1, 1]: a constant reblocked here with
+     numpy, a tensor reshaped), where a blocked operand broadcasts over batch or spatial axes
+     only (a squeeze-and-excitation block's gate, [N, C, 1, 1], times its input), and max /
      average pooling (`layout="NCHW{B}c"`). The batch extent may be symbolic; the others
      must be static;
    - a mean over the spatial axes of a blocked value (global average pooling), taken on the
-     blocked data and reshaped to the NCHW result: with one pixel left, [N, C / B, 1, 1, B]
-     is NCHW's order, so the region ends without converting the whole tensor back (as
-     onnxruntime's NCHWc global pooling; each window step adds a vector of B channels).
+     blocked data (the CPU library's `gimlet.cpu.nchwc_spatial_mean`) and reshaped to the NCHW
+     result: with one pixel left, [N, C / B, 1, 1, B] is NCHW's order, so the region ends
+     without converting the whole tensor back (as onnxruntime's NCHWc global pooling; each
+     window step adds a vector of B channels).
    An op it does not rewrite that reads a blocked value gets a conversion back to NCHW (once per
    value), and so does a dataflow block's output; a blocked conv or binary op that reads an
    NCHW tensor gets one into NCHW{B}c (once per tensor). Conversions are the CPU library's
    `gimlet.cpu.nchw_to_nchwc` / `nchwc_to_nchw` calls (TVM's generated `R.layout_transform`
-   kernels took several times as long). So conversions of activations sit only at the regions'
+   kernels took several times as long), or reshapes for tensors of one pixel (the same order). So conversions of activations sit only at the regions'
    edges (the network's input side, global pooling / flatten, outputs), never around each op.
 3. It does not handle: convs with output channel counts that are not multiples of B (they
    stay NCHW, and so do the ops between them), grouped convs other than depthwise, depthwise
    convs with a channel multiplier, other dtypes, symbolic channel or spatial extents, binary
-   ops that broadcast a blocked operand.
+   ops that broadcast a blocked operand along its channels.
    It does not weigh a region's edge conversions against what its kernels save:
    `blocked_layout_for` decides per function.
 """
@@ -64,6 +67,7 @@ from .dispatch_cpu_library import direct_conv_block, winograd_override, winograd
 BLOCKED_LAYOUT_ENV = "GIMLET_CPU_BLOCKED_LAYOUT"
 TO_BLOCKED_FUNC = f"{CPU_LIBRARY.name}.nchw_to_nchwc"
 FROM_BLOCKED_FUNC = f"{CPU_LIBRARY.name}.nchwc_to_nchw"
+SPATIAL_MEAN_FUNC = f"{CPU_LIBRARY.name}.nchwc_spatial_mean"
 
 ELEMENTWISE_UNARY = frozenset({
     "relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh", "relax.nn.gelu", "relax.nn.silu",
@@ -206,15 +210,41 @@ def _runs_winograd(conv: relax.Call, weight_shape: list[int], out_shape: list[in
     return winograd_tile_for(weight_shape[0], weight_shape[1], (3, 3), tuple(out_shape[2:]), direct_conv_block()) != 0
 
 
+def _broadcasts_per_channel(shape: list, out_shape: list) -> bool:
+    """An operand of `shape` (NCHW) broadcast to `out_shape` keeps its channels: its blocked
+    value [N, C / B, H, W, B] broadcasts the same way, over the batch and spatial axes only."""
+    analyzer = tvm.sym.Analyzer()
+
+    def kept_or_one(axis: int) -> bool:
+        extent = shape[axis]
+        return analyzer.can_prove_equal(extent, out_shape[axis]) or (
+            isinstance(extent, tvm.tirx.IntImm) and int(extent) == 1)
+
+    return (len(shape) == len(out_shape) == 4 and analyzer.can_prove_equal(shape[1], out_shape[1])
+            and all(kept_or_one(axis) for axis in (0, 2, 3)))
+
+
+def _one_pixel(h: tvm.ir.Expr, w: tvm.ir.Expr) -> bool:
+    return all(isinstance(d, tvm.tirx.IntImm) and int(d) == 1 for d in (h, w))
+
+
 def _to_blocked(x: relax.Expr, block: int) -> relax.Expr:
+    """`x` [N, C, H, W] as [N, C / B, H, W, B]: a conversion, or, for one pixel (a pooled
+    vector), a reshape (the same order)."""
     n, c, h, w = x.ty.shape
-    out_ty = relax.TensorType([n, c // block, h, w, block], "float32")
-    return relax.call_dps_packed(TO_BLOCKED_FUNC, [x], out_ty)
+    shape = [n, c // block, h, w, block]
+    if _one_pixel(h, w):
+        return relax.op.reshape(x, shape)
+    return relax.call_dps_packed(TO_BLOCKED_FUNC, [x], relax.TensorType(shape, "float32"))
 
 
 def _to_nchw(x: relax.Expr, block: int) -> relax.Expr:
+    """`x` [N, C / B, H, W, B] back as [N, C, H, W] (see `_to_blocked`)."""
     n, blocks, h, w, _ = x.ty.shape
-    return relax.call_dps_packed(FROM_BLOCKED_FUNC, [x], relax.TensorType([n, blocks * block, h, w], "float32"))
+    shape = [n, blocks * block, h, w]
+    if _one_pixel(h, w):
+        return relax.op.reshape(x, shape)
+    return relax.call_dps_packed(FROM_BLOCKED_FUNC, [x], relax.TensorType(shape, "float32"))
 
 
 @mutator
@@ -287,9 +317,7 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
             lhs, rhs = call.args
             blocked_lhs, blocked_rhs = self._operand(lhs), self._operand(rhs)
             blocked_shapes = [x.ty.shape for x, b in ((lhs, blocked_lhs), (rhs, blocked_rhs)) if b is not None]
-            analyzer = tvm.sym.Analyzer()
-            if not blocked_shapes or not all(  # a blocked operand broadcast to the output: no
-                    analyzer.can_prove_equal(a, b) for shape in blocked_shapes for a, b in zip(shape, call.ty.shape)):
+            if not blocked_shapes or not all(_broadcasts_per_channel(shape, call.ty.shape) for shape in blocked_shapes):
                 return None
             if blocked_lhs is None:
                 blocked_lhs = self._side_operand(lhs, call)
@@ -302,25 +330,30 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
 
     def _side_operand(self, expr: relax.Expr, call: relax.Call) -> relax.Expr | None:
         """The other operand of a binary op on a blocked tensor, as it broadcasts against the
-        blocked layout: a scalar as it is, a constant vector along the channels reblocked, a
-        tensor of the output's shape through a transform (an edge, as a conv's data)."""
+        blocked layout: a scalar as it is, a tensor of the output's shape through a transform
+        (an edge, as a conv's data), a per-channel vector ([1, C, 1, 1] or [N, C, 1, 1]: an
+        SE block's gate) reshaped to [., C / B, 1, 1, B] (the same order: no copy), a constant
+        one reblocked here with numpy."""
         shape, out_shape = _shape(expr), _shape(call)
         if shape is None or out_shape is None or len(out_shape) != 4:
             return None
+        analyzer = tvm.sym.Analyzer()
         if isinstance(expr, relax.Var) and len(shape) == 4:
-            analyzer = tvm.sym.Analyzer()
             if all(analyzer.can_prove_equal(a, b) for a, b in zip(expr.ty.shape, call.ty.shape)):
                 return self._edge(expr)
-        if None in shape:
-            return None
         if all(d == 1 for d in shape):
             return expr if len(shape) <= 5 else None
         channels = out_shape[1]
         padded = [1] * (4 - len(shape)) + shape
-        if len(shape) > 4 or padded != [1, channels, 1, 1] or not isinstance(expr, tvm.ir.GenericConst):
+        if len(shape) > 4 or padded[1:] != [channels, 1, 1]:
             return None
-        vector = expr.value.numpy().reshape(channels // self.block, self.block)
-        return relax.const(vector.reshape(1, channels // self.block, 1, 1, self.block))
+        if isinstance(expr, tvm.ir.GenericConst) and padded[0] == 1:
+            vector = expr.value.numpy().reshape(channels // self.block, self.block)
+            return relax.const(vector.reshape(1, channels // self.block, 1, 1, self.block))
+        batch = expr.ty.shape[0] if len(shape) == 4 else 1
+        if len(shape) == 4 and not (padded[0] == 1 or analyzer.can_prove_equal(batch, call.ty.shape[0])):
+            return None
+        return relax.op.reshape(self.visit_expr(expr), [batch, channels // self.block, 1, 1, self.block])
 
     def _spatial_mean(self, call: relax.Call) -> relax.Expr | None:
         """A mean over axes 2 and 3 of a blocked value, as an NCHW-ordered result (see the
@@ -330,8 +363,9 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
             return None
         if sorted(int(a) % 4 for a in call.attrs.axis) != [2, 3]:
             return None
-        mean = relax.op.mean(data, axis=[2, 3], keepdims=True)
-        return relax.op.reshape(mean, call.ty.shape)
+        n, blocks, _, _, block = data.ty.shape
+        mean = relax.call_dps_packed(SPATIAL_MEAN_FUNC, [data], relax.TensorType([n, blocks, 1, 1, block], "float32"))
+        return relax.op.reshape(self.builder_.emit(mean), call.ty.shape)
 
     def _pool(self, call: relax.Call, data: relax.Expr) -> relax.Expr:
         attrs, layout = call.attrs, f"NCHW{self.block}c"

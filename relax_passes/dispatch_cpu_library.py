@@ -60,7 +60,7 @@ OpenBLAS-backed CPU library.
      `R.add` of a tensor of the output's shape (residual) or of a tensor broadcast along one
      axis (bias, any scalar) or, for a 5-D output [N, C / B, H, W, B], along axes 1 and 4 (a
      blocked per-channel bias: `ADD_BLOCKED_VECTOR`, applied on vectors), `R.nn.relu`,
-     `R.nn.gelu`, and `R.maximum` / `R.minimum` with a scalar constant (a clip step; a
+     `R.nn.gelu`, `R.nn.silu` (what `FuseSiLU` makes of x * sigmoid(x)), `R.sigmoid`, and `R.maximum` / `R.minimum` with a scalar constant (a clip step; a
      maximum followed by a minimum, as the ONNX importer writes Clip and ReLU6, is one), in
      any order and number, when the call's result has no other use. The library applies
      them to each output block right after computing it.
@@ -72,7 +72,7 @@ OpenBLAS-backed CPU library.
    convs with a weight in another layout than OIHW), NCHW depthwise conv2d on smaller
    inputs or a CPU without AVX2 (it stays in TIR, where FuseOps fuses its epilogue: there it
    ran faster), and operands or results whose shape is unknown; epilogue adds that broadcast
-   the output or whose vector axis is followed by symbolic axes; other activations (sigmoid,
+   the output or whose vector axis is followed by symbolic axes; other activations (tanh,
    ...). Those ops stay as they were, and FuseOps fuses the elementwise ones with each other.
 
 The packed functions come from `runtime/ext/cpu_library.cc`. The pass loads that extension
@@ -121,8 +121,8 @@ _EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, IM2COL_CONV2D_FUNC: 9, DIRECT
                    BLOCKED_DEPTHWISE_CONV2D_FUNC: 8}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
-ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU, ADD_BLOCKED_VECTOR = 0, 1, 2, 3, 4, 5
-ACTIVATIONS = {"relax.nn.relu": RELU, "relax.nn.gelu": GELU}
+ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU, ADD_BLOCKED_VECTOR, SILU, SIGMOID = 0, 1, 2, 3, 4, 5, 6, 7
+ACTIVATIONS = {"relax.nn.relu": RELU, "relax.nn.gelu": GELU, "relax.nn.silu": SILU, "relax.sigmoid": SIGMOID}
 
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchCPULibrary")

@@ -1,15 +1,17 @@
-"""GELU in TVM's fast (polynomial) erf and tanh, for targets that ask for fast math.
+"""GELU, sigmoid and SiLU in TVM's fast (polynomial) erf, tanh and exp, for targets that ask
+for fast math.
 
 1. Put the pass after the library dispatch (a library that absorbs a GELU into its matmul's
    epilogue computes it itself) and before LegalizeOps, beside TVM's `FastMathTransform`:
    `library_passes` runs both where `TargetSpec.fast_math` is set.
-2. It rewrites float32 `R.nn.gelu(x)` and `R.nn.gelu_tanh(x)` into the TE functions that
-   LegalizeOps would emit, with `topi.fast_erf` / `topi.fast_tanh` in place of `erf` / `tanh`.
-   `FastMathTransform` only sees `R.erf` and `R.tanh` calls, so a GELU op (what `FuseGelu`
-   makes of GPT-2's tanh approximation) kept libm's erf and tanh, which LLVM calls once per
-   element: GPT-2's GELU kernels then took longer than its attention.
-3. It does not handle other dtypes (the fast functions' polynomials are fitted for float32),
-   or other activations (sigmoid, SiLU; their `R.exp` is `FastMathTransform`'s).
+2. It rewrites float32 `R.nn.gelu(x)`, `R.nn.gelu_tanh(x)`, `R.sigmoid(x)` and
+   `R.nn.silu(x)` into the TE functions that LegalizeOps would emit, with `topi.fast_erf` /
+   `topi.fast_tanh` / `topi.fast_exp` in place of `erf` / `tanh` / `exp`. `FastMathTransform`
+   only sees `R.exp`, `R.erf` and `R.tanh` calls, so a GELU op (what `FuseGelu` makes of
+   GPT-2's tanh approximation) kept libm's erf and tanh, which LLVM calls once per element:
+   GPT-2's GELU kernels then took longer than its attention; EfficientNet-B0's sigmoids and
+   SiLUs (those the CPU library's epilogues do not take) took 2 ns an element.
+3. It does not handle other dtypes (the fast functions' polynomials are fitted for float32).
 """
 
 from __future__ import annotations
@@ -34,7 +36,19 @@ def gelu_tanh(x: te.Tensor) -> te.Tensor:
     return tirx.const(0.5, x.dtype) * x * (tirx.const(1.0, x.dtype) + topi.fast_tanh(inner))
 
 
-FAST_ACTIVATIONS = {"relax.nn.gelu": gelu, "relax.nn.gelu_tanh": gelu_tanh}
+def sigmoid(x: te.Tensor) -> te.Tensor:
+    """1 / (1 + exp(-x)) with the fast exp (its argument clamped to +-88: no overflow)."""
+    one = tirx.const(1.0, x.dtype)
+    return one / (one + topi.fast_exp(-x))
+
+
+def silu(x: te.Tensor) -> te.Tensor:
+    """x * sigmoid(x) with the fast exp."""
+    return x * sigmoid(x)
+
+
+FAST_ACTIVATIONS = {"relax.nn.gelu": gelu, "relax.nn.gelu_tanh": gelu_tanh, "relax.sigmoid": sigmoid,
+                    "relax.nn.silu": silu}
 """Relax op name -> its TE with fast math."""
 
 

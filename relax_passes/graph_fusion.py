@@ -16,6 +16,7 @@ import tvm
 from .fuse_attention import FuseAttention
 from .fuse_gelu import FuseGELU
 from .fuse_normalization import FuseNormalization
+from .fuse_silu import FuseSiLU
 
 _state = threading.local()
 
@@ -42,7 +43,7 @@ def graph_fusion_passes() -> list[tvm.transform.Pass]:
     fused op (see each pass's docstring)."""
     if not graph_fusion_enabled():
         return []
-    return [FuseNormalization(), FuseGELU(), FuseAttention()]
+    return [FuseNormalization(), FuseGELU(), FuseSiLU(), FuseAttention()]
 
 
 def count_kernel_launches(mod: tvm.IRModule) -> int:

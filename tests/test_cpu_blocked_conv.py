@@ -23,7 +23,8 @@ from gimlet_tvm import models
 from gimlet_tvm.compiler import graph_passes, kernel_passes, resolve_target
 from gimlet_tvm.errors import CompileError
 from gimlet_tvm.frontend import import_model
-from gimlet_tvm.relax_passes.blocked_layout import BLOCKED_LAYOUT_ENV, FROM_BLOCKED_FUNC, TO_BLOCKED_FUNC
+from gimlet_tvm.relax_passes.blocked_layout import (
+    BLOCKED_LAYOUT_ENV, FROM_BLOCKED_FUNC, SPATIAL_MEAN_FUNC, TO_BLOCKED_FUNC)
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
     BLOCKED_DEPTHWISE_CONV2D_FUNC, DIRECT_CONV2D_FUNC, IM2COL_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC,
     WINOGRAD_ENV, direct_conv_block, pack_conv_weight)
@@ -37,7 +38,7 @@ from gimlet_tvm.targets import host_spec
 from .test_cpu_direct_conv import reference_conv
 from .test_cpu_library import onnx_model, rand
 
-ADD_TENSOR, RELU, CLIP, ADD_BLOCKED_VECTOR = 1, 2, 3, 5
+ADD_TENSOR, RELU, CLIP, ADD_BLOCKED_VECTOR, SILU, SIGMOID = 1, 2, 3, 5, 6, 7
 BLOCKS = [8, 16]
 
 
@@ -150,6 +151,84 @@ def test_blocked_depthwise_against_numpy(block, batch, channels, size, kernel, s
     np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-4, atol=1e-4)
 
 
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x.astype(np.float64)))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("step, reference", [(SILU, silu), (SIGMOID, sigmoid)], ids=["silu", "sigmoid"])
+@pytest.mark.parametrize(
+    "batch, in_c, size, out_c, kernel, stride",
+    [
+        (2, 32, (7, 7), 64, (1, 1), (1, 1)),  # row tiles (AVX-512)
+        (1, 16, (11, 13), 48, (3, 3), (2, 2)),  # grid tiles, odd last block
+        (1, 16, (9, 32), 16, (3, 3), (1, 1)),  # one block: row tiles of 16
+        (1, 32, (11, 13), 64, (1, 1), (1, 1)),  # AVX-512: 4-block tiles
+    ],
+)
+def test_blocked_direct_conv2d_exp_epilogues(block, step, reference, batch, in_c, size, out_c, kernel,
+                                             stride) -> None:
+    """SiLU and sigmoid steps (through exp, applied to the stored tiles, not in registers)
+    after a bias, on outputs out to +-90 (past exp's range for the naive formula)."""
+    load_extensions()
+    pads = tuple(k // 2 for k in kernel)
+    oh, ow = out_size(size, kernel, stride, pads, (1, 1))
+    x, weight = rand(batch, in_c, *size, seed=1) * 6, rand(out_c, in_c, *kernel, seed=2)
+    bias = rand(out_c, seed=3)
+    y = tvm.runtime.tensor(np.full((batch, out_c // block, oh, ow, block), np.nan, np.float32))
+    tvm.get_global_func(DIRECT_CONV2D_FUNC)(
+        tvm.runtime.tensor(to_blocked(x, block)), tvm.runtime.tensor(pack_conv_weight(weight, block)),
+        *stride, *pads, 1, 1, ADD_BLOCKED_VECTOR, tvm.runtime.tensor(bias), oh * ow * block, block,
+        step, y)
+    before = reference_conv(x, weight, stride, pads, (1, 1), (oh, ow)) + bias[:, None, None]
+    assert np.abs(before).max() > 20
+    np.testing.assert_allclose(from_blocked(y.numpy()), reference(before), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("step, reference", [(SILU, silu), (SIGMOID, sigmoid)], ids=["silu", "sigmoid"])
+@pytest.mark.parametrize("kernel, stride", [((3, 3), (1, 1)), ((5, 5), (1, 1)), ((5, 5), (2, 2)), ((7, 7), (1, 1))])
+def test_blocked_depthwise_exp_epilogues(block, step, reference, kernel, stride) -> None:
+    """The depthwise kernel's 3x3 and 5x5 instances (constant taps, strides 1 and 2) and its
+    generic one (7x7), with SiLU or sigmoid applied to each stored row."""
+    load_extensions()
+    channels, size = 32, (15, 13)
+    pads = tuple(k // 2 for k in kernel)
+    oh, ow = out_size(size, kernel, stride, pads, (1, 1))
+    x, weight = rand(1, channels, *size, seed=1) * 8, rand(channels, 1, *kernel, seed=2)
+    packed = np.ascontiguousarray(weight.reshape(channels // block, block, 1, *kernel).transpose(0, 2, 3, 4, 1))
+    y = tvm.runtime.tensor(np.full((1, channels // block, oh, ow, block), np.nan, np.float32))
+    tvm.get_global_func(BLOCKED_DEPTHWISE_CONV2D_FUNC)(
+        tvm.runtime.tensor(to_blocked(x, block)), tvm.runtime.tensor(packed), *stride, *pads, 1, 1, step, y)
+    expected = np.zeros((1, channels, oh, ow))
+    for c in range(channels):
+        expected[:, c:c + 1] = reference_conv(x[:, c:c + 1], weight[c:c + 1], stride, pads, (1, 1), (oh, ow))[:, :1]
+    np.testing.assert_allclose(from_blocked(y.numpy()), reference(expected), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("batch, channels, size", [(2, 32, (13, 13)), (1, 16, (3, 5)), (3, 48, (1, 1)), (1, 16, (56, 56))])
+def test_spatial_mean_against_numpy(block, batch, channels, size) -> None:
+    load_extensions()
+    x = rand(batch, channels, *size, seed=4) + 3
+    y = tvm.runtime.tensor(np.full((batch, channels // block, 1, 1, block), np.nan, np.float32))
+    tvm.get_global_func(SPATIAL_MEAN_FUNC)(tvm.runtime.tensor(to_blocked(x, block)), y)
+    expected = x.astype(np.float64).mean(axis=(2, 3), keepdims=True)
+    np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-6)
+
+
+def test_spatial_mean_rejects_mismatched_shapes() -> None:
+    load_extensions()
+    x = tvm.runtime.tensor(np.zeros((1, 2, 4, 4, 16), np.float32))
+    y = tvm.runtime.tensor(np.zeros((1, 1, 1, 1, 16), np.float32))
+    with pytest.raises(RuntimeError, match="nchwc_spatial_mean"):
+        tvm.get_global_func(SPATIAL_MEAN_FUNC)(x, y)
+
+
 def block_net(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
     """A small CNN with every op the pass converts: 3x3 conv + ReLU, max pool, a stride-2 3x3
     conv, a 1x1 conv with a residual add, a depthwise conv with Clip (ReLU6), then global
@@ -183,6 +262,58 @@ def block_net(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
     return onnx_model(nodes, [("x", ["N", c, 15, 15])], ("y", ["N", c2]), weights)
 
 
+def se_net(channels: int = 32, seed: int = 0) -> onnx.ModelProto:
+    """An EfficientNet block as torch exports it: SiLU written as x * sigmoid(x), a 5x5
+    depthwise conv, a squeeze-and-excitation gate (global pooling, a 1x1 conv down to a
+    quarter of the channels (off the block) with SiLU, a 1x1 conv back up, sigmoid, times the
+    block's activations) and a 1x1 projection, on [N, 3, 17, 17]."""
+    rng = np.random.default_rng(seed)
+    c, r = channels, channels // 4
+
+    def normal(*shape, scale=0.3):
+        return rng.standard_normal(shape, dtype=np.float32) * scale
+
+    weights = {"w1": normal(c, 3, 3, 3), "b1": normal(c), "w2": normal(c, 1, 5, 5), "b2": normal(c),
+               "wr": normal(r, c, 1, 1), "br": normal(r), "we": normal(c, r, 1, 1), "be": normal(c),
+               "wp": normal(c, c, 1, 1)}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Sigmoid", ["c1"], ["s1"]),
+        helper.make_node("Mul", ["c1", "s1"], ["a1"]),
+        helper.make_node("Conv", ["a1", "w2", "b2"], ["c2"], pads=[2, 2, 2, 2], group=c),
+        helper.make_node("Sigmoid", ["c2"], ["s2"]),
+        helper.make_node("Mul", ["s2", "c2"], ["a2"]),
+        helper.make_node("GlobalAveragePool", ["a2"], ["squeezed"]),
+        helper.make_node("Conv", ["squeezed", "wr", "br"], ["cr"]),
+        helper.make_node("Sigmoid", ["cr"], ["sr"]),
+        helper.make_node("Mul", ["cr", "sr"], ["ar"]),
+        helper.make_node("Conv", ["ar", "we", "be"], ["ce"]),
+        helper.make_node("Sigmoid", ["ce"], ["gate"]),
+        helper.make_node("Mul", ["a2", "gate"], ["gated"]),
+        helper.make_node("Conv", ["gated", "wp"], ["p"]),
+        helper.make_node("GlobalAveragePool", ["p"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["y"]),
+    ]
+    return onnx_model(nodes, [("x", ["N", 3, 17, 17])], ("y", ["N", c]), weights)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_squeeze_and_excitation_runs_blocked(block, monkeypatch) -> None:
+    """The gate's product with the activations runs on the blocked layout (the gate,
+    [N, C / B, 1, 1, B], broadcast over the pixels), so the region needs no conversion: the
+    stem reads the NCHW input, both global poolings average blocked data, the gate's up conv
+    reads the NCHW squeeze and writes blocked (with 8-channel blocks, the down conv's 8 channels
+    fill a block: the squeeze is reshaped into the blocked layout, one pixel needing no
+    conversion); every SiLU and the sigmoid are conv epilogues."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
+    script = dispatched(se_net())
+    assert script.count(f'"{TO_BLOCKED_FUNC}"') == 0 and script.count(f'"{FROM_BLOCKED_FUNC}"') == 0
+    assert script.count(f'"{SPATIAL_MEAN_FUNC}"') == 2
+    assert "R.sigmoid(" not in script and "R.nn.silu(" not in script
+    assert "R.multiply(" in script
+    assert_matches_onnxruntime(se_net(), {"x": rand(2, 3, 17, 17, seed=6)})
+
+
 def assert_matches_onnxruntime(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> None:
     """The model built for this CPU computes what onnxruntime does."""
     ours = gimlet_tvm.build(model, "llvm")(*inputs.values())
@@ -213,7 +344,7 @@ def test_conversions_only_at_the_edges(block, monkeypatch) -> None:
     script = dispatched(block_net())
     assert script.count(f'"{TO_BLOCKED_FUNC}"') == 1
     assert script.count(f'"{FROM_BLOCKED_FUNC}"') == 0
-    assert f'R.Tensor((N, {32 // block}, 1, 1, {block}), dtype="float32") = R.mean(' in script
+    assert script.count(f'"{SPATIAL_MEAN_FUNC}"') == 1
     assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == 3
     assert script.count(f'"{BLOCKED_DEPTHWISE_CONV2D_FUNC}"') == 1
     assert f'layout="NCHW{block}c"' in script  # the max pool
@@ -261,7 +392,7 @@ def test_channels_off_the_block_stay_nchw(monkeypatch) -> None:
     monkeypatch.setenv(BLOCKED_LAYOUT_ENV, "8")
     script = dispatched(block_net(20))
     assert script.count(f'"{TO_BLOCKED_FUNC}"') == 0 and script.count(f'"{FROM_BLOCKED_FUNC}"') == 0
-    assert 'R.Tensor((N, 5, 1, 1, 8), dtype="float32") = R.mean(' in script
+    assert f'R.call_dps_packed("{SPATIAL_MEAN_FUNC}", (lv' in script and "out_ty=R.Tensor((N, 5, 1, 1, 8)" in script
     # The 20 -> 20 conv (NCHW, the default rule's kernel), the entry conv and the 1x1 conv.
     assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == 3
     assert script.count(f'"{BLOCKED_DEPTHWISE_CONV2D_FUNC}"') == 1
@@ -308,8 +439,8 @@ def test_default_rule_converts_networks_with_convertible_convs(monkeypatch) -> N
     block = direct_conv_block()
     if block == 0:
         pytest.skip("no blocked kernels on this CPU")
-    # (Both regions end at global pooling on blocked data: a mean over a 5-D tensor.)
-    blocked_mean = re.compile(rf'R\.Tensor\(\(\w+, \d+, 1, 1, {block}\), dtype="float32"\) = R\.mean\(')
+    # (Both regions end at global pooling on blocked data: the library's mean over a 5-D tensor.)
+    blocked_mean = re.compile(rf'"{SPATIAL_MEAN_FUNC}", \(\w+,\), out_ty=R\.Tensor\(\(\w+, \d+, 1, 1, {block}\)')
     assert blocked_mean.search(dispatched(models.SUITE["mobilenet_cnn"].build()))
     assert blocked_mean.search(dispatched(models.SUITE["resnet_cnn"].build()))
     script = dispatched(models.SUITE["mlp"].build())
@@ -351,7 +482,7 @@ def test_kernel_selection_leaves_blocked_convs_on_their_kernels(tmp_path, monkey
         script = tvm.transform.Sequential(kernel_passes([(spec, target)], selection.pass_for(target)))(mod)["main"].script()
     assert script.count(f'"{IM2COL_CONV2D_FUNC}"') == 1
     assert script.count(f'"{TO_BLOCKED_FUNC}"') == 0 and script.count(f'"{FROM_BLOCKED_FUNC}"') == 0
-    assert re.search(r'R\.call_tir\(mean\w*, \(\w+,\), out_ty=R\.Tensor\(\(3, 5, 1, 1, 8\)', script)
+    assert re.search(rf'"{SPATIAL_MEAN_FUNC}", \(\w+,\), out_ty=R\.Tensor\(\(3, 5, 1, 1, 8\)', script)
     assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == 2 and script.count(f'"{BLOCKED_DEPTHWISE_CONV2D_FUNC}"') == 1
     inputs = {"x": rand(3, 20, 15, 15, seed=8)}
     ours = gimlet_tvm.build(model, "llvm", input_shapes=shapes, selection=selection)(*inputs.values())

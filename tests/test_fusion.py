@@ -170,6 +170,39 @@ def test_gelu_with_wrong_constant_stays_unfused() -> None:
     check(model, {"x": rand(8, 16)})
 
 
+# ---- SiLU ----
+
+
+@pytest.mark.parametrize("gate_first", [False, True])
+@pytest.mark.parametrize("target", ["llvm", "vulkan"])
+def test_silu_chain(gate_first: bool, target: str) -> None:
+    """x * sigmoid(x), as exporters write SiLU before opset 22, becomes `R.nn.silu` (in
+    either operand order) and still matches onnxruntime, also past the sigmoid's tails."""
+    operands = ["s", "x"] if gate_first else ["x", "s"]
+    nodes = [node("Sigmoid", ["x"], "s"), node("Mul", operands, "y")]
+    model = onnx_model(nodes, [("x", ["n", 3, 40])], ("y", ["n", 3, 40]), {})
+    script = fused_ops(model, target)
+    assert "R.nn.silu(" in script and "R.sigmoid(" not in script
+    x = rand(2, 3, 40) * 40  # out to +-100: exp(-x) overflows a naive sigmoid
+    check(model, {"x": x}, target)
+
+
+def test_swish_with_a_slope_stays_unfused() -> None:
+    nodes = [node("Mul", ["x", "beta"], "bx"), node("Sigmoid", ["bx"], "s"), node("Mul", ["x", "s"], "y")]
+    model = onnx_model(nodes, [("x", [4, 24])], ("y", [4, 24]), {"beta": scalar(1.702)})
+    assert "silu" not in fused_ops(model)
+    check(model, {"x": rand(4, 24) * 5})
+
+
+def test_sigmoid_read_elsewhere_stays() -> None:
+    """The SiLU is fused; the sigmoid, which the output reads too, stays."""
+    nodes = [node("Sigmoid", ["x"], "s"), node("Mul", ["x", "s"], "m"), node("Add", ["m", "s"], "y")]
+    model = onnx_model(nodes, [("x", [4, 24])], ("y", [4, 24]), {})
+    script = fused_ops(model)
+    assert "R.nn.silu(" in script and "R.sigmoid(" in script
+    check(model, {"x": rand(4, 24) * 5})
+
+
 # ---- attention ----
 
 
@@ -270,6 +303,28 @@ def test_matmul_bias_gelu_is_one_library_call() -> None:
     model = onnx_model(nodes, [("x", ["n", 7, 24])], ("y", ["n", 7, 40]), init)
     assert kernel_counts(model) == (2, 1)
     check(model, {"x": rand(3, 7, 24)})
+
+
+@pytest.mark.parametrize("op", ["Conv", "MatMul"])
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+def test_silu_and_sigmoid_are_epilogues(op: str, activation: str) -> None:
+    """A conv's or matmul's SiLU (EfficientNet's activation, a gated MLP's gate) or sigmoid
+    runs in the library call's epilogue: one kernel instead of two."""
+    if op == "Conv":
+        first = node("Conv", ["x", "w", "b"], "c", pads=[1, 1, 1, 1])
+        init = {"w": rand(16, 8, 3, 3, seed=1), "b": rand(16, seed=2)}
+        shapes = [("x", ["n", 8, 12, 12])], ("y", ["n", 16, 12, 12])
+        x = rand(2, 8, 12, 12) * 3
+    else:
+        first = node("MatMul", ["x", "w"], "c")
+        init = {"w": rand(24, 40, seed=1)}
+        shapes = [("x", ["n", 7, 24])], ("y", ["n", 7, 40])
+        x = rand(3, 7, 24) * 3
+    tail = [node("Sigmoid", ["c"], "s")]
+    tail += [node("Mul", ["c", "s"], "y")] if activation == "silu" else [node("Identity", ["s"], "y")]
+    model = onnx_model([first, *tail], *shapes, init)
+    assert kernel_counts(model) == (2, 1)
+    check(model, {"x": x})
 
 
 @pytest.mark.parametrize("channels, bounds, launches", [

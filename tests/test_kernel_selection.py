@@ -363,6 +363,26 @@ def test_two_c_kernels_with_the_same_helper_link_into_one_model(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+def test_op_groups_only_take_activations_their_candidates_implement(activation):
+    """A matmul whose library epilogue has a SiLU (which no candidate, reference or kernel
+    generator implements) is no op group: it keeps the library call; with a ReLU it is one."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"])]
+    if activation == "relu":
+        nodes.append(helper.make_node("Relu", ["m"], ["y"]))
+    else:
+        nodes += [helper.make_node("Sigmoid", ["m"], ["s"]), helper.make_node("Mul", ["m", "s"], ["y"])]
+    weight = np.random.default_rng(1).standard_normal((K, N)).astype(np.float32)
+    graph = helper.make_graph(nodes, "matmul_activation",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, N])],
+                              [onnx.numpy_helper.from_array(weight, "w")])
+    _, target = resolve_target("llvm")
+    mod, _ = import_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), None)
+    signatures = op_signatures(mod, target)
+    assert [sig.epilogue for sig in signatures] == ([(("relu", ()),)] if activation == "relu" else [])
+
+
 def test_selection_on_an_architecture_from_outside_the_suite():
     """ShuffleNet as onnx ships it (its bundled "light" model: grouped 1x1 convs, depthwise
     convs, channel shuffles, a Gemm classifier; weights are constant fills, so each group's own

@@ -72,29 +72,62 @@ int64_t Product(const int64_t* begin, const int64_t* end) {
 using Floats = float __attribute__((vector_size(32)));
 using Ints = int32_t __attribute__((vector_size(32)));
 constexpr int64_t kLanes = sizeof(Floats) / sizeof(float);
+// 16 lanes: AVX-512's vectors (two halves on CPUs without it), the blocked kernels' L = 16.
+using Floats16 = float __attribute__((vector_size(64)));
+using Ints16 = int32_t __attribute__((vector_size(64)));
+
+/*! \brief The int32 vector of a float vector's lanes (GCC drops a vector_size that depends on
+ * a template argument, so each width is spelled out). */
+template <typename V>
+struct IntsOf;
+template <>
+struct IntsOf<Floats> {
+  using Type = Ints;
+};
+template <>
+struct IntsOf<Floats16> {
+  using Type = Ints16;
+};
 
 /*!
  * \brief exp(x) for x <= 0 (softmax after the row's maximum is subtracted): x = n ln2 + f with
  * |f| <= ln2 / 2, exp(f) by Cephes' degree-7 polynomial, 2^n put into the exponent bits.
- * Relative error below 3e-7; 0 below -87.
+ * Relative error below 3e-7; 0 below -87. On 8 or 16 lanes (Floats, Floats16).
  */
-inline Floats ExpNonPositive(Floats x) {
-  const Floats floor_value = Floats{} - 87.0f;
+template <typename V>
+inline V ExpNonPositive(V x) {
+  using I = typename IntsOf<V>::Type;
+  const V floor_value = V{} - 87.0f;
   const auto underflow = x < floor_value;
   x = underflow ? floor_value : x;
   // n = round(x log2 e); for x <= 0 that is trunc(x log2 e - 0.5), a plain conversion.
-  const Ints whole = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, Ints);
-  const Floats n = __builtin_convertvector(whole, Floats);
-  const Floats f = x - n * 0.693359375f + n * 2.12194440e-4f;
-  Floats p = Floats{} + 1.9875691500e-4f;
+  const I whole = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, I);
+  const V n = __builtin_convertvector(whole, V);
+  const V f = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * f + 1.3981999507e-3f;
   p = p * f + 8.3334519073e-3f;
   p = p * f + 4.1665795894e-2f;
   p = p * f + 1.6666665459e-1f;
   p = p * f + 5.0000001201e-1f;
   p = p * f * f + f + 1.0f;
-  const Floats two_n = reinterpret_cast<Floats>((whole + 127) << 23);
-  return underflow ? Floats{} : p * two_n;
+  const V two_n = reinterpret_cast<V>((whole + 127) << 23);
+  return underflow ? V{} : p * two_n;
+}
+
+/*! \brief sigmoid(x) = 1 / (1 + exp(-x)), through e = exp(-|x|) (which cannot overflow):
+ * 1 / (1 + e) for x >= 0, e / (1 + e) below. Relative error below 1e-6. */
+template <typename V>
+inline V Sigmoid(V x) {
+  const auto negative = x < V{};
+  const V e = ExpNonPositive(negative ? x : -x);
+  return (negative ? e : V{} + 1.0f) / (1.0f + e);
+}
+
+/*! \brief SiLU (swish), x * sigmoid(x). */
+template <typename V>
+inline V Silu(V x) {
+  return x * Sigmoid(x);
 }
 
 /*! \brief erf(x): Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7) on |x|. */
@@ -135,7 +168,8 @@ void MapInPlace(float* data, int64_t n, F f) {
 /*! \brief One epilogue step (the codes are the packed arguments' step kinds). */
 struct EpilogueStep {
   enum Kind : int64_t {
-    kAddVector = 0, kAddTensor = 1, kRelu = 2, kClip = 3, kGelu = 4, kAddBlockedVector = 5
+    kAddVector = 0, kAddTensor = 1, kRelu = 2, kClip = 3, kGelu = 4, kAddBlockedVector = 5,
+    kSilu = 6, kSigmoid = 7
   };
   Kind kind;
   const float* data = nullptr;  // kAddVector / kAddBlockedVector: the vector; kAddTensor: an
@@ -200,6 +234,12 @@ void ApplyEpilogue(const Epilogue& epilogue, float* c, int64_t offset, int64_t r
             return 0.5f * v * (1.0f + Erf(v * 0.70710678118654752f));
           });
           break;
+        case EpilogueStep::kSilu:
+          MapInPlace(row, cols, [](Floats v) { return Silu(v); });
+          break;
+        case EpilogueStep::kSigmoid:
+          MapInPlace(row, cols, [](Floats v) { return Sigmoid(v); });
+          break;
       }
     }
   }
@@ -235,7 +275,8 @@ Epilogue ParseEpilogue(const PackedArgs& args, int begin, int end, const DLTenso
       step.lo = static_cast<float>(args[i++].cast<double>());
       step.hi = static_cast<float>(args[i++].cast<double>());
     } else {
-      TVM_FFI_ICHECK(step.kind == EpilogueStep::kRelu || step.kind == EpilogueStep::kGelu)
+      TVM_FFI_ICHECK(step.kind == EpilogueStep::kRelu || step.kind == EpilogueStep::kGelu ||
+                     step.kind == EpilogueStep::kSilu || step.kind == EpilogueStep::kSigmoid)
           << "gimlet.cpu: unknown epilogue step " << step.kind;
     }
     epilogue.push_back(step);
@@ -928,6 +969,7 @@ struct DirectConvWork {
   const Epilogue* epilogue;
   bool y_blocked;        // the output is [N, O / B, OH, OW, B]
   bool vector_epilogue;  // y_blocked and IsBlockedVectorEpilogue
+  bool register_epilogue;  // vector_epilogue without a step of many instructions (SiLU, sigmoid)
   int64_t out_c, out_h, out_w;
   int64_t grid_w;        // GW: grid pixels per row
   int64_t grid;          // grid pixels up to the last output: (OH - 1) * GW + OW
@@ -996,23 +1038,36 @@ struct VectorOf<8> {
 };
 template <>
 struct VectorOf<16> {
-  using Type = float __attribute__((vector_size(64)));
+  using Type = Floats16;
   using Unaligned = float __attribute__((vector_size(64), aligned(4), may_alias));
 };
 
 /*! \brief Whether `epilogue` has only steps `BlockedEpilogueVector` applies on vectors of a
- * channel-blocked output with blocks of `block` (bias of blocks of `block`, residual, ReLU, clip). */
+ * channel-blocked output with blocks of `block` (bias of blocks of `block`, residual, ReLU, clip,
+ * SiLU, sigmoid). */
 constexpr size_t kMaxVectorEpilogue = 8;  // steps
 
 bool IsBlockedVectorEpilogue(const Epilogue& epilogue, int64_t block) {
   if (epilogue.size() > kMaxVectorEpilogue) return false;
   for (const EpilogueStep& step : epilogue) {
     const bool fits = step.kind == EpilogueStep::kAddTensor || step.kind == EpilogueStep::kRelu ||
-                      step.kind == EpilogueStep::kClip ||
+                      step.kind == EpilogueStep::kClip || step.kind == EpilogueStep::kSilu ||
+                      step.kind == EpilogueStep::kSigmoid ||
                       (step.kind == EpilogueStep::kAddBlockedVector && step.block == block);
     if (!fits) return false;
   }
   return true;
+}
+
+/*! \brief Whether `epilogue` has a step through exp (SiLU, sigmoid: a few dozen instructions
+ * a vector). Such steps run over the stored tile (or row), one step at a time, not on a
+ * register tile's accumulators, where their temporaries beside 24 live accumulators spilled:
+ * EfficientNet-B0's 112->672 1x1 conv with SiLU at 14x14 took 190 us, 130 us this way (its
+ * depthwise convs, 8 accumulators, ran in 0.986 of the time in the whole model). */
+bool HasTranscendentalStep(const Epilogue& epilogue) {
+  return std::any_of(epilogue.begin(), epilogue.end(), [](const EpilogueStep& step) {
+    return step.kind == EpilogueStep::kSilu || step.kind == EpilogueStep::kSigmoid;
+  });
 }
 
 /*! \brief The per-channel vectors' L elements each kAddBlockedVector step of `epilogue` adds to
@@ -1051,6 +1106,10 @@ __attribute__((always_inline)) inline typename VectorOf<L>::Type BlockedEpilogue
       return v + operand;
     case EpilogueStep::kRelu:
       return v < V{} ? V{} : v;
+    case EpilogueStep::kSilu:
+      return Silu(v);
+    case EpilogueStep::kSigmoid:
+      return Sigmoid(v);
     default:  // kClip
       v = v < step.lo ? V{} + step.lo : v;
       return v > step.hi ? V{} + step.hi : v;
@@ -1218,9 +1277,10 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
   auto tile_size = [&](int64_t g) { return kRows ? P : std::min<int64_t>(P, g1 - g); };
   // Whether the tile at grid pixel g stores from registers (DirectTile's `output`): P
   // consecutive outputs (a row tile, a full grid tile inside one row's outputs, or any full
-  // tile where the grid is the output plane) of a blocked output with a vector epilogue.
+  // tile where the grid is the output plane) of a blocked output with a vector epilogue of
+  // few instructions a step (`register_epilogue`).
   auto stored_from_registers = [&](int64_t g) {
-    return t.vector_epilogue &&
+    return t.register_epilogue &&
            (kRows || (tile_size(g) == P && (t.grid_w == t.out_w || g % t.grid_w + P <= t.out_w)));
   };
   const int64_t w_stride = t.num_taps * L;
@@ -1511,6 +1571,7 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   t.block = weight->shape[4];
   t.y_blocked = out->ndim == 5;
   t.vector_epilogue = t.y_blocked && IsBlockedVectorEpilogue(epilogue, t.block);
+  t.register_epilogue = t.vector_epilogue && !HasTranscendentalStep(epilogue);
   t.out_c = out->shape[1] * (t.y_blocked ? out->shape[4] : 1);
   t.out_h = out->shape[2];
   t.out_w = out->shape[3];
@@ -1989,6 +2050,7 @@ struct BlockedDepthwiseWork {
   Conv2DParams p;
   int64_t block;         // B
   bool vector_epilogue;  // IsBlockedVectorEpilogue
+  bool register_epilogue;  // ... without a step through exp (applied to a stored row instead)
   int64_t num_units;     // N * C / B * OH
   int64_t bands;         // bands of output rows per image (DepthwiseBands)
 };
@@ -2086,8 +2148,8 @@ __attribute__((always_inline)) inline void BlockedDepthwiseTile(
     }
   }
   for (int q = 0; q < T; ++q) {
-    const V v = t.vector_epilogue ? BlockedEpilogueVector<L>(*t.epilogue, vectors, acc[q], o + q * L)
-                                  : acc[q];
+    const V v = t.register_epilogue ? BlockedEpilogueVector<L>(*t.epilogue, vectors, acc[q], o + q * L)
+                                    : acc[q];
     std::memcpy(y + q * L, &v, sizeof(V));
   }
 }
@@ -2137,24 +2199,37 @@ __attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDep
         ox += 1;
       }
     }
-    if (!t.vector_epilogue && !t.epilogue->empty()) {
+    if (t.vector_epilogue && !t.register_epilogue) {
+      BlockedEpilogueVectors<L>(*t.epilogue, vectors, y, t.out_w, o);
+    } else if (!t.vector_epilogue && !t.epilogue->empty()) {
       ApplyEpilogue(*t.epilogue, y, o, 1, t.out_w * L, 0);
     }
   }
 }
 
-/*! \brief Units [begin, end); 3x3 kernels (MobileNet's) keep their taps' weights in registers,
- * and at stride 1 or 2 (dilation 1) their tiles' column offsets are constants. */
+/*! \brief Units [begin, end); 3x3 kernels (MobileNet's) and 5x5 ones (EfficientNet's, MnasNet's)
+ * keep their taps' weights in registers (or the stack), and at stride 1 or 2 (dilation 1) their
+ * tiles' column offsets are constants. */
+template <int L, int K>
+__attribute__((always_inline)) inline void BlockedDepthwiseSquare(const BlockedDepthwiseWork& t,
+                                                                  int64_t begin, int64_t end) {
+  const bool dense = t.p.dilation_w == 1;
+  if (dense && t.p.stride_w == 1) {
+    BlockedDepthwiseRows<L, K, 1>(t, begin, end);
+  } else if (dense && t.p.stride_w == 2) {
+    BlockedDepthwiseRows<L, K, 2>(t, begin, end);
+  } else {
+    BlockedDepthwiseRows<L, K, 0>(t, begin, end);
+  }
+}
+
 template <int L>
 __attribute__((always_inline)) inline void BlockedDepthwiseUnits(const BlockedDepthwiseWork& t,
                                                                  int64_t begin, int64_t end) {
-  const bool k3 = t.kernel_h == 3 && t.kernel_w == 3, dense = t.p.dilation_w == 1;
-  if (k3 && dense && t.p.stride_w == 1) {
-    BlockedDepthwiseRows<L, 3, 1>(t, begin, end);
-  } else if (k3 && dense && t.p.stride_w == 2) {
-    BlockedDepthwiseRows<L, 3, 2>(t, begin, end);
-  } else if (k3) {
-    BlockedDepthwiseRows<L, 3, 0>(t, begin, end);
+  if (t.kernel_h == 3 && t.kernel_w == 3) {
+    BlockedDepthwiseSquare<L, 3>(t, begin, end);
+  } else if (t.kernel_h == 5 && t.kernel_w == 5) {
+    BlockedDepthwiseSquare<L, 5>(t, begin, end);
   } else {
     BlockedDepthwiseRows<L, 0, 0>(t, begin, end);
   }
@@ -2212,7 +2287,9 @@ void BlockedDepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams
   TVM_FFI_ICHECK(weight->shape[2] <= 16) << name << ": kernels of at most 16 rows";
   BlockedDepthwiseWork t{Data(data), Data(weight), Data(out), &epilogue, blocks, data->shape[2],
                          data->shape[3], weight->shape[2], weight->shape[3], out->shape[2],
-                         out->shape[3], p, block, IsBlockedVectorEpilogue(epilogue, block), 0, 1};
+                         out->shape[3], p, block, IsBlockedVectorEpilogue(epilogue, block)};
+  t.register_epilogue = t.vector_epilogue && !HasTranscendentalStep(epilogue);
+  t.bands = 1;
   if (batch == 0 || blocks == 0 || t.out_h * t.out_w == 0) return;
   t.num_units = batch * blocks * t.out_h;
   const int64_t work = t.num_units * t.out_w * block * t.kernel_h * t.kernel_w;
@@ -2277,6 +2354,73 @@ void ConvertBlockedLayout(DLTensor* data, DLTensor* out, bool to_blocked) {
   BlockedLayoutWork t{Data(data), Data(out), blocked->shape[0] * blocked->shape[1],
                       blocked->shape[2] * blocked->shape[3], blocked->shape[4], to_blocked};
   Launch(RunBlockedLayout, &t, t.planes * t.spatial * t.block >= kMinParallelCopy);
+}
+
+/*! \brief One spatial mean call: planes of `spatial` pixels of `block` channels each. */
+struct SpatialMeanWork {
+  const float* x;
+  float* y;
+  int64_t planes, spatial, block;
+};
+
+/*! \brief The mean of each of B channels over `spatial` pixels of B floats (B a compile-time
+ * block, so the lanes are one vector), four partial sums deep. */
+template <int B>
+void SpatialMeanPlane(const float* x, int64_t spatial, float* y) {
+  float sums[4][B] = {};
+  int64_t i = 0;
+  for (; i + 4 <= spatial; i += 4) {
+    for (int k = 0; k < 4; ++k) {
+      for (int c = 0; c < B; ++c) sums[k][c] += x[(i + k) * B + c];
+    }
+  }
+  for (; i < spatial; ++i) {
+    for (int c = 0; c < B; ++c) sums[0][c] += x[i * B + c];
+  }
+  const float scale = 1.0f / static_cast<float>(spatial);
+  for (int c = 0; c < B; ++c) y[c] = ((sums[0][c] + sums[1][c]) + (sums[2][c] + sums[3][c])) * scale;
+}
+
+int RunSpatialMean(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
+  const auto& t = *static_cast<const SpatialMeanWork*>(cdata);
+  const auto [begin, end] = TaskRange(task_id, penv, t.planes);
+  for (int64_t plane = begin; plane < end; ++plane) {
+    const float* x = t.x + plane * t.spatial * t.block;
+    float* y = t.y + plane * t.block;
+    if (t.block == 16) {
+      SpatialMeanPlane<16>(x, t.spatial, y);
+    } else if (t.block == 8) {
+      SpatialMeanPlane<8>(x, t.spatial, y);
+    } else {
+      for (int64_t c = 0; c < t.block; ++c) {
+        double sum = 0.0;
+        for (int64_t i = 0; i < t.spatial; ++i) sum += x[i * t.block + c];
+        y[c] = static_cast<float>(sum / static_cast<double>(t.spatial));
+      }
+    }
+  }
+  return 0;
+}
+
+/*!
+ * \brief The mean over the spatial axes of channel-blocked data [N, C / B, H, W, B] into
+ * out [N, C / B, 1, 1, B] (global average pooling, a squeeze-and-excitation block's squeeze):
+ * each pixel's B channels are one vector, added plane by plane on TVM's pool. TVM's generated
+ * reduction summed each channel on its own, B floats apart (EfficientNet-B0's 17 means took
+ * 3x onnxruntime's time).
+ */
+void SpatialMean(DLTensor* data, DLTensor* out) {
+  CheckCompactFloat32(data, "data");
+  CheckCompactFloat32(out, "out");
+  TVM_FFI_ICHECK(data->ndim == 5 && out->ndim == 5 && out->shape[0] == data->shape[0] &&
+                 out->shape[1] == data->shape[1] && out->shape[2] == 1 && out->shape[3] == 1 &&
+                 out->shape[4] == data->shape[4])
+      << "gimlet.cpu.nchwc_spatial_mean: data must be [N, C / B, H, W, B] and out [N, C / B, 1, "
+         "1, B]";
+  SpatialMeanWork t{Data(data), Data(out), data->shape[0] * data->shape[1],
+                    data->shape[2] * data->shape[3], data->shape[4]};
+  TVM_FFI_ICHECK(t.spatial > 0) << "gimlet.cpu.nchwc_spatial_mean: the mean of no pixels";
+  Launch(RunSpatialMean, &t, t.planes * t.spatial * t.block >= kMinParallelCopy);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2877,6 +3021,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            [](DLTensor* data, DLTensor* out) { ConvertBlockedLayout(data, out, true); })
       .def("gimlet.cpu.nchwc_to_nchw",
            [](DLTensor* data, DLTensor* out) { ConvertBlockedLayout(data, out, false); })
+      .def("gimlet.cpu.nchwc_spatial_mean", SpatialMean)
       .def_packed("gimlet.cpu.conv2d_nchw_winograd",
                   [](PackedArgs args, tvm::ffi::Any*) {
                     // (data, transformed weight, stride_h, stride_w, pad_top, pad_left,

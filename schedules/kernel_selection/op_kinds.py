@@ -31,7 +31,7 @@ from tvm import relax
 
 from ...relax_passes.dispatch_cpu_library import (library_attention, library_conv2d, library_matmul,
                                                    transposed_constant)
-from ...targets.kernels import Shape, Step
+from ...targets.kernels import STEP_ACTIVATIONS, Shape, Step
 from ...targets.kernels.dequant_gemv import BLOCK, BLOCK_FORMAT, DEQUANT_GEMV, HALF, LAYOUTS, OP_GROUP, dequant_gemv
 
 Attrs = tuple[tuple[str, float], ...]
@@ -61,7 +61,8 @@ def _with_epilogue(operands: list[relax.Expr], attrs: Attrs, library_steps: list
                    vectors_on_any_axis: bool) -> Group | None:
     """The group of a library call with its epilogue (`library_matmul`'s steps); None when an
     addend's shape is not static, or it is a vector along another axis than the output's
-    last (a divisor above 1) and not `vectors_on_any_axis`."""
+    last (a divisor above 1) and not `vectors_on_any_axis`, or an activation is none of
+    `STEP_ACTIVATIONS`."""
     addends, steps = [], []
     for step in library_steps:
         if step[0] == "add":
@@ -70,8 +71,10 @@ def _with_epilogue(operands: list[relax.Expr], attrs: Attrs, library_steps: list
                 return None
             addends.append(step[1])
             steps.append(("add", shape))
-        else:
+        elif step[0] in STEP_ACTIVATIONS:
             steps.append((step[0], ()))
+        else:
+            return None
     return Group(operands, attrs, addends, steps)
 
 

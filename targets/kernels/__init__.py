@@ -20,6 +20,10 @@ from ...runtime.extensions import cache_dir
 Shape = tuple[int, ...]
 Step = tuple[str, Shape]
 """An epilogue step: `("add", addend shape)`, `("relu", ())` or `("gelu", ())`."""
+STEP_ACTIVATIONS = ("relu", "gelu")
+"""The activations a step may be: what the candidates, references and kernel generators
+implement. A library call with another one in its epilogue (the CPU library's SiLU, sigmoid)
+is no op group."""
 
 MAX_ADDENDS = 2  # epilogue adds a kernel takes (bias and residual of a transformer layer)
 
