@@ -32,6 +32,9 @@ cover.
      only (a squeeze-and-excitation block's gate, [N, C, 1, 1], times its input), and max /
      average pooling (`layout="NCHW{B}c"`). The batch extent may be symbolic; the others
      must be static;
+   - a concat along the channels of tensors whose channel counts are multiples of B, one of
+     them blocked (SqueezeNet's fire modules, DenseNet's dense blocks), as a concat of the
+     blocked values along the channel blocks;
    - a mean over the spatial axes of a blocked value (global average pooling), taken on the
      blocked data (the CPU library's `gimlet.cpu.nchwc_spatial_mean`) and reshaped to the NCHW
      result: with one pixel left, [N, C / B, 1, 1, B] is NCHW's order, so the region ends
@@ -313,6 +316,8 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
             return relax.Call(call.op, [data, *call.args[1:]], call.attrs)
         if name == "relax.mean":
             return self._spatial_mean(call)
+        if name == "relax.concat":
+            return self._channel_concat(call)
         if name in ELEMENTWISE_BINARY:
             lhs, rhs = call.args
             blocked_lhs, blocked_rhs = self._operand(lhs), self._operand(rhs)
@@ -354,6 +359,22 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if len(shape) == 4 and not (padded[0] == 1 or analyzer.can_prove_equal(batch, call.ty.shape[0])):
             return None
         return relax.op.reshape(self.visit_expr(expr), [batch, channels // self.block, 1, 1, self.block])
+
+    def _channel_concat(self, call: relax.Call) -> relax.Expr | None:
+        """A concat along the channels of 4-D tensors whose channel counts are multiples of B,
+        one of them blocked: the blocked values concatenated along the channel blocks (the
+        others through a transform); None for other concats."""
+        parts = call.args[0]
+        if isinstance(parts, relax.Var):
+            parts = self.lookup_binding(parts)
+        if not isinstance(parts, relax.Tuple) or call.attrs.axis is None or call.ty.ndim != 4:
+            return None
+        if int(call.attrs.axis) % 4 != 1 or not any(self._operand(part) is not None for part in parts.fields):
+            return None
+        shapes = [_shape(part) for part in parts.fields]
+        if any(shape is None or len(shape) != 4 or shape[1] is None or shape[1] % self.block for shape in shapes):
+            return None
+        return relax.op.concat([self._edge(part) for part in parts.fields], axis=1)
 
     def _spatial_mean(self, call: relax.Call) -> relax.Expr | None:
         """A mean over axes 2 and 3 of a blocked value, as an NCHW-ordered result (see the

@@ -314,6 +314,48 @@ def test_squeeze_and_excitation_runs_blocked(block, monkeypatch) -> None:
     assert_matches_onnxruntime(se_net(), {"x": rand(2, 3, 17, 17, seed=6)})
 
 
+def concat_net(seed: int = 0) -> onnx.ModelProto:
+    """A SqueezeNet fire module (1x1 squeeze, 1x1 and 3x3 expands concatenated) followed by a
+    DenseNet layer (batch norm and ReLU before its conv, which no conv can fold, and the
+    conv's output concatenated to its input), on [N, 16, 11, 11]."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, scale=0.3):
+        return rng.standard_normal(shape, dtype=np.float32) * scale
+
+    weights = {"ws": normal(16, 16, 1, 1), "w1": normal(32, 16, 1, 1), "w3": normal(32, 16, 3, 3),
+               "gamma": normal(64) + 1, "beta": normal(64), "mean": normal(64),
+               "var": rng.uniform(0.5, 1.5, 64).astype(np.float32), "wd": normal(16, 64, 3, 3)}
+    nodes = [
+        helper.make_node("Conv", ["x", "ws"], ["s"]),
+        helper.make_node("Relu", ["s"], ["rs"]),
+        helper.make_node("Conv", ["rs", "w1"], ["e1"]),
+        helper.make_node("Relu", ["e1"], ["r1"]),
+        helper.make_node("Conv", ["rs", "w3"], ["e3"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["e3"], ["r3"]),
+        helper.make_node("Concat", ["r1", "r3"], ["fire"], axis=1),
+        helper.make_node("BatchNormalization", ["fire", "gamma", "beta", "mean", "var"], ["bn"]),
+        helper.make_node("Relu", ["bn"], ["rbn"]),
+        helper.make_node("Conv", ["rbn", "wd"], ["d"], pads=[1, 1, 1, 1]),
+        helper.make_node("Concat", ["fire", "d"], ["dense"], axis=1),
+        helper.make_node("GlobalAveragePool", ["dense"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["y"]),
+    ]
+    return onnx_model(nodes, [("x", ["N", 16, 11, 11])], ("y", ["N", 80]), weights)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_channel_concats_run_blocked(block, monkeypatch) -> None:
+    """Concats along the channels of blocked values stay blocked (a concat of the channel
+    blocks), and so do a batch norm's elementwise ops and ReLU between a concat and a conv:
+    one conversion (the NCHW input into the first conv), none back."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
+    script = dispatched(concat_net())
+    assert script.count(f'"{TO_BLOCKED_FUNC}"') == 1 and script.count(f'"{FROM_BLOCKED_FUNC}"') == 0
+    assert script.count("R.concat(") == 2
+    assert_matches_onnxruntime(concat_net(), {"x": rand(2, 16, 11, 11, seed=7)})
+
+
 def assert_matches_onnxruntime(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> None:
     """The model built for this CPU computes what onnxruntime does."""
     ours = gimlet_tvm.build(model, "llvm")(*inputs.values())
