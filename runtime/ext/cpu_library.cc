@@ -1089,8 +1089,11 @@ struct BlockedRowVectors {
 
 /*! \brief Step `i` of `epilogue` (IsBlockedVectorEpilogue) on the vector `v` of L channels of
  * one pixel of a channel-blocked output, at element offset `o` in the output, `vectors` its
- * channel block's. */
-template <int L>
+ * channel block's. Steps through exp (HasTranscendentalStep) only where kThroughExp: the
+ * register tiles' epilogues (which never have them) are compiled without their code, whose
+ * mere presence beside 24 accumulators made GCC spill accumulators in the taps loop
+ * (MobileNetV2's expansion convs with a ReLU6 ran 2x slower). */
+template <int L, bool kThroughExp>
 __attribute__((always_inline)) inline typename VectorOf<L>::Type BlockedEpilogueStep(
     const Epilogue& epilogue, size_t i, const BlockedRowVectors& vectors,
     typename VectorOf<L>::Type v, int64_t o) {
@@ -1106,23 +1109,28 @@ __attribute__((always_inline)) inline typename VectorOf<L>::Type BlockedEpilogue
       return v + operand;
     case EpilogueStep::kRelu:
       return v < V{} ? V{} : v;
-    case EpilogueStep::kSilu:
-      return Silu(v);
-    case EpilogueStep::kSigmoid:
-      return Sigmoid(v);
-    default:  // kClip
+    case EpilogueStep::kClip:
       v = v < step.lo ? V{} + step.lo : v;
       return v > step.hi ? V{} + step.hi : v;
+    case EpilogueStep::kSilu:
+      if constexpr (kThroughExp) return Silu(v);
+      break;
+    case EpilogueStep::kSigmoid:
+      if constexpr (kThroughExp) return Sigmoid(v);
+      break;
+    default:
+      break;
   }
+  __builtin_trap();  // a step IsBlockedVectorEpilogue rejects, or through exp in registers
 }
 
-/*! \brief `epilogue` (IsBlockedVectorEpilogue) on the vector `v` (see BlockedEpilogueStep): each
- * step while it is in a register. */
+/*! \brief `epilogue` (IsBlockedVectorEpilogue, no step through exp) on the vector `v` in
+ * registers (see BlockedEpilogueStep): each step while it is in a register. */
 template <int L>
 __attribute__((always_inline)) inline typename VectorOf<L>::Type BlockedEpilogueVector(
     const Epilogue& epilogue, const BlockedRowVectors& vectors, typename VectorOf<L>::Type v,
     int64_t o) {
-  for (size_t i = 0; i < epilogue.size(); ++i) v = BlockedEpilogueStep<L>(epilogue, i, vectors, v, o);
+  for (size_t i = 0; i < epilogue.size(); ++i) v = BlockedEpilogueStep<L, false>(epilogue, i, vectors, v, o);
   return v;
 }
 
@@ -1139,7 +1147,7 @@ __attribute__((always_inline)) inline void BlockedEpilogueVectors(const Epilogue
     for (int64_t r = 0; r < count; ++r) {
       V x;
       std::memcpy(&x, v + r * L, sizeof(V));
-      x = BlockedEpilogueStep<L>(epilogue, i, vectors, x, o + r * L);
+      x = BlockedEpilogueStep<L, true>(epilogue, i, vectors, x, o + r * L);
       std::memcpy(v + r * L, &x, sizeof(V));
     }
   }
@@ -1202,7 +1210,7 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
       for (int j = 0; j < NB; ++j)
 #pragma GCC unroll 32
         for (int q = 0; q < P; ++q) {
-          acc[j][q] = BlockedEpilogueStep<L>(*t.epilogue, i, output->vectors[j], acc[j][q],
+          acc[j][q] = BlockedEpilogueStep<L, false>(*t.epilogue, i, output->vectors[j], acc[j][q],
                                              o + j * plane + q * L);
         }
     }
