@@ -1,5 +1,7 @@
 """Models the suite does not contain, exported from torch to ONNX: torchvision's ResNet-18,
-ResNet-50 and MobileNetV2, and BERT-base and GPT-2 of transformers (random weights, seeded).
+ResNet-50 and MobileNetV2, the CNNs of `torch_cnns.py` (EfficientNet-B0, SqueezeNet 1.1,
+ShuffleNetV2, DenseNet-121, ResNeXt-50, ConvNeXt-T), and BERT-base and GPT-2 of transformers
+(random weights, seeded).
 
 torchvision has no wheel for the installed torch, so the three CNNs are defined here with
 torchvision's exact layer structure (module for module: `conv1`/`bn1`/`maxpool`/`layer1..4`/
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,9 @@ import onnx
 import torch
 import transformers
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch_cnns  # noqa: E402  (benchmarks/ is not a package)
 
 # gimlet_tvm (and so TVM) is imported only when a model is first cached: callers pin thread
 # counts before that.
@@ -258,6 +264,12 @@ def models(image_size: int = 224, tokens: int = 128) -> dict[str, TorchModel]:
         _image_model("torch_resnet18", lambda: ResNet(BasicBlock, [2, 2, 2, 2]), image_size),
         _image_model("torch_resnet50", lambda: ResNet(Bottleneck, [3, 4, 6, 3]), image_size),
         _image_model("torch_mobilenetv2", MobileNetV2, image_size),
+        _image_model("torch_efficientnet_b0", torch_cnns.EfficientNetB0, image_size),
+        _image_model("torch_squeezenet", torch_cnns.SqueezeNet11, image_size),
+        _image_model("torch_shufflenet_v2", torch_cnns.ShuffleNetV2, image_size),
+        _image_model("torch_densenet121", torch_cnns.DenseNet121, image_size),
+        _image_model("torch_resnext50", torch_cnns.ResNeXt50, image_size),
+        _image_model("torch_convnext_tiny", torch_cnns.ConvNeXtTiny, image_size),
         TorchModel("torch_bert", lambda: bert_onnx(tokens=tokens), "input_ids", (1, tokens), 30522),
         TorchModel("torch_gpt2", lambda: gpt2_onnx(768, 12, 12, 50257, tokens), "input_ids",
                    (1, tokens), 50257),

@@ -30,11 +30,19 @@ def test_cnns_have_torchvisions_structure(name: str, parameters: int, convs: int
     assert sum(isinstance(m, torch_models.nn.Conv2d) for m in model.modules()) == convs
 
 
+@pytest.mark.parametrize("name, parameters", [
+    ("EfficientNetB0", 5_288_548), ("SqueezeNet11", 1_235_496), ("ShuffleNetV2", 2_278_604),
+    ("DenseNet121", 7_978_856), ("ResNeXt50", 25_028_904), ("ConvNeXtTiny", 28_589_128)])
+def test_more_cnns_have_torchvisions_parameter_counts(name: str, parameters: int) -> None:
+    model = getattr(torch_models.torch_cnns, name)()
+    assert sum(p.numel() for p in model.parameters()) == parameters
+
+
 def _small_models() -> list:
     """The exported models at test sizes: 32x32 images; BERT and GPT-2 narrow and shallow."""
     images = torch_models.models(image_size=32)
     return [
-        images["torch_resnet18"], images["torch_mobilenetv2"], images["torch_resnet50"],
+        *(model for name, model in images.items() if model.vocab is None),
         torch_models.TorchModel("torch_bert_tiny", lambda: torch_models.bert_onnx(
             hidden=32, layers=2, heads=2, intermediate=64, vocab_size=97, tokens=8),
             "input_ids", (1, 8), 97),
