@@ -13,8 +13,8 @@ budget, kernel selection included; the tuning time is noted under the table):
 
 `--models` also takes models the suite does not contain, exported from torch
 (`torch_models.py`: torch_resnet18, torch_resnet50, torch_mobilenetv2, torch_efficientnet_b0,
-torch_squeezenet, torch_shufflenet_v2, torch_densenet121, torch_resnext50, torch_convnext_tiny
-at 224x224, torch_bert and torch_gpt2 at 128 tokens, all batch 1); those run only when named.
+torch_mobilenet_v3, torch_squeezenet, torch_shufflenet_v2, torch_densenet121, torch_resnext50,
+torch_convnext_tiny at 224x224, torch_bert and torch_gpt2 at 128 tokens, all batch 1); those run only when named.
 
 Every engine gets the same model with its batch dimension fixed, the same inputs and the
 same thread count. Outputs are checked against onnxruntime before timing; an engine that

@@ -1,6 +1,7 @@
 """More CNNs the suite does not contain, with torchvision's layer structure (torchvision has no
 wheel for the installed torch): EfficientNet-B0 (SiLU, squeeze-and-excitation, 5x5 depthwise
-convs), SqueezeNet 1.1 (fire modules: concats of 1x1 and 3x3 expands), ShuffleNetV2 x1.0
+convs), MobileNetV3-Large (hard-swish, hard-sigmoid gates, channel counts off the CPU's vector
+width), SqueezeNet 1.1 (fire modules: concats of 1x1 and 3x3 expands), ShuffleNetV2 x1.0
 (channel splits and shuffles, channel counts off the CPU's vector width), DenseNet-121 (dense
 blocks: concats, batch norms before convs), ResNeXt-50 32x4d (grouped 3x3 convs) and
 ConvNeXt-T (7x7 depthwise convs, layer norms over channels, GELU MLPs as 1x1 linears).
@@ -68,6 +69,59 @@ class EfficientNetB0(nn.Module):
         layers.append(_conv_bn(320, 1280, 1, act=nn.SiLU, eps=1e-3))
         self.features = nn.Sequential(*layers)
         self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(1280, 1000))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(F.adaptive_avg_pool2d(self.features(x), 1), 1))
+
+
+def _make_divisible(value: float, divisor: int = 8) -> int:
+    """torchvision.models._utils._make_divisible: the nearest multiple of `divisor`, not 10% under."""
+    rounded = max(divisor, int(value + divisor / 2) // divisor * divisor)
+    return rounded + divisor if rounded < 0.9 * value else rounded
+
+
+class HardSqueezeExcitation(SqueezeExcitation):
+    """torchvision.ops.SqueezeExcitation as MobileNetV3 uses it: ReLU inside, hard-sigmoid gate."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * F.hardsigmoid(self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(x, 1)))))
+
+
+class InvertedResidualV3(nn.Module):
+    """torchvision.models.mobilenetv3.InvertedResidual."""
+
+    def __init__(self, c_in: int, kernel: int, hidden: int, c_out: int, se: bool, hard_swish: bool,
+                 stride: int) -> None:
+        super().__init__()
+        act = nn.Hardswish if hard_swish else nn.ReLU
+        self.use_res_connect = stride == 1 and c_in == c_out
+        layers = [] if hidden == c_in else [_conv_bn(c_in, hidden, 1, act=act, eps=1e-3)]
+        layers.append(_conv_bn(hidden, hidden, kernel, stride, hidden, act, 1e-3))
+        if se:
+            layers.append(HardSqueezeExcitation(hidden, _make_divisible(hidden // 4)))
+        layers.append(_conv_bn(hidden, c_out, 1, act=None, eps=1e-3))
+        self.block = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x) if self.use_res_connect else self.block(x)
+
+
+class MobileNetV3Large(nn.Module):
+    """torchvision.models.mobilenet_v3_large."""
+
+    BLOCKS = [(16, 3, 16, 16, False, False, 1), (16, 3, 64, 24, False, False, 2), (24, 3, 72, 24, False, False, 1),
+              (24, 5, 72, 40, True, False, 2), (40, 5, 120, 40, True, False, 1), (40, 5, 120, 40, True, False, 1),
+              (40, 3, 240, 80, False, True, 2), (80, 3, 200, 80, False, True, 1), (80, 3, 184, 80, False, True, 1),
+              (80, 3, 184, 80, False, True, 1), (80, 3, 480, 112, True, True, 1), (112, 3, 672, 112, True, True, 1),
+              (112, 5, 672, 160, True, True, 2), (160, 5, 960, 160, True, True, 1), (160, 5, 960, 160, True, True, 1)]
+    # input channels, kernel, expanded channels, output channels, SE, hard-swish, stride
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(_conv_bn(3, 16, 3, 2, act=nn.Hardswish, eps=1e-3),
+                                      *[InvertedResidualV3(*block) for block in self.BLOCKS],
+                                      _conv_bn(160, 960, 1, act=nn.Hardswish, eps=1e-3))
+        self.classifier = nn.Sequential(nn.Linear(960, 1280), nn.Hardswish(), nn.Dropout(0.2), nn.Linear(1280, 1000))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.flatten(F.adaptive_avg_pool2d(self.features(x), 1), 1))

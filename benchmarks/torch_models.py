@@ -1,5 +1,5 @@
 """Models the suite does not contain, exported from torch to ONNX: torchvision's ResNet-18,
-ResNet-50 and MobileNetV2, the CNNs of `torch_cnns.py` (EfficientNet-B0, SqueezeNet 1.1,
+ResNet-50 and MobileNetV2, the CNNs of `torch_cnns.py` (EfficientNet-B0, MobileNetV3-Large, SqueezeNet 1.1,
 ShuffleNetV2, DenseNet-121, ResNeXt-50, ConvNeXt-T), and BERT-base and GPT-2 of transformers
 (random weights, seeded).
 
@@ -265,6 +265,7 @@ def models(image_size: int = 224, tokens: int = 128) -> dict[str, TorchModel]:
         _image_model("torch_resnet50", lambda: ResNet(Bottleneck, [3, 4, 6, 3]), image_size),
         _image_model("torch_mobilenetv2", MobileNetV2, image_size),
         _image_model("torch_efficientnet_b0", torch_cnns.EfficientNetB0, image_size),
+        _image_model("torch_mobilenet_v3", torch_cnns.MobileNetV3Large, image_size),
         _image_model("torch_squeezenet", torch_cnns.SqueezeNet11, image_size),
         _image_model("torch_shufflenet_v2", torch_cnns.ShuffleNetV2, image_size),
         _image_model("torch_densenet121", torch_cnns.DenseNet121, image_size),

@@ -31,7 +31,7 @@ def test_cnns_have_torchvisions_structure(name: str, parameters: int, convs: int
 
 
 @pytest.mark.parametrize("name, parameters", [
-    ("EfficientNetB0", 5_288_548), ("SqueezeNet11", 1_235_496), ("ShuffleNetV2", 2_278_604),
+    ("EfficientNetB0", 5_288_548), ("MobileNetV3Large", 5_483_032), ("SqueezeNet11", 1_235_496), ("ShuffleNetV2", 2_278_604),
     ("DenseNet121", 7_978_856), ("ResNeXt50", 25_028_904), ("ConvNeXtTiny", 28_589_128)])
 def test_more_cnns_have_torchvisions_parameter_counts(name: str, parameters: int) -> None:
     model = getattr(torch_models.torch_cnns, name)()
