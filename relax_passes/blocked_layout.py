@@ -44,8 +44,9 @@ cover.
    value), and so does a dataflow block's output; a blocked conv or binary op that reads an
    NCHW tensor gets one into NCHW{B}c (once per tensor). Conversions are the CPU library's
    `gimlet.cpu.nchw_to_nchwc` / `nchwc_to_nchw` calls (TVM's generated `R.layout_transform`
-   kernels took several times as long), or reshapes for tensors of one pixel (the same order). So conversions of activations sit only at the regions'
-   edges (the network's input side, global pooling / flatten, outputs), never around each op.
+   kernels took several times as long), or reshapes for tensors of one pixel (the same
+   order). So conversions of activations sit only at the regions' edges (the network's input
+   side, global pooling / flatten, outputs), never around each op.
 3. It does not handle: convs with output channel counts that are not multiples of B (they
    stay NCHW, and so do the ops between them), grouped convs other than depthwise, depthwise
    convs with a channel multiplier, other dtypes, symbolic channel or spatial extents, binary

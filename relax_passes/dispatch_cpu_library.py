@@ -60,10 +60,11 @@ OpenBLAS-backed CPU library.
      `R.add` of a tensor of the output's shape (residual) or of a tensor broadcast along one
      axis (bias, any scalar) or, for a 5-D output [N, C / B, H, W, B], along axes 1 and 4 (a
      blocked per-channel bias: `ADD_BLOCKED_VECTOR`, applied on vectors), `R.nn.relu`,
-     `R.nn.gelu`, `R.nn.silu` (what `FuseSiLU` makes of x * sigmoid(x)), `R.sigmoid`, and `R.maximum` / `R.minimum` with a scalar constant (a clip step; a
-     maximum followed by a minimum, as the ONNX importer writes Clip and ReLU6, is one), in
-     any order and number, when the call's result has no other use. The library applies
-     them to each output block right after computing it.
+     `R.nn.gelu`, `R.nn.silu` (what `FuseSiLU` makes of x * sigmoid(x)), `R.sigmoid`, and
+     `R.maximum` / `R.minimum` with a scalar constant (a clip step; a maximum followed by a
+     minimum, as the ONNX importer writes Clip and ReLU6, is one), in any order and number,
+     when the call's result has no other use. The library applies them to each output block
+     right after computing it.
    Epilogues are not fused within `graph_fusion.graph_fusion_disabled()`.
    Only calls on the host are rewritten: tensors without a virtual device, or with one whose
    target's spec lists the CPU library.
