@@ -64,10 +64,6 @@ def canonicalize_passes() -> list[tvm.transform.Pass]:
         NaNSafeComparisons(),
         relax.transform.FoldBatchnormToConv2D(),
         relax.transform.DecomposeOpsForInference(),
-        # A batch norm that folded into no conv decomposes into a tuple whose first field the
-        # graph reads: read it directly, so that layout passes see the elementwise ops' users
-        # (DenseNet's pre-activation batch norms left the blocked layout through the tuple).
-        relax.transform.CanonicalizeBindings(),
         FoldConstantsWithNumpy(),
         relax.transform.FoldConstant(),
         relax.transform.EliminateCommonSubexpr(),
