@@ -20,6 +20,7 @@ from tvm.relax.frontend.onnx import onnx_frontend
 
 from . import onnx_ops
 from .carriers import carrier, is_carried
+from .relax_passes.checked_shapes import CheckedShapes
 from .errors import InputError, ModelImportError, ModelLoadError, UnsupportedOpError, summary
 from .io_spec import Dim, IOSpec, TensorSpec
 from .resources import Need, require
@@ -338,4 +339,6 @@ def import_model(
             )
         except Exception as err:  # a converter can fail with any error type: name it
             raise ModelImportError(f"ONNX import failed: {summary(err)}") from err
+    # Sizes computed at run time are checked to fit in memory before they size a tensor.
+    mod = CheckedShapes()(mod)
     return mod, IOSpec(tuple(inputs), _output_specs(model, mod))

@@ -309,12 +309,28 @@ def test_bad_sizes_raise_input_error(case) -> None:
 
 
 def test_a_size_past_memory_is_a_run_error() -> None:
-    """Valid in shape and dtype, values whose tensor cannot be allocated: RunError, not a
-    crash (std::bad_alloc inside TVM)."""
+    """Valid in shape and dtype, values whose tensor cannot be allocated (12 * 2^38 floats):
+    RunError, not a crash (std::bad_alloc inside TVM)."""
     model, good, _, _ = SIZE_CASES["Tile"]
     built = gimlet_tvm.build(model, "llvm")
     with pytest.raises(RunError, match="running the model failed"):
-        built.run(_feeds(model, {"r": [1 << 40, 1 << 20]}))
+        built.run(_feeds(model, {"r": [1 << 20, 1 << 18]}))
+
+
+@pytest.mark.parametrize("case, sizes", [
+    ("Tile", {"r": [1 << 40, 1 << 20]}), ("Range", {"b": 1 << 61}), ("Pad", {"p": [0, 0, 1 << 62, 0]}),
+    ("ConstantOfShape", {"s": [1 << 40, 1 << 24]}), ("Resize size", {"z": [1, 1, 1 << 31, 1 << 31]}),
+])
+def test_a_size_whose_byte_count_wraps_is_an_input_error(case, sizes) -> None:
+    """Sizes each within int64 whose product's byte count is not (12 * 2^60 floats wrap to 0
+    bytes): InputError before anything is allocated; without the check the kernel wrote past
+    a 0-byte allocation and the process died."""
+    model, good, _, _ = SIZE_CASES[case]
+    built = gimlet_tvm.build(model, "llvm")
+    with pytest.raises(InputError, match="a shape computed at run time holds over 2"):
+        built.run(_feeds(model, {**good, **sizes}))
+    feeds = _feeds(model, good)
+    assert_matches(built.run(feeds).values(), onnxruntime_outputs(model, feeds))
 
 
 @pytest.mark.parametrize("case", ["Reshape count", "Slice step 0", "Expand"])
