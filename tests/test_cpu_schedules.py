@@ -183,3 +183,28 @@ def test_window_reduction_writes_all_of_an_epilogue_larger_than_it() -> None:
         results.append(out.numpy())
     assert not np.isnan(results[1]).any()
     np.testing.assert_array_equal(results[1], results[0])
+
+
+@pytest.mark.parametrize("channels, size", [(232, 14), (116, 28), (464, 7)])
+def test_channel_shuffle_vectors_stay_within_a_channel(channels: int, size: int) -> None:
+    """ShuffleNet's channel shuffle (reshape to two groups, swap them, reshape back) reads
+    channel c % 2 * C / 2 + c // 2: its vectors run along one channel's pixels, the channel
+    axis bound to no vectorized loop (across channels each lane's address is its own); and it
+    computes what onnxruntime does."""
+    half = channels // 2
+    nodes = [
+        helper.make_node("Reshape", ["x", "grouped"], ["g"]),
+        helper.make_node("Transpose", ["g"], ["t"], perm=[0, 2, 1, 3, 4]),
+        helper.make_node("Reshape", ["t", "flat"], ["y"]),
+    ]
+    consts = {"grouped": np.array([2, 2, half, size, size], np.int64),
+              "flat": np.array([2, channels, size, size], np.int64)}
+    model = onnx_model(nodes, [("x", [2, channels, size, size])], ("y", None), consts)
+    (func,) = fused_prim_funcs(from_onnx(model, keep_params_in_input=False)).values()
+    scheduled = RULES[0]().apply(func, TARGET, False).mod.script()
+    vector_loops = re.findall(r"for (\w+) in T\.vectorized", scheduled)
+    channel_axes = re.findall(rf"\w+ = T\.axis\.spatial\(T\.int64\({channels}\), (.*)\)", scheduled)
+    assert vector_loops and channel_axes
+    assert not any(re.search(rf"\b{loop}\b", axis) for loop in vector_loops for axis in channel_axes), scheduled
+    ours, reference = run_both(model, {"x": rand(2, channels, size, size, seed=1)})
+    np.testing.assert_array_equal(ours, reference)
