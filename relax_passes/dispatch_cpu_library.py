@@ -62,9 +62,11 @@ OpenBLAS-backed CPU library.
      blocked per-channel bias: `ADD_BLOCKED_VECTOR`, applied on vectors), `R.nn.relu`,
      `R.nn.gelu`, `R.nn.silu` (what `FuseSiLU` makes of x * sigmoid(x)), `R.sigmoid`, and
      `R.maximum` / `R.minimum` with a scalar constant (a clip step; a maximum followed by a
-     minimum, as the ONNX importer writes Clip and ReLU6, is one), in any order and number,
-     when the call's result has no other use. The library applies them to each output block
-     right after computing it.
+     minimum, as the ONNX importer writes Clip and ReLU6, is one), `x * hard_sigmoid(x)`
+     (hard-swish, as the importer writes ONNX HardSwish or HardSigmoid times x: the chain
+     `hard_sigmoid_input` recognizes), in any order and number, when the call's result has
+     no other use (a hard-swish: but its gate). The library applies them to each output
+     block right after computing it.
    Epilogues are not fused within `graph_fusion.graph_fusion_disabled()`.
    Only calls on the host are rewritten: tensors without a virtual device, or with one whose
    target's spec lists the CPU library.
@@ -122,8 +124,11 @@ _EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, IM2COL_CONV2D_FUNC: 9, DIRECT
                    BLOCKED_DEPTHWISE_CONV2D_FUNC: 8}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
-ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU, ADD_BLOCKED_VECTOR, SILU, SIGMOID = 0, 1, 2, 3, 4, 5, 6, 7
+ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU, ADD_BLOCKED_VECTOR, SILU, SIGMOID, HARD_SWISH = 0, 1, 2, 3, 4, 5, 6, 7, 8
 ACTIVATIONS = {"relax.nn.relu": RELU, "relax.nn.gelu": GELU, "relax.nn.silu": SILU, "relax.sigmoid": SIGMOID}
+# Ops a hard-sigmoid chain is made of (`hard_sigmoid_input`): scalar affine steps and clips.
+_AFFINE_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide")
+_CLIP_OPS = ("relax.clip", "relax.maximum", "relax.minimum")
 
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchCPULibrary")
@@ -519,7 +524,7 @@ def _epilogue_steps(args: list[relax.Expr]) -> list:
     """A library call's epilogue arguments as steps (see `library_matmul`; a clip step is
     `("clip", lo, hi)`, a blocked output's per-channel vector `("add_blocked", vector, divisor,
     block)`)."""
-    names = {code: name for name, code in ACTIVATIONS.items()}
+    names = {code: name for name, code in ACTIVATIONS.items()} | {HARD_SWISH: "relax.hard_swish"}
     steps, index = [], 0
     while index < len(args):
         kind = int(args[index].value)
@@ -548,6 +553,74 @@ def library_attention(call: relax.Expr) -> tuple[list[relax.Expr], float] | None
         return None
     *operands, scale = call.args[1].fields
     return operands, float(scale.value)
+
+
+def hard_sigmoid_input(gate: relax.Expr, binding_of: Callable[[relax.Expr], relax.Expr | None]) -> relax.Expr | None:
+    """The x of which `gate` computes hard_sigmoid(x) = clip(x / 6 + 1 / 2, 0, 1), else None.
+
+    The gate must be a chain of ops by float32 scalar constants (add, subtract, multiply,
+    divide) with one clip (`R.clip`, or `R.maximum` / `R.minimum` by a constant) among them,
+    each link found through `binding_of`: the ONNX importer's HardSwish (clip(x + 3, 0, 6) / 6)
+    and HardSigmoid with alpha 1/6, beta 1/2 (clip(x / 6 + 1/2, 0, 1)) alike. The chain is
+    pre(x) = a1 x + b1, clipped to [lo, hi], then post(y) = a2 y + b2; it is hard-sigmoid when
+    pre's breakpoints lo and hi fall at x = -3 and 3 and post maps lo to 0 and hi to 1."""
+    links: list[tuple[str, float, float]] = []  # outermost first: ("affine", a, b) or ("clip", lo, hi)
+    expr = gate
+    while len(links) < 8:
+        call = binding_of(expr)
+        if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
+            break
+        link = _chain_link(call)
+        if link is None:
+            break
+        links.append(link[0])
+        expr = link[1]
+    pre, bounds, post = (1.0, 0.0), None, (1.0, 0.0)
+    for kind, first, second in reversed(links):
+        if kind == "clip":
+            if post != (1.0, 0.0):
+                return None  # a second clip after an affine step: not one clip
+            lo, hi = bounds or (-math.inf, math.inf)
+            bounds = (max(lo, first), min(hi, second))
+        elif bounds is None:
+            pre = (first * pre[0], first * pre[1] + second)
+        else:
+            post = (first * post[0], first * post[1] + second)
+    if bounds is None or pre[0] <= 0 or not all(map(math.isfinite, bounds)):
+        return None
+    (a1, b1), (lo, hi), (a2, b2) = pre, bounds, post
+    expected = ((lo - b1) / a1, -3.0), ((hi - b1) / a1, 3.0), (a2 * lo + b2, 0.0), (a2 * hi + b2, 1.0)
+    return expr if all(math.isclose(got, want, abs_tol=1e-6) for got, want in expected) else None
+
+
+def _chain_link(call: relax.Call) -> tuple[tuple[str, float, float], relax.Expr] | None:
+    """One op of a hard-sigmoid chain: (("affine", a, b): a x + b, or ("clip", lo, hi)), and
+    its operand x; None for anything else."""
+    name = call.op.name
+    if name == "relax.clip":
+        lo, hi = (float(arg.value) if isinstance(arg, (tvm.tirx.IntImm, tvm.tirx.FloatImm)) else None
+                  for arg in call.args[1:3])
+        return None if lo is None or hi is None else (("clip", lo, hi), call.args[0])
+    if name not in _AFFINE_OPS and name not in _CLIP_OPS[1:]:
+        return None
+    for operand, constant, constant_first in ((call.args[0], call.args[1], False), (call.args[1], call.args[0], True)):
+        c = _scalar_constant(constant)
+        if c is None:
+            continue
+        if name == "relax.maximum":
+            return ("clip", c, math.inf), operand
+        if name == "relax.minimum":
+            return ("clip", -math.inf, c), operand
+        if name == "relax.add":
+            return ("affine", 1.0, c), operand
+        if name == "relax.multiply":
+            return ("affine", c, 0.0), operand
+        if name == "relax.subtract":
+            return (("affine", -1.0, c) if constant_first else ("affine", 1.0, -c)), operand
+        if name == "relax.divide" and not constant_first and c != 0:
+            return ("affine", 1.0 / c, 0.0), operand
+        return None
+    return None
 
 
 def _use_counts(func: relax.Function) -> collections.Counter:
@@ -626,16 +699,20 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             rewritten = self._with_added(*call.args)
             if rewritten is None:
                 rewritten = self._with_added(*call.args[::-1])
+        elif call.op.name == "relax.multiply":
+            rewritten = self._with_hard_swish(*call.args)
+            if rewritten is None:
+                rewritten = self._with_hard_swish(*call.args[::-1])
         elif call.op.name in ("relax.maximum", "relax.minimum"):
             rewritten = self._with_clipped(call.op.name == "relax.maximum", *call.args)
             if rewritten is None:
                 rewritten = self._with_clipped(call.op.name == "relax.maximum", *call.args[::-1])
         return call if rewritten is None else rewritten
 
-    def _with_epilogue(self, result: relax.Expr, steps: list[relax.Expr]) -> relax.Expr | None:
+    def _with_epilogue(self, result: relax.Expr, steps: list[relax.Expr], uses: int = 1) -> relax.Expr | None:
         """The matmul / conv2d library call `result` is bound to, with `steps` appended to its
-        epilogue, when `result` has no other use."""
-        if not self.fuse_epilogues or not isinstance(result, relax.Var) or self.use_counts[result] != 1:
+        epilogue, when `result` has no other use than the `uses` the steps replace."""
+        if not self.fuse_epilogues or not isinstance(result, relax.Var) or self.use_counts[result] != uses:
             return None
         bound = self.lookup_binding(result)
         if not (
@@ -665,6 +742,19 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             args[-1] = relax.prim_value(hi)
             return relax.call_dps_packed(func, args, result.ty)
         return fused
+
+    def _with_hard_swish(self, result: relax.Expr, gate: relax.Expr) -> relax.Expr | None:
+        """`result * gate` as a hard-swish step of the library call `result` is bound to, where
+        `gate` is hard_sigmoid(result) (`hard_sigmoid_input`) through bindings used once: the
+        call's result is read by the gate and the product only, which the step replaces."""
+        source = hard_sigmoid_input(gate, self._single_use_binding)
+        if source is None or not source.same_as(result) or not _is_float32_tensor(result.ty, 1):
+            return None
+        return self._with_epilogue(result, [relax.prim_value(HARD_SWISH)], uses=2)
+
+    def _single_use_binding(self, var: relax.Expr) -> relax.Expr | None:
+        """The value bound to `var` where it is used once, else None."""
+        return self.lookup_binding(var) if isinstance(var, relax.Var) and self.use_counts[var] == 1 else None
 
     def _with_added(self, result: relax.Expr, addend: relax.Expr) -> relax.Expr | None:
         """`result + addend` as an epilogue step of the library call `result` is bound to."""

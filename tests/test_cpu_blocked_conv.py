@@ -38,7 +38,7 @@ from gimlet_tvm.targets import host_spec
 from .test_cpu_direct_conv import reference_conv
 from .test_cpu_library import onnx_model, rand
 
-ADD_TENSOR, RELU, CLIP, ADD_BLOCKED_VECTOR, SILU, SIGMOID = 1, 2, 3, 5, 6, 7
+ADD_TENSOR, RELU, CLIP, ADD_BLOCKED_VECTOR, SILU, SIGMOID, HARD_SWISH = 1, 2, 3, 5, 6, 7, 8
 BLOCKS = [8, 16]
 
 
@@ -159,8 +159,16 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
 
 
+def hard_swish(x: np.ndarray) -> np.ndarray:
+    return x * np.clip(x / 6 + 0.5, 0, 1)
+
+
+ACTIVATION_STEPS = pytest.mark.parametrize("step, reference", [(SILU, silu), (SIGMOID, sigmoid), (HARD_SWISH, hard_swish)],
+                                           ids=["silu", "sigmoid", "hard_swish"])
+
+
 @pytest.mark.parametrize("block", BLOCKS)
-@pytest.mark.parametrize("step, reference", [(SILU, silu), (SIGMOID, sigmoid)], ids=["silu", "sigmoid"])
+@ACTIVATION_STEPS
 @pytest.mark.parametrize(
     "batch, in_c, size, out_c, kernel, stride",
     [
@@ -170,10 +178,11 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
         (1, 32, (11, 13), 64, (1, 1), (1, 1)),  # AVX-512: 4-block tiles
     ],
 )
-def test_blocked_direct_conv2d_exp_epilogues(block, step, reference, batch, in_c, size, out_c, kernel,
-                                             stride) -> None:
-    """SiLU and sigmoid steps (through exp, applied to the stored tiles, not in registers)
-    after a bias, on outputs out to +-90 (past exp's range for the naive formula)."""
+def test_blocked_direct_conv2d_activation_epilogues(block, step, reference, batch, in_c, size, out_c, kernel,
+                                                    stride) -> None:
+    """SiLU, sigmoid and hard-swish steps (applied to the stored tiles, not in registers) after
+    a bias, on outputs out to +-90 (past exp's range for the naive formula, across
+    hard-swish's breakpoints)."""
     load_extensions()
     pads = tuple(k // 2 for k in kernel)
     oh, ow = out_size(size, kernel, stride, pads, (1, 1))
@@ -190,11 +199,11 @@ def test_blocked_direct_conv2d_exp_epilogues(block, step, reference, batch, in_c
 
 
 @pytest.mark.parametrize("block", BLOCKS)
-@pytest.mark.parametrize("step, reference", [(SILU, silu), (SIGMOID, sigmoid)], ids=["silu", "sigmoid"])
+@ACTIVATION_STEPS
 @pytest.mark.parametrize("kernel, stride", [((3, 3), (1, 1)), ((5, 5), (1, 1)), ((5, 5), (2, 2)), ((7, 7), (1, 1))])
-def test_blocked_depthwise_exp_epilogues(block, step, reference, kernel, stride) -> None:
+def test_blocked_depthwise_activation_epilogues(block, step, reference, kernel, stride) -> None:
     """The depthwise kernel's 3x3 and 5x5 instances (constant taps, strides 1 and 2) and its
-    generic one (7x7), with SiLU or sigmoid applied to each stored row."""
+    generic one (7x7), with SiLU, sigmoid or hard-swish after each row."""
     load_extensions()
     channels, size = 32, (15, 13)
     pads = tuple(k // 2 for k in kernel)

@@ -327,6 +327,36 @@ def test_silu_and_sigmoid_are_epilogues(op: str, activation: str) -> None:
     check(model, {"x": x})
 
 
+@pytest.mark.parametrize("op", ["Conv", "MatMul"])
+@pytest.mark.parametrize("form, fused", [
+    ("HardSwish", True),  # clip(x + 3, 0, 6) / 6 * x, as the importer writes it
+    ("HardSigmoid 1/6", True),  # clip(x / 6 + 1/2, 0, 1) * x: the same function
+    ("HardSigmoid 0.2", False),  # ONNX's default alpha: another function, stays a kernel of its own
+])
+def test_hard_swish_is_an_epilogue(op: str, form: str, fused: bool) -> None:
+    """MobileNetV3's hard-swish after a conv or matmul (with a bias) runs in the library call's
+    epilogue, whichever way the model writes it; a hard-sigmoid of other slopes times x does
+    not, and both compute what onnxruntime does."""
+    if op == "Conv":
+        first = [node("Conv", ["x", "w", "b"], "c", pads=[1, 1, 1, 1])]
+        init = {"w": rand(16, 8, 3, 3, seed=1), "b": rand(16, seed=2)}
+        shapes = [("x", ["n", 8, 12, 12])], ("y", ["n", 16, 12, 12])
+        x = rand(2, 8, 12, 12) * 3
+    else:
+        first = [node("MatMul", ["x", "w"], "m"), node("Add", ["m", "b"], "c")]
+        init = {"w": rand(24, 40, seed=1), "b": rand(40, seed=2)}
+        shapes = [("x", ["n", 7, 24])], ("y", ["n", 7, 40])
+        x = rand(3, 7, 24) * 3
+    if form == "HardSwish":
+        tail = [node("HardSwish", ["c"], "y")]
+    else:
+        alpha = 1 / 6 if form == "HardSigmoid 1/6" else 0.2
+        tail = [node("HardSigmoid", ["c"], "g", alpha=alpha, beta=0.5), node("Mul", ["g", "c"], "y")]
+    model = onnx_model([*first, *tail], *shapes, init)
+    assert kernel_counts(model) == (2, 1 if fused else 2)
+    check(model, {"x": x})
+
+
 @pytest.mark.parametrize("channels, bounds, launches", [
     (8, (0.0, 6.0), 1),  # ReLU6 after the direct kernel (3x3, two channel blocks of 8)
     (3, (-1.0, 0.5), 1),  # after im2col + OpenBLAS (3 input channels)

@@ -130,6 +130,15 @@ inline V Silu(V x) {
   return x * Sigmoid(x);
 }
 
+/*! \brief Hard-swish, x * clip(x + 3, 0, 6) / 6 (ONNX HardSwish; MobileNetV3's activation). */
+template <typename V>
+inline V HardSwish(V x) {
+  V gate = x + 3.0f;
+  gate = gate < V{} ? V{} : gate;
+  gate = gate > 6.0f ? V{} + 6.0f : gate;
+  return x * gate * (1.0f / 6.0f);
+}
+
 /*! \brief erf(x): Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7) on |x|. */
 inline Floats Erf(Floats x) {
   const auto negative = x < Floats{};
@@ -169,7 +178,7 @@ void MapInPlace(float* data, int64_t n, F f) {
 struct EpilogueStep {
   enum Kind : int64_t {
     kAddVector = 0, kAddTensor = 1, kRelu = 2, kClip = 3, kGelu = 4, kAddBlockedVector = 5,
-    kSilu = 6, kSigmoid = 7
+    kSilu = 6, kSigmoid = 7, kHardSwish = 8
   };
   Kind kind;
   const float* data = nullptr;  // kAddVector / kAddBlockedVector: the vector; kAddTensor: an
@@ -240,6 +249,9 @@ void ApplyEpilogue(const Epilogue& epilogue, float* c, int64_t offset, int64_t r
         case EpilogueStep::kSigmoid:
           MapInPlace(row, cols, [](Floats v) { return Sigmoid(v); });
           break;
+        case EpilogueStep::kHardSwish:
+          MapInPlace(row, cols, [](Floats v) { return HardSwish(v); });
+          break;
       }
     }
   }
@@ -276,7 +288,8 @@ Epilogue ParseEpilogue(const PackedArgs& args, int begin, int end, const DLTenso
       step.hi = static_cast<float>(args[i++].cast<double>());
     } else {
       TVM_FFI_ICHECK(step.kind == EpilogueStep::kRelu || step.kind == EpilogueStep::kGelu ||
-                     step.kind == EpilogueStep::kSilu || step.kind == EpilogueStep::kSigmoid)
+                     step.kind == EpilogueStep::kSilu || step.kind == EpilogueStep::kSigmoid ||
+                     step.kind == EpilogueStep::kHardSwish)
           << "gimlet.cpu: unknown epilogue step " << step.kind;
     }
     epilogue.push_back(step);
@@ -1044,7 +1057,7 @@ struct VectorOf<16> {
 
 /*! \brief Whether `epilogue` has only steps `BlockedEpilogueVector` applies on vectors of a
  * channel-blocked output with blocks of `block` (bias of blocks of `block`, residual, ReLU, clip,
- * SiLU, sigmoid). */
+ * SiLU, sigmoid, hard-swish). */
 constexpr size_t kMaxVectorEpilogue = 8;  // steps
 
 bool IsBlockedVectorEpilogue(const Epilogue& epilogue, int64_t block) {
@@ -1052,21 +1065,24 @@ bool IsBlockedVectorEpilogue(const Epilogue& epilogue, int64_t block) {
   for (const EpilogueStep& step : epilogue) {
     const bool fits = step.kind == EpilogueStep::kAddTensor || step.kind == EpilogueStep::kRelu ||
                       step.kind == EpilogueStep::kClip || step.kind == EpilogueStep::kSilu ||
-                      step.kind == EpilogueStep::kSigmoid ||
+                      step.kind == EpilogueStep::kSigmoid || step.kind == EpilogueStep::kHardSwish ||
                       (step.kind == EpilogueStep::kAddBlockedVector && step.block == block);
     if (!fits) return false;
   }
   return true;
 }
 
-/*! \brief Whether `epilogue` has a step through exp (SiLU, sigmoid: a few dozen instructions
- * a vector). Such steps run over the stored tile (or row), one step at a time, not on a
- * register tile's accumulators, where their temporaries beside 24 live accumulators spilled:
- * EfficientNet-B0's 112->672 1x1 conv with SiLU at 14x14 took 190 us, 130 us this way (its
- * depthwise convs, 8 accumulators, ran in 0.986 of the time in the whole model). */
-bool HasTranscendentalStep(const Epilogue& epilogue) {
+/*! \brief Whether `epilogue` has a step the register tiles leave to the stored tile (or row):
+ * through exp (SiLU, sigmoid: a few dozen instructions a vector) or hard-swish (three constants
+ * more). Such steps run over the stored tile, one step at a time, not on a register tile's
+ * accumulators, where their temporaries beside 24 live accumulators spilled: EfficientNet-B0's
+ * 112->672 1x1 conv with SiLU at 14x14 took 190 us, 130 us this way (its depthwise convs, 8
+ * accumulators, ran in 0.986 of the time in the whole model); with hard-swish's code in the
+ * register tiles MobileNetV2 (which has none) took 1.045x as long. */
+bool HasStoredTileStep(const Epilogue& epilogue) {
   return std::any_of(epilogue.begin(), epilogue.end(), [](const EpilogueStep& step) {
-    return step.kind == EpilogueStep::kSilu || step.kind == EpilogueStep::kSigmoid;
+    return step.kind == EpilogueStep::kSilu || step.kind == EpilogueStep::kSigmoid ||
+           step.kind == EpilogueStep::kHardSwish;
   });
 }
 
@@ -1089,11 +1105,11 @@ struct BlockedRowVectors {
 
 /*! \brief Step `i` of `epilogue` (IsBlockedVectorEpilogue) on the vector `v` of L channels of
  * one pixel of a channel-blocked output, at element offset `o` in the output, `vectors` its
- * channel block's. Steps through exp (HasTranscendentalStep) only where kThroughExp: the
+ * channel block's. The stored tiles' steps (HasStoredTileStep) only where kStoredTile: the
  * register tiles' epilogues (which never have them) are compiled without their code, whose
  * mere presence beside 24 accumulators made GCC spill accumulators in the taps loop
  * (MobileNetV2's expansion convs with a ReLU6 ran 2x slower). */
-template <int L, bool kThroughExp>
+template <int L, bool kStoredTile>
 __attribute__((always_inline)) inline typename VectorOf<L>::Type BlockedEpilogueStep(
     const Epilogue& epilogue, size_t i, const BlockedRowVectors& vectors,
     typename VectorOf<L>::Type v, int64_t o) {
@@ -1113,18 +1129,21 @@ __attribute__((always_inline)) inline typename VectorOf<L>::Type BlockedEpilogue
       v = v < step.lo ? V{} + step.lo : v;
       return v > step.hi ? V{} + step.hi : v;
     case EpilogueStep::kSilu:
-      if constexpr (kThroughExp) return Silu(v);
+      if constexpr (kStoredTile) return Silu(v);
       break;
     case EpilogueStep::kSigmoid:
-      if constexpr (kThroughExp) return Sigmoid(v);
+      if constexpr (kStoredTile) return Sigmoid(v);
+      break;
+    case EpilogueStep::kHardSwish:
+      if constexpr (kStoredTile) return HardSwish(v);
       break;
     default:
       break;
   }
-  __builtin_trap();  // a step IsBlockedVectorEpilogue rejects, or through exp in registers
+  __builtin_trap();  // a step IsBlockedVectorEpilogue rejects, or a stored tile's in registers
 }
 
-/*! \brief `epilogue` (IsBlockedVectorEpilogue, no step through exp) on the vector `v` in
+/*! \brief `epilogue` (IsBlockedVectorEpilogue, no stored tile's step) on the vector `v` in
  * registers (see BlockedEpilogueStep): each step while it is in a register. */
 template <int L>
 __attribute__((always_inline)) inline typename VectorOf<L>::Type BlockedEpilogueVector(
@@ -1579,7 +1598,7 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   t.block = weight->shape[4];
   t.y_blocked = out->ndim == 5;
   t.vector_epilogue = t.y_blocked && IsBlockedVectorEpilogue(epilogue, t.block);
-  t.register_epilogue = t.vector_epilogue && !HasTranscendentalStep(epilogue);
+  t.register_epilogue = t.vector_epilogue && !HasStoredTileStep(epilogue);
   t.out_c = out->shape[1] * (t.y_blocked ? out->shape[4] : 1);
   t.out_h = out->shape[2];
   t.out_w = out->shape[3];
@@ -2058,7 +2077,7 @@ struct BlockedDepthwiseWork {
   Conv2DParams p;
   int64_t block;         // B
   bool vector_epilogue;  // IsBlockedVectorEpilogue
-  bool register_epilogue;  // ... without a step through exp (applied to a stored row instead)
+  bool register_epilogue;  // ... without a stored tile's step (applied to a stored row instead)
   int64_t num_units;     // N * C / B * OH
   int64_t bands;         // bands of output rows per image (DepthwiseBands)
 };
@@ -2296,7 +2315,7 @@ void BlockedDepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams
   BlockedDepthwiseWork t{Data(data), Data(weight), Data(out), &epilogue, blocks, data->shape[2],
                          data->shape[3], weight->shape[2], weight->shape[3], out->shape[2],
                          out->shape[3], p, block, IsBlockedVectorEpilogue(epilogue, block)};
-  t.register_epilogue = t.vector_epilogue && !HasTranscendentalStep(epilogue);
+  t.register_epilogue = t.vector_epilogue && !HasStoredTileStep(epilogue);
   t.bands = 1;
   if (batch == 0 || blocks == 0 || t.out_h * t.out_w == 0) return;
   t.num_units = batch * blocks * t.out_h;
