@@ -80,6 +80,16 @@ ELEMENTWISE_BINARY = frozenset({
     "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum",
 })
 POOLS = frozenset({"relax.nn.max_pool2d", "relax.nn.avg_pool2d"})
+# A channel count off the block is padded with zero channels up to the next multiple where that
+# adds at most this share of work (MobileNetV3's 72, 120, 184, 200 with B = 16; not 24 or 40).
+MAX_PADDING = 1 / 8
+
+
+def padded_channels(channels: int, block: int) -> int | None:
+    """The channels a blocked value of `channels` holds: `channels` rounded up to a multiple of
+    the block, where that pads at most `MAX_PADDING` more; None where it pads more."""
+    padded = -(-channels // block) * block
+    return padded if padded - channels <= MAX_PADDING * channels else None
 
 
 def blocked_override() -> int | None:
@@ -187,20 +197,22 @@ def _convertible(conv: relax.Call, block: int, winograd: int | None = None) -> b
         return False
     data_shape, weight_shape, out_shape = shapes
     in_c, out_c, groups = data_shape[1], out_shape[1], int(conv.attrs.groups)
-    if out_c % block or not (groups == 1 or _depthwise(conv)) or (in_c % block and groups != 1):
+    if not (groups == 1 or _depthwise(conv)) or padded_channels(out_c, block) is None:
         return False
-    return not in_c % block or not _runs_winograd(conv, weight_shape, out_shape, winograd)
+    if out_c % block and not isinstance(conv.args[1], tvm.ir.GenericConst):
+        return False  # padding the weight with zero channels needs its values
+    return groups != 1 or not in_c % block or not _runs_winograd(conv, weight_shape, out_shape, winograd)
 
 
 def _exit_conv(conv: relax.Call, block: int, winograd: int | None = None) -> bool:
-    """A groups-1 conv whose input channels fill blocks and whose output channels do not
-    (MobileNetV2's 24-channel projections): on blocked data it writes NCHW, so the region ends
+    """A groups-1 conv on blocked data whose output channels are off the block and not padded
+    (MobileNetV2's 24-channel projections, `padded_channels`): it writes NCHW, so the region ends
     at it without a conversion."""
     shapes = _static_nchw_conv(conv)
     if shapes is None:
         return False
-    data_shape, weight_shape, out_shape = shapes
-    return (int(conv.attrs.groups) == 1 and not data_shape[1] % block and bool(out_shape[1] % block)
+    _, weight_shape, out_shape = shapes
+    return (int(conv.attrs.groups) == 1 and bool(out_shape[1] % block) and not _convertible(conv, block, winograd)
             and not _runs_winograd(conv, weight_shape, out_shape, winograd))
 
 
@@ -241,23 +253,42 @@ def _one_pixel(h: tvm.ir.Expr, w: tvm.ir.Expr) -> bool:
     return all(isinstance(d, tvm.tirx.IntImm) and int(d) == 1 for d in (h, w))
 
 
-def _to_blocked(x: relax.Expr, block: int) -> relax.Expr:
-    """`x` [N, C, H, W] as [N, C / B, H, W, B]: a conversion, or, for one pixel (a pooled
-    vector), a reshape (the same order)."""
+def _to_blocked(x: relax.Expr, block: int, padding: float = 0.0) -> relax.Expr:
+    """`x` [N, C, H, W] as [N, ceil(C / B), H, W, B], channels past C set to `padding`: a
+    conversion (padding 0), or, for one pixel (a pooled vector), a reshape (the same order)."""
     n, c, h, w = x.ty.shape
-    shape = [n, c // block, h, w, block]
+    blocks = (c + block - 1) // block
+    shape = [n, blocks, h, w, block]
     if _one_pixel(h, w):
+        if int(c) % block:
+            x = relax.op.nn.pad(x, [0, 0, 0, blocks * block - c, 0, 0, 0, 0], pad_value=padding)
         return relax.op.reshape(x, shape)
+    assert padding == 0.0, "the conversion pads with 0"
     return relax.call_dps_packed(TO_BLOCKED_FUNC, [x], relax.TensorType(shape, "float32"))
 
 
-def _to_nchw(x: relax.Expr, block: int) -> relax.Expr:
-    """`x` [N, C / B, H, W, B] back as [N, C, H, W] (see `_to_blocked`)."""
+def _to_nchw(x: relax.Expr, block: int, channels: tvm.ir.PrimExpr) -> relax.Expr:
+    """`x` [N, ceil(C / B), H, W, B] back as [N, C, H, W], `channels` C (see `_to_blocked`)."""
     n, blocks, h, w, _ = x.ty.shape
-    shape = [n, blocks * block, h, w]
     if _one_pixel(h, w):
-        return relax.op.reshape(x, shape)
-    return relax.call_dps_packed(FROM_BLOCKED_FUNC, [x], relax.TensorType(shape, "float32"))
+        x = relax.op.reshape(x, [n, blocks * block, h, w])
+        return relax.op.strided_slice(x, [1], [0], [channels]) if int(channels) % block else x
+    return relax.call_dps_packed(FROM_BLOCKED_FUNC, [x], relax.TensorType([n, channels, h, w], "float32"))
+
+
+def _padded_weight(weight: relax.Expr, out_c: int, in_c: int) -> relax.Expr | None:
+    """The OIHW `weight` with zero output and input channels added up to `out_c` and `in_c`: a
+    padded channel's output is 0 (with its 0 bias) and a padded input channel, whatever it
+    holds, adds nothing. None for a weight that is not a constant and needs padding."""
+    o, i = (int(weight.ty.shape[axis]) for axis in (0, 1))
+    if (o, i) == (out_c, in_c):
+        return weight
+    if not isinstance(weight, tvm.ir.GenericConst):
+        return None
+    values = weight.value.numpy()
+    padded = np.zeros((out_c, in_c, *values.shape[2:]), values.dtype)
+    padded[:o, :i] = values
+    return relax.const(padded)
 
 
 @mutator
@@ -272,7 +303,7 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
         """A use that needs NCHW: the transform back from the blocked value (once)."""
         if var in self.blocked:
             if var not in self.nchw:
-                self.nchw[var] = self.builder_.emit(_to_nchw(self.blocked[var], self.block))
+                self.nchw[var] = self.builder_.emit(_to_nchw(self.blocked[var], self.block, var.ty.shape[1]))
             return self.nchw[var]
         return super().visit_var_(var)
 
@@ -296,7 +327,8 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
         blocked_var = self.builder_.emit(rewritten)
         self.blocked[binding.var] = blocked_var
         if not isinstance(binding.var, relax.DataflowVar):  # a block's output leaves in NCHW
-            self.nchw[binding.var] = self.builder_.emit_output(_to_nchw(blocked_var, self.block))
+            self.nchw[binding.var] = self.builder_.emit_output(
+                _to_nchw(blocked_var, self.block, binding.var.ty.shape[1]))
 
     def _operand(self, expr: relax.Expr) -> relax.Expr | None:
         """`expr`'s blocked value, where it has one."""
@@ -334,41 +366,50 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
             blocked_shapes = [x.ty.shape for x, b in ((lhs, blocked_lhs), (rhs, blocked_rhs)) if b is not None]
             if not blocked_shapes or not all(_broadcasts_per_channel(shape, call.ty.shape) for shape in blocked_shapes):
                 return None
+            # A divisor's padded channels hold 1, not 0: what they compute stays finite (a
+            # padded input channel adds nothing to a conv only while it is not NaN).
+            divisor_padding = 1.0 if name == "relax.divide" else 0.0
+            if divisor_padding and blocked_rhs is not None and int(call.ty.shape[1]) % self.block:
+                return None
             if blocked_lhs is None:
                 blocked_lhs = self._side_operand(lhs, call)
             if blocked_rhs is None:
-                blocked_rhs = self._side_operand(rhs, call)
+                blocked_rhs = self._side_operand(rhs, call, divisor_padding)
             if blocked_lhs is None or blocked_rhs is None:
                 return None
             return relax.Call(call.op, [blocked_lhs, blocked_rhs], call.attrs)
         return None
 
-    def _side_operand(self, expr: relax.Expr, call: relax.Call) -> relax.Expr | None:
+    def _side_operand(self, expr: relax.Expr, call: relax.Call, padding: float = 0.0) -> relax.Expr | None:
         """The other operand of a binary op on a blocked tensor, as it broadcasts against the
         blocked layout: a scalar as it is, a tensor of the output's shape through a transform
-        (an edge, as a conv's data), a per-channel vector ([1, C, 1, 1] or [N, C, 1, 1]: an
-        SE block's gate) reshaped to [., C / B, 1, 1, B] (the same order: no copy), a constant
-        one reblocked here with numpy."""
+        (an edge, as a conv's data; padded channels 0, so not where `padding` is another
+        value), a per-channel vector ([1, C, 1, 1] or [N, C, 1, 1]: an SE block's gate)
+        reshaped to [., ceil(C / B), 1, 1, B] (the same order: no copy but the padding), a
+        constant one reblocked here with numpy; channels past C hold `padding`."""
         shape, out_shape = _shape(expr), _shape(call)
         if shape is None or out_shape is None or len(out_shape) != 4:
             return None
         analyzer = tvm.sym.Analyzer()
+        channels = out_shape[1]
         if isinstance(expr, relax.Var) and len(shape) == 4:
             if all(analyzer.can_prove_equal(a, b) for a, b in zip(expr.ty.shape, call.ty.shape)):
-                return self._edge(expr)
+                return self._edge(expr) if padding == 0.0 or not channels % self.block else None
         if all(d == 1 for d in shape):
             return expr if len(shape) <= 5 else None
-        channels = out_shape[1]
         padded = [1] * (4 - len(shape)) + shape
         if len(shape) > 4 or padded[1:] != [channels, 1, 1]:
             return None
+        blocks = -(-channels // self.block)
         if isinstance(expr, tvm.ir.GenericConst) and padded[0] == 1:
-            vector = expr.value.numpy().reshape(channels // self.block, self.block)
-            return relax.const(vector.reshape(1, channels // self.block, 1, 1, self.block))
+            vector = np.full(blocks * self.block, padding, np.float32)
+            vector[:channels] = expr.value.numpy().reshape(channels)
+            return relax.const(vector.reshape(1, blocks, 1, 1, self.block))
         batch = expr.ty.shape[0] if len(shape) == 4 else 1
         if len(shape) == 4 and not (padded[0] == 1 or analyzer.can_prove_equal(batch, call.ty.shape[0])):
             return None
-        return relax.op.reshape(self.visit_expr(expr), [batch, channels // self.block, 1, 1, self.block])
+        vector = relax.op.reshape(self.visit_expr(expr), [batch, channels, 1, 1])
+        return _to_blocked(self.builder_.emit(vector), self.block, padding)
 
     def _channel_concat(self, call: relax.Call) -> relax.Expr | None:
         """A concat along the channels of 4-D tensors whose channel counts are multiples of B,
@@ -396,7 +437,8 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
             return None
         n, blocks, _, _, block = data.ty.shape
         mean = relax.call_dps_packed(SPATIAL_MEAN_FUNC, [data], relax.TensorType([n, blocks, 1, 1, block], "float32"))
-        return relax.op.reshape(self.builder_.emit(mean), call.ty.shape)
+        channels = call.args[0].ty.shape[1]
+        return relax.op.reshape(_to_nchw(self.builder_.emit(mean), self.block, channels), call.ty.shape)
 
     def _pool(self, call: relax.Call, data: relax.Expr) -> relax.Expr:
         attrs, layout = call.attrs, f"NCHW{self.block}c"
@@ -405,17 +447,33 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
                     attrs.count_include_pad, layout, layout)
 
     def _blocked_conv(self, call: relax.Call) -> relax.Expr | None:
+        """The conv on blocked data (an entry conv: NCHW data) writing blocked output (an exit
+        conv: NCHW), its weight padded with zero channels where the blocked values are."""
         data, weight = call.args
         attrs = call.attrs
         layout = f"NCHW{self.block}c"
+        out_c, groups = int(call.ty.shape[1]), int(attrs.groups)
         if self._operand(data) is not None and _exit_conv(call, self.block, self.winograd):
-            return relax.op.nn.conv2d(self._operand(data), self.visit_expr(weight), attrs.strides, attrs.padding,
-                                      attrs.dilation, attrs.groups, layout, "OIHW", "NCHW")
+            data = self._operand(data)
+            weight = _padded_weight(self.visit_expr(weight), out_c, int(data.ty.shape[1]) * self.block)
+            if weight is None:
+                return None
+            return relax.op.nn.conv2d(data, weight, attrs.strides, attrs.padding, attrs.dilation, groups,
+                                      layout, "OIHW", "NCHW")
         if not _convertible(call, self.block, self.winograd):
             return None
-        if _entry_conv(call, self.block):
+        if self._operand(data) is None and _entry_conv(call, self.block) and groups == 1:
             data, data_layout = self.visit_expr(data), "NCHW"
+            in_c = int(data.ty.shape[1])
         else:
             data, data_layout = self._edge(data), layout
-        return relax.op.nn.conv2d(data, self.visit_expr(weight), attrs.strides, attrs.padding,
-                                  attrs.dilation, attrs.groups, data_layout, "OIHW", layout)
+            in_c = int(data.ty.shape[1]) * self.block
+        out_padded = padded_channels(out_c, self.block)
+        if groups != 1:  # depthwise: one group per (padded) channel
+            weight, groups = _padded_weight(self.visit_expr(weight), out_padded, 1), out_padded
+        else:
+            weight = _padded_weight(self.visit_expr(weight), out_padded, in_c)
+        if weight is None:
+            return None
+        return relax.op.nn.conv2d(data, weight, attrs.strides, attrs.padding, attrs.dilation, groups,
+                                  data_layout, "OIHW", layout)

@@ -2330,20 +2330,25 @@ void BlockedDepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams
 struct BlockedLayoutWork {
   const float* x;
   float* y;
-  int64_t planes, spatial, block;
-  bool to_blocked;  // NCHW -> NCHW{B}c, else back
+  int64_t planes, spatial, block;  // planes: N * blocks
+  int64_t channels, blocks;        // C of the NCHW side (at most blocks * B: the rest is padding)
+  bool to_blocked;                 // NCHW -> NCHW{B}c, else back
 };
 
 int RunBlockedLayout(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const auto& t = *static_cast<const BlockedLayoutWork*>(cdata);
   const auto [begin, end] = TaskRange(task_id, penv, t.planes);
-  const int64_t size = t.spatial * t.block;
   for (int64_t plane = begin; plane < end; ++plane) {
-    const float* x = t.x + plane * size;
-    float* y = t.y + plane * size;
-    // 8 pixels x 8 channels at a time where the block is whole 8s, then the rest one by one.
+    const int64_t first = plane % t.blocks * t.block;
+    const int64_t valid = std::min(t.block, t.channels - first);  // channels of this block
+    const int64_t nchw_offset = (plane / t.blocks * t.channels + first) * t.spatial;
+    const int64_t blocked_offset = plane * t.spatial * t.block;
+    const float* x = t.x + (t.to_blocked ? nchw_offset : blocked_offset);
+    float* y = t.y + (t.to_blocked ? blocked_offset : nchw_offset);
+    // 8 pixels x 8 channels at a time where the block is whole 8s and holds no padding, then
+    // the rest one by one.
     int64_t i = 0;
-    if (t.block % 8 == 0) {
+    if (t.block % 8 == 0 && valid == t.block) {
       for (; i + 8 <= t.spatial; i += 8) {
         for (int64_t c = 0; c < t.block; c += 8) {
           if (t.to_blocked) {
@@ -2354,19 +2359,21 @@ int RunBlockedLayout(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
         }
       }
     }
-    // The blocked side in order, the B channel planes as B streams.
+    // The blocked side in order, the block's channel planes as streams; padding written as 0.
     for (; i < t.spatial; ++i) {
       if (t.to_blocked) {
-        for (int64_t c = 0; c < t.block; ++c) y[i * t.block + c] = x[c * t.spatial + i];
+        for (int64_t c = 0; c < valid; ++c) y[i * t.block + c] = x[c * t.spatial + i];
+        for (int64_t c = valid; c < t.block; ++c) y[i * t.block + c] = 0.0f;
       } else {
-        for (int64_t c = 0; c < t.block; ++c) y[c * t.spatial + i] = x[i * t.block + c];
+        for (int64_t c = 0; c < valid; ++c) y[c * t.spatial + i] = x[i * t.block + c];
       }
     }
   }
   return 0;
 }
 
-/*! \brief data [N, C, H, W] into out [N, C / B, H, W, B] (`to_blocked`), or back. */
+/*! \brief data [N, C, H, W] into out [N, ceil(C / B), H, W, B] (`to_blocked`; channels past C
+ * are 0), or back (the padding dropped). */
 void ConvertBlockedLayout(DLTensor* data, DLTensor* out, bool to_blocked) {
   CheckCompactFloat32(data, "data");
   CheckCompactFloat32(out, "out");
@@ -2374,12 +2381,13 @@ void ConvertBlockedLayout(DLTensor* data, DLTensor* out, bool to_blocked) {
   const DLTensor* blocked = to_blocked ? out : data;
   TVM_FFI_ICHECK(nchw->ndim == 4 && blocked->ndim == 5 && blocked->shape[4] > 0 &&
                  nchw->shape[0] == blocked->shape[0] &&
-                 nchw->shape[1] == blocked->shape[1] * blocked->shape[4] &&
+                 (nchw->shape[1] + blocked->shape[4] - 1) / blocked->shape[4] == blocked->shape[1] &&
                  nchw->shape[2] == blocked->shape[2] && nchw->shape[3] == blocked->shape[3])
-      << "gimlet.cpu: layout conversion between [N, C, H, W] and [N, C / B, H, W, B] with shapes "
-         "that do not match";
+      << "gimlet.cpu: layout conversion between [N, C, H, W] and [N, ceil(C / B), H, W, B] with "
+         "shapes that do not match";
   BlockedLayoutWork t{Data(data), Data(out), blocked->shape[0] * blocked->shape[1],
-                      blocked->shape[2] * blocked->shape[3], blocked->shape[4], to_blocked};
+                      blocked->shape[2] * blocked->shape[3], blocked->shape[4], nchw->shape[1],
+                      blocked->shape[1], to_blocked};
   Launch(RunBlockedLayout, &t, t.planes * t.spatial * t.block >= kMinParallelCopy);
 }
 
