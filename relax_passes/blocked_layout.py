@@ -17,13 +17,17 @@ cover.
    (8 or 16) converts every function with that block, 0 none. In dataflow order, it rewrites
    into blocked form
    - `R.nn.conv2d` (NCHW data and output, OIHW float32 weight, static shapes) that is groups 1
-     or depthwise (one group per channel, channel multiplier 1), both channel counts multiples
-     of B, as `R.nn.conv2d(data_layout="NCHW{B}c", kernel_layout="OIHW",
-     out_layout="NCHW{B}c")` (the CPU library runs it on the direct, blocked depthwise or,
-     where `winograd_tile_for` says so, Winograd kernel); a groups-1 conv with output channels a
-     multiple of B and input channels not (an entry conv: a network's 3-channel stem) keeps
-     `data_layout="NCHW"`; a groups-1 conv on blocked data with input channels a multiple of B
-     and output channels not (an exit conv) keeps `out_layout="NCHW"`. Entry and exit convs
+     or depthwise (one group per channel, channel multiplier 1), as `R.nn.conv2d(data_layout=
+     "NCHW{B}c", kernel_layout="OIHW", out_layout="NCHW{B}c")` (the CPU library runs it on the
+     direct, blocked depthwise or, where `winograd_tile_for` says so, Winograd kernel). A
+     channel count off the block is padded with zero channels up to ceil(C / B) blocks where
+     that adds at most `MAX_PADDING` of the work (`padded_channels`: MobileNetV3's 72 as 80,
+     not 24 as 32), for a constant weight, which gets zero output channels (a padded channel
+     computes 0) and zero input channels for padded data (whatever a padded channel of the data
+     holds adds nothing). A groups-1 conv with input channels off the block on NCHW data (an
+     entry conv: a network's 3-channel stem) keeps `data_layout="NCHW"`; a groups-1 conv on
+     blocked data whose output channels are off the block and not padded (an exit conv:
+     MobileNetV2's 24-channel projections) keeps `out_layout="NCHW"`. Entry and exit convs
      that the library would run with Winograd (which takes both layouts alike) stay NCHW;
    - ops that do not care about the layout, once an operand is blocked: unary elementwise ops
      (`ELEMENTWISE_UNARY`), binary ones (`ELEMENTWISE_BINARY`) whose other operand is blocked
@@ -31,10 +35,11 @@ cover.
      numpy, a tensor reshaped), where a blocked operand broadcasts over batch or spatial axes
      only (a squeeze-and-excitation block's gate, [N, C, 1, 1], times its input), and max /
      average pooling (`layout="NCHW{B}c"`). The batch extent may be symbolic; the others
-     must be static;
-   - a concat along the channels of tensors whose channel counts are multiples of B, one of
-     them blocked (SqueezeNet's fire modules, DenseNet's dense blocks), as a concat of the
-     blocked values along the channel blocks;
+     must be static. Padding channels stay finite: vectors are padded with 0, a divisor's
+     with 1, and a blocked divisor with padding is not taken (0 / 0);
+   - a concat along the channels of tensors whose channel counts are multiples of B (no
+     padding), one of them blocked (SqueezeNet's fire modules, DenseNet's dense blocks), as a
+     concat of the blocked values along the channel blocks;
    - a mean over the spatial axes of a blocked value (global average pooling), taken on the
      blocked data (the CPU library's `gimlet.cpu.nchwc_spatial_mean`) and reshaped to the NCHW
      result: with one pixel left, [N, C / B, 1, 1, B] is NCHW's order, so the region ends
@@ -44,12 +49,14 @@ cover.
    value), and so does a dataflow block's output; a blocked conv or binary op that reads an
    NCHW tensor gets one into NCHW{B}c (once per tensor). Conversions are the CPU library's
    `gimlet.cpu.nchw_to_nchwc` / `nchwc_to_nchw` calls (TVM's generated `R.layout_transform`
-   kernels took several times as long), or reshapes for tensors of one pixel (the same
-   order). So conversions of activations sit only at the regions' edges (the network's input
-   side, global pooling / flatten, outputs), never around each op.
-3. It does not handle: convs with output channel counts that are not multiples of B (they
-   stay NCHW, and so do the ops between them), grouped convs other than depthwise, depthwise
-   convs with a channel multiplier, other dtypes, symbolic channel or spatial extents, binary
+   kernels took several times as long; they zero the padding channels and drop them), or
+   reshapes for tensors of one pixel (the same order; a pad or a slice for padding). So
+   conversions of activations sit only at the regions' edges (the network's input side,
+   global pooling / flatten, outputs), never around each op.
+3. It does not handle: convs with output channel counts off the block that padding would
+   make too costly, or with a weight that is no constant (they stay NCHW, and so do the ops
+   between them), grouped convs other than depthwise, depthwise convs with a channel
+   multiplier, other dtypes, symbolic channel or spatial extents, binary
    ops that broadcast a blocked operand along its channels.
    It does not weigh a region's edge conversions against what its kernels save:
    `blocked_layout_for` decides per function.

@@ -43,9 +43,11 @@ BLOCKS = [8, 16]
 
 
 def to_blocked(x: np.ndarray, block: int) -> np.ndarray:
-    """NCHW as NCHW{block}c (channels a multiple of block)."""
+    """NCHW as NCHW{block}c, channels past a multiple of block 0."""
     n, c, h, w = x.shape
-    return np.ascontiguousarray(x.reshape(n, c // block, block, h, w).transpose(0, 1, 3, 4, 2))
+    blocks = -(-c // block)
+    x = np.concatenate([x, np.zeros((n, blocks * block - c, h, w), x.dtype)], axis=1)
+    return np.ascontiguousarray(x.reshape(n, blocks, block, h, w).transpose(0, 1, 3, 4, 2))
 
 
 def from_blocked(x: np.ndarray) -> np.ndarray:
@@ -449,6 +451,54 @@ def test_channels_off_the_block_stay_nchw(monkeypatch) -> None:
     assert script.count(f'"{BLOCKED_DEPTHWISE_CONV2D_FUNC}"') == 1
 
 
+def padded_net(seed: int = 0) -> onnx.ModelProto:
+    """A MobileNetV3 block on 60 channels (off both blocks; padded to 64 with either):
+    a 1x1 expansion with hard-swish, a 3x3 depthwise conv with ReLU, a squeeze-and-excitation
+    gate (down to 16 channels and back up, ONNX HardSigmoid), a division by a per-channel
+    constant, a 1x1 projection to 16 channels, global pooling, on [N, 16, 11, 11]."""
+    rng = np.random.default_rng(seed)
+    c = 60
+
+    def normal(*shape, scale=0.3):
+        return rng.standard_normal(shape, dtype=np.float32) * scale
+
+    weights = {"we": normal(c, 16, 1, 1), "be": normal(c), "wd": normal(c, 1, 3, 3), "bd": normal(c),
+               "wr": normal(16, c, 1, 1), "br": normal(16), "wu": normal(c, 16, 1, 1), "bu": normal(c),
+               "scale": rng.uniform(0.5, 2.0, (1, c, 1, 1)).astype(np.float32), "wp": normal(16, c, 1, 1)}
+    nodes = [
+        helper.make_node("Conv", ["x", "we", "be"], ["ce"]),
+        helper.make_node("HardSwish", ["ce"], ["he"]),
+        helper.make_node("Conv", ["he", "wd", "bd"], ["cd"], pads=[1, 1, 1, 1], group=c),
+        helper.make_node("Relu", ["cd"], ["rd"]),
+        helper.make_node("GlobalAveragePool", ["rd"], ["squeezed"]),
+        helper.make_node("Conv", ["squeezed", "wr", "br"], ["cr"]),
+        helper.make_node("Relu", ["cr"], ["rr"]),
+        helper.make_node("Conv", ["rr", "wu", "bu"], ["cu"]),
+        helper.make_node("HardSigmoid", ["cu"], ["gate"], alpha=1 / 6, beta=0.5),
+        helper.make_node("Mul", ["rd", "gate"], ["gated"]),
+        helper.make_node("Div", ["gated", "scale"], ["scaled"]),
+        helper.make_node("Conv", ["scaled", "wp"], ["p"]),
+        helper.make_node("GlobalAveragePool", ["p"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["y"]),
+    ]
+    return onnx_model(nodes, [("x", ["N", 16, 11, 11])], ("y", ["N", 16]), weights)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_channels_off_the_block_run_padded(block, monkeypatch) -> None:
+    """60 channels run blocked as 64, the padding zero channels of the convs' weights: one
+    conversion (the input into the first conv), none back; the squeeze's slice of the padded
+    mean is the only strided slice; the hard-swish is the expansion's epilogue; the model
+    computes what onnxruntime does (no NaN out of the padding: the divisor's is 1)."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
+    script = dispatched(padded_net())
+    assert script.count(f'"{TO_BLOCKED_FUNC}"') == 1 and script.count(f'"{FROM_BLOCKED_FUNC}"') == 0
+    assert script.count(f'"{BLOCKED_DEPTHWISE_CONV2D_FUNC}"') == 1
+    assert script.count("R.strided_slice(") == 1 and "R.clip(" in script  # the gate's hard-sigmoid
+    assert f"R.Tensor((N, {64 // block}, 11, 11, {block})" in script
+    assert_matches_onnxruntime(padded_net(), {"x": rand(2, 16, 11, 11, seed=9)})
+
+
 def exit_net() -> onnx.ModelProto:
     """16 -> 32 channels (3x3 + ReLU), then a 1x1 conv to 20 channels (+ bias, ReLU): 20 is no
     multiple of a block, so the second conv is an exit conv."""
@@ -544,9 +594,12 @@ def test_kernel_selection_leaves_blocked_convs_on_their_kernels(tmp_path, monkey
 
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("size", [(5, 7), (9, 13), (32, 32)])  # plane sizes below, past and at 8s
-def test_layout_conversions_against_numpy(block, size) -> None:
+@pytest.mark.parametrize("short", [0, 3])  # channels short of two whole blocks: padding
+def test_layout_conversions_against_numpy(block, size, short) -> None:
+    """NCHW to NCHW{B}c and back, with the last block's padding channels written as 0 and
+    dropped on the way back."""
     load_extensions()
-    x = rand(3, 2 * block, *size, seed=6)
+    x = rand(3, 2 * block - short, *size, seed=6)
     blocked = tvm.runtime.tensor(np.full((3, 2, *size, block), np.nan, np.float32))
     tvm.get_global_func(TO_BLOCKED_FUNC)(tvm.runtime.tensor(x), blocked)
     np.testing.assert_array_equal(blocked.numpy(), to_blocked(x, block))
