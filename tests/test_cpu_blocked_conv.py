@@ -451,11 +451,11 @@ def test_channels_off_the_block_stay_nchw(monkeypatch) -> None:
     assert script.count(f'"{BLOCKED_DEPTHWISE_CONV2D_FUNC}"') == 1
 
 
-def padded_net(seed: int = 0) -> onnx.ModelProto:
+def padded_net(out_c: int = 16, seed: int = 0) -> onnx.ModelProto:
     """A MobileNetV3 block on 60 channels (off both blocks; padded to 64 with either):
     a 1x1 expansion with hard-swish, a 3x3 depthwise conv with ReLU, a squeeze-and-excitation
     gate (down to 16 channels and back up, ONNX HardSigmoid), a division by a per-channel
-    constant, a 1x1 projection to 16 channels, global pooling, on [N, 16, 11, 11]."""
+    constant, a 1x1 projection to `out_c` channels, global pooling, on [N, 16, 11, 11]."""
     rng = np.random.default_rng(seed)
     c = 60
 
@@ -464,7 +464,7 @@ def padded_net(seed: int = 0) -> onnx.ModelProto:
 
     weights = {"we": normal(c, 16, 1, 1), "be": normal(c), "wd": normal(c, 1, 3, 3), "bd": normal(c),
                "wr": normal(16, c, 1, 1), "br": normal(16), "wu": normal(c, 16, 1, 1), "bu": normal(c),
-               "scale": rng.uniform(0.5, 2.0, (1, c, 1, 1)).astype(np.float32), "wp": normal(16, c, 1, 1)}
+               "scale": rng.uniform(0.5, 2.0, (1, c, 1, 1)).astype(np.float32), "wp": normal(out_c, c, 1, 1)}
     nodes = [
         helper.make_node("Conv", ["x", "we", "be"], ["ce"]),
         helper.make_node("HardSwish", ["ce"], ["he"]),
@@ -481,22 +481,25 @@ def padded_net(seed: int = 0) -> onnx.ModelProto:
         helper.make_node("GlobalAveragePool", ["p"], ["g"]),
         helper.make_node("Flatten", ["g"], ["y"]),
     ]
-    return onnx_model(nodes, [("x", ["N", 16, 11, 11])], ("y", ["N", 16]), weights)
+    return onnx_model(nodes, [("x", ["N", 16, 11, 11])], ("y", ["N", out_c]), weights)
 
 
 @pytest.mark.parametrize("block", BLOCKS)
-def test_channels_off_the_block_run_padded(block, monkeypatch) -> None:
+@pytest.mark.parametrize("out_c", [16, 20])  # the projection blocked, or an exit conv (to NCHW)
+def test_channels_off_the_block_run_padded(block, out_c, monkeypatch) -> None:
     """60 channels run blocked as 64, the padding zero channels of the convs' weights: one
-    conversion (the input into the first conv), none back; the squeeze's slice of the padded
-    mean is the only strided slice; the hard-swish is the expansion's epilogue; the model
-    computes what onnxruntime does (no NaN out of the padding: the divisor's is 1)."""
+    conversion (the input into the first conv), none back (an exit conv reads the padded data
+    through zero input channels); the squeeze's slice of the padded mean is the only strided
+    slice; the hard-swish is the expansion's epilogue; the model computes what onnxruntime does (no NaN out of the
+    padding: the divisor's is 1)."""
     monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
-    script = dispatched(padded_net())
+    model = padded_net(out_c)
+    script = dispatched(model)
     assert script.count(f'"{TO_BLOCKED_FUNC}"') == 1 and script.count(f'"{FROM_BLOCKED_FUNC}"') == 0
     assert script.count(f'"{BLOCKED_DEPTHWISE_CONV2D_FUNC}"') == 1
     assert script.count("R.strided_slice(") == 1 and "R.clip(" in script  # the gate's hard-sigmoid
     assert f"R.Tensor((N, {64 // block}, 11, 11, {block})" in script
-    assert_matches_onnxruntime(padded_net(), {"x": rand(2, 16, 11, 11, seed=9)})
+    assert_matches_onnxruntime(model, {"x": rand(2, 16, 11, 11, seed=9)})
 
 
 def exit_net() -> onnx.ModelProto:
