@@ -8,7 +8,8 @@ channel-blocked NCHW{B}c, for the library's blocked conv kernels); it runs befor
 selection, so a blocked conv keeps its blocked kernel (it is no op group: selection, which sees
 the module the same way, `selection.select.op_signatures`, offers nothing for it), and the
 convs selection can choose for are the ones left in NCHW. Each library a target's spec lists
-(`TargetSpec.libraries`) that has a dispatch pass gets it, in the spec's order; then, where the
+(`TargetSpec.libraries`) that has a dispatch pass gets it, in the spec's order; on this machine's
+CPU then `ConcatInPlace` (blocked direct convs writing into their channel concat); then, where the
 spec asks for fast math, `FastMathTransform` and `fast_activations` (GELU ops); where it asks for transposed-matmul kernels,
 `transposed_matmul_kernels` (after the dispatch, so a library still gets the pairs it takes). A
 library without a dispatch pass (cuBLAS) is reached only through kernel selection, which calls
@@ -25,6 +26,7 @@ from tvm import relax
 from ..targets import TargetSpec
 from ..targets.libraries import CPU_LIBRARY
 from .blocked_layout import BlockedLayout
+from .concat_in_place import ConcatInPlace
 from .dispatch_cpu_library import DispatchCPULibrary
 from .fast_activations import fast_activations
 from .transposed_matmul import transposed_matmul_kernels
@@ -51,10 +53,12 @@ def layout_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:
 
 
 def library_passes(spec: TargetSpec) -> list[tvm.transform.Pass]:
-    """`dispatch_passes`, then fast math and transposed-matmul kernels where the spec asks
-    (after `layout_passes` and kernel selection)."""
+    """`dispatch_passes`, `ConcatInPlace` on this machine's CPU with the CPU library, then fast
+    math and transposed-matmul kernels where the spec asks (after `layout_passes` and kernel
+    selection)."""
     return [
         *dispatch_passes(spec),
+        *([ConcatInPlace()] if CPU_LIBRARY in spec.libraries and spec.runs_here() else []),
         *([relax.transform.FastMathTransform(), fast_activations] if spec.fast_math else []),
         *([transposed_matmul_kernels] if spec.transposed_matmul_kernels else []),
     ]

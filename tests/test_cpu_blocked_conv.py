@@ -25,6 +25,7 @@ from gimlet_tvm.errors import CompileError
 from gimlet_tvm.frontend import import_model
 from gimlet_tvm.relax_passes.blocked_layout import (
     BLOCKED_LAYOUT_ENV, FROM_BLOCKED_FUNC, SPATIAL_MEAN_FUNC, TO_BLOCKED_FUNC)
+from gimlet_tvm.relax_passes.concat_in_place import CONCAT_FUNC
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
     BLOCKED_DEPTHWISE_CONV2D_FUNC, DIRECT_CONV2D_FUNC, IM2COL_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC,
     WINOGRAD_ENV, direct_conv_block, pack_conv_weight)
@@ -365,6 +366,64 @@ def test_channel_concats_run_blocked(block, monkeypatch) -> None:
     assert script.count(f'"{TO_BLOCKED_FUNC}"') == 1 and script.count(f'"{FROM_BLOCKED_FUNC}"') == 0
     assert script.count("R.concat(") == 2
     assert_matches_onnxruntime(concat_net(), {"x": rand(2, 16, 11, 11, seed=7)})
+
+
+def fire_net(batch: int, expand_read_elsewhere: bool = False) -> onnx.ModelProto:
+    """A SqueezeNet fire module on [batch, 32, 9, 9]: a 1x1 squeeze to 16 channels, 1x1 and 3x3
+    expands to 32 each (ReLU after each) concatenated; with `expand_read_elsewhere`, the 1x1
+    expand's output is also added to the concat's first half."""
+    rng = np.random.default_rng(5)
+
+    def normal(*shape):
+        return rng.standard_normal(shape, dtype=np.float32) * 0.3
+
+    weights = {"ws": normal(16, 32, 1, 1), "w1": normal(32, 16, 1, 1), "b1": normal(32),
+               "w3": normal(32, 16, 3, 3), "b3": normal(32)}
+    nodes = [
+        helper.make_node("Conv", ["x", "ws"], ["s"]),
+        helper.make_node("Relu", ["s"], ["rs"]),
+        helper.make_node("Conv", ["rs", "w1", "b1"], ["e1"]),
+        helper.make_node("Relu", ["e1"], ["r1"]),
+        helper.make_node("Conv", ["rs", "w3", "b3"], ["e3"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["e3"], ["r3"]),
+        helper.make_node("Concat", ["r1", "r3"], ["fire"], axis=1),
+    ]
+    if expand_read_elsewhere:
+        nodes.append(helper.make_node("Concat", ["r1", "r1"], ["twice"], axis=1))
+        nodes.append(helper.make_node("Add", ["fire", "twice"], ["y"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["fire"], ["y"]))
+    return onnx_model(nodes, [("x", [batch, 32, 9, 9])], ("y", [batch, 64, 9, 9]), weights)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("batch, read_elsewhere, in_place", [(1, False, True), (2, False, False), (1, True, False)])
+def test_fire_module_convs_write_into_the_concat(block, batch, read_elsewhere, in_place, monkeypatch) -> None:
+    """For one image, the fire module's expand convs write their outputs into the concat's
+    (one `gimlet.cpu.conv2d_nchwc_direct_concat` call, bias and ReLU in each part's epilogue;
+    no concat left); for two images (whose blocks do not follow each other) or an expand read
+    elsewhere too, the concat stays. Each computes what onnxruntime does."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
+    model = fire_net(batch, read_elsewhere)
+    script = dispatched(model)
+    assert script.count(f'"{CONCAT_FUNC}"') == (1 if in_place else 0)
+    assert ("R.concat(" in script) != in_place
+    assert_matches_onnxruntime(model, {"x": rand(batch, 32, 9, 9, seed=10)})
+
+
+def test_concat_call_checks_its_parts() -> None:
+    """The concat call's parts must fill its output's channel blocks exactly: a part too many
+    or too few is an error, not a write past the output."""
+    load_extensions()
+    block = 8
+    x = tvm.runtime.tensor(to_blocked(rand(1, 8, 5, 5, seed=1), block))
+    weight = tvm.runtime.tensor(pack_conv_weight(rand(8, 8, 1, 1, seed=2), block))
+    part = [x, weight, 1, 1, 0, 0, 1, 1, 0]
+    concat = tvm.get_global_func(CONCAT_FUNC)
+    for parts, blocks in ((1, 2), (3, 2)):
+        out = tvm.runtime.tensor(np.zeros((1, blocks, 5, 5, block), np.float32))
+        with pytest.raises(Exception, match="channel blocks|blocks \\["):
+            concat(*(part * parts), out)
 
 
 def assert_matches_onnxruntime(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> None:

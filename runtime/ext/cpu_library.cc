@@ -580,9 +580,10 @@ struct Conv2DParams {
 };
 
 /*! \brief The parameters a conv2d packed function takes after its two tensors (args 2-7). */
-Conv2DParams Conv2DParamsOf(const PackedArgs& args) {
-  return {args[2].cast<int64_t>(), args[3].cast<int64_t>(), args[4].cast<int64_t>(),
-          args[5].cast<int64_t>(), args[6].cast<int64_t>(), args[7].cast<int64_t>()};
+Conv2DParams Conv2DParamsOf(const PackedArgs& args, int first = 2) {
+  return {args[first].cast<int64_t>(),     args[first + 1].cast<int64_t>(),
+          args[first + 2].cast<int64_t>(), args[first + 3].cast<int64_t>(),
+          args[first + 4].cast<int64_t>(), args[first + 5].cast<int64_t>()};
 }
 
 /*! \brief One NCHW / OIHW conv2d call, cut into work units of a few output rows each. */
@@ -2391,6 +2392,23 @@ void ConvertBlockedLayout(DLTensor* data, DLTensor* out, bool to_blocked) {
   Launch(RunBlockedLayout, &t, t.planes * t.spatial * t.block >= kMinParallelCopy);
 }
 
+/*! \brief `out` (channel-blocked, one image) cut to blocks [first, first + count), `shape` the
+ * view's shape array: where one part of a channel concat writes its output. */
+DLTensor ChannelBlocksView(const DLTensor* out, int64_t first, int64_t count, int64_t* shape) {
+  CheckCompactFloat32(out, "out");
+  TVM_FFI_ICHECK(out->ndim == 5 && out->shape[0] == 1 && first >= 0 && count >= 0 &&
+                 first + count <= out->shape[1])
+      << "gimlet.cpu: blocks [" << first << ", " << first + count
+      << ") of an output that is not one image's channel-blocked tensor with that many blocks";
+  DLTensor view = *out;
+  std::copy(out->shape, out->shape + 5, shape);
+  shape[1] = count;
+  view.shape = shape;
+  view.strides = nullptr;
+  view.byte_offset += first * out->shape[2] * out->shape[3] * out->shape[4] * sizeof(float);
+  return view;
+}
+
 /*! \brief One spatial mean call: planes of `spatial` pixels of `block` channels each. */
 struct SpatialMeanWork {
   const float* x;
@@ -3024,6 +3042,30 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                     DirectConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
                                  Conv2DParamsOf(args),
                                  ParseEpilogue(args, 8, args.size() - 1, out), out);
+                  })
+      .def_packed("gimlet.cpu.conv2d_nchwc_direct_concat",
+                  [](PackedArgs args, tvm::ffi::Any*) {
+                    // ((data, packed weight, stride_h, stride_w, pad_top, pad_left,
+                    //   dilation_h, dilation_w, n, n epilogue arguments) per part..., out):
+                    // direct convs writing their blocked outputs one after another into out
+                    // (one image: a concat of the parts along the channel blocks).
+                    DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
+                    int64_t first = 0;
+                    for (int i = 0; i < args.size() - 1;) {
+                      DLTensor* weight = args[i + 1].cast<DLTensor*>();
+                      const int steps_end = i + 9 + static_cast<int>(args[i + 8].cast<int64_t>());
+                      TVM_FFI_ICHECK(weight->ndim == 5 && steps_end < args.size())
+                          << "gimlet.cpu.conv2d_nchwc_direct_concat: a part's arguments are cut short";
+                      int64_t shape[5];
+                      DLTensor part = ChannelBlocksView(out, first, weight->shape[0], shape);
+                      DirectConv2D(args[i].cast<DLTensor*>(), weight, Conv2DParamsOf(args, i + 2),
+                                   ParseEpilogue(args, i + 9, steps_end, &part), &part);
+                      first += weight->shape[0];
+                      i = steps_end;
+                    }
+                    TVM_FFI_ICHECK(first == out->shape[1])
+                        << "gimlet.cpu.conv2d_nchwc_direct_concat: the parts have " << first
+                        << " channel blocks, the output " << out->shape[1];
                   })
       .def_packed("gimlet.cpu.conv2d_nchw_rows",
                   [](PackedArgs args, tvm::ffi::Any*) {
