@@ -16,8 +16,9 @@ cover.
    (`blocked_layout_for`: whole networks were measured faster or even); `$GIMLET_CPU_BLOCKED_LAYOUT`
    (8 or 16) converts every function with that block, 0 none. In dataflow order, it rewrites
    into blocked form
-   - `R.nn.conv2d` (NCHW data and output, OIHW float32 weight, static shapes) that is groups 1
-     or depthwise (one group per channel, channel multiplier 1), as `R.nn.conv2d(data_layout=
+   - `R.nn.conv2d` (NCHW data and output, OIHW float32 weight, static shapes) that is groups 1,
+     depthwise (one group per channel, channel multiplier 1) or grouped with groups of whole
+     blocks (`_whole_block_groups`), as `R.nn.conv2d(data_layout=
      "NCHW{B}c", kernel_layout="OIHW", out_layout="NCHW{B}c")` (the CPU library runs it on the
      direct, blocked depthwise or, where `winograd_tile_for` says so, Winograd kernel). A
      channel count off the block is padded with zero channels up to ceil(C / B) blocks where
@@ -55,8 +56,8 @@ cover.
    global pooling / flatten, outputs), never around each op.
 3. It does not handle: convs with output channel counts off the block that padding would
    make too costly, or with a weight that is no constant (they stay NCHW, and so do the ops
-   between them), grouped convs other than depthwise, depthwise convs with a channel
-   multiplier, other dtypes, symbolic channel or spatial extents, binary
+   between them), grouped convs other than depthwise whose groups split a block, depthwise
+   convs with a channel multiplier, other dtypes, symbolic channel or spatial extents, binary
    ops that broadcast a blocked operand along its channels.
    It does not weigh a region's edge conversions against what its kernels save:
    `blocked_layout_for` decides per function.
@@ -184,6 +185,13 @@ def _depthwise(conv: relax.Call) -> bool:
             and data[1] is not None and int(conv.attrs.groups) == data[1] == out[1] and weight[1] == 1)
 
 
+def _whole_block_groups(conv: relax.Call, block: int) -> bool:
+    """A grouped conv (not depthwise) whose groups' input and output channels fill whole blocks
+    (ResNeXt-50's 32 groups of 16 and 32 channels; not its 4- and 8-channel groups)."""
+    data, out, groups = _shape(conv.args[0]), _shape(conv), int(conv.attrs.groups)
+    return groups > 1 and not data[1] % (groups * block) and not out[1] % (groups * block)
+
+
 def _static_nchw_conv(conv: relax.Call) -> tuple[list, list, list] | None:
     """The data, weight and output shapes of an NCHW / OIHW float32 conv2d whose extents are
     static but for the batch; None for any other."""
@@ -204,7 +212,9 @@ def _convertible(conv: relax.Call, block: int, winograd: int | None = None) -> b
         return False
     data_shape, weight_shape, out_shape = shapes
     in_c, out_c, groups = data_shape[1], out_shape[1], int(conv.attrs.groups)
-    if not (groups == 1 or _depthwise(conv)) or padded_channels(out_c, block) is None:
+    if groups != 1 and not _depthwise(conv):
+        return _whole_block_groups(conv, block)
+    if padded_channels(out_c, block) is None:
         return False
     if out_c % block and not isinstance(conv.args[1], tvm.ir.GenericConst):
         return False  # padding the weight with zero channels needs its values
@@ -476,8 +486,10 @@ class _BlockedRewriter(PyExprMutator):  # pylint: disable=abstract-method
             data, data_layout = self._edge(data), layout
             in_c = int(data.ty.shape[1]) * self.block
         out_padded = padded_channels(out_c, self.block)
-        if groups != 1:  # depthwise: one group per (padded) channel
+        if _depthwise(call):  # one group per (padded) channel
             weight, groups = _padded_weight(self.visit_expr(weight), out_padded, 1), out_padded
+        elif groups != 1:  # groups of whole blocks: nothing padded
+            weight = self.visit_expr(weight)
         else:
             weight = _padded_weight(self.visit_expr(weight), out_padded, in_c)
         if weight is None:

@@ -46,7 +46,8 @@ OpenBLAS-backed CPU library.
    - `R.nn.conv2d` on channel-blocked data and output (`data_layout` and `out_layout`
      "NCHW{B}c", OIHW weight: what `blocked_layout.BlockedLayout` writes; also with
      `grouping`, where nothing else could run it), or with one of them blocked and the other
-     NCHW (an entry or exit conv, groups 1): groups 1 into the direct kernel
+     NCHW (an entry or exit conv, groups 1): groups 1, and groups of whole channel blocks on
+     blocked data and output (each group run as an image of its own), into the direct kernel
      (`R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed, strides, pads,
      dilations))`, the weight packed as above with block B; 1x1 stride-1 convs run as GEMM
      tiles) or, both blocked, where the Winograd algorithms' rule picks one (as for NCHW), into
@@ -884,9 +885,9 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
 
     def _rewrite_blocked_conv2d(self, call: relax.Call) -> relax.Expr | None:
         """A conv2d with an OIHW weight and NCHW{B}c data or output (what `blocked_layout`
-        writes): both blocked, groups 1 or depthwise; NCHW data (an entry conv) or an NCHW
-        output (an exit conv), groups 1. On the direct or blocked depthwise kernel, its weight
-        packed into blocks of B output channels; both blocked and groups 1, on the Winograd
+        writes): both blocked, groups 1, depthwise or groups of whole blocks; NCHW data (an
+        entry conv) or an NCHW output (an exit conv), groups 1. On the direct or blocked
+        depthwise kernel, its weight packed into blocks of B output channels; both blocked and groups 1, on the Winograd
         kernel where the default rule picks it."""
         data, weight = call.args
         attrs = call.attrs
@@ -903,9 +904,11 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
                 or (blocked_data and _static_ints([data.ty.shape[4]]) != [block])
                 or (groups != 1 and not (blocked_data and blocked_out))):
             return None
-        if groups > 1:
+        if groups > 1 and _static_ints([weight.ty.shape[1]]) == [1]:
             func = BLOCKED_DEPTHWISE_CONV2D_FUNC
-            if _static_ints([weight.ty.shape[1]]) != [1]:
+        elif groups > 1:  # groups of whole blocks: the direct kernel runs each group as an image
+            group_in_c = _static_ints([weight.ty.shape[1]])
+            if group_in_c is None or group_in_c[0] % block or _static_ints([weight.ty.shape[0]])[0] % (groups * block):
                 return None
         args = [relax.prim_value(p) for p in params]
         both_blocked = blocked_data and blocked_out

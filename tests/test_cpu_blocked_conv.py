@@ -116,6 +116,50 @@ def test_blocked_direct_conv2d_against_numpy(block, blocked_in, batch, in_c, siz
 
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize(
+    "batch, groups, group_c, size, out_group_c, kernel, stride",
+    [
+        (1, 4, 1, (9, 9), 1, (3, 3), (1, 1)),  # ResNeXt's stage 3: groups of one block
+        (2, 4, 2, (10, 11), 1, (3, 3), (2, 2)),  # two blocks in, one out, stride 2, two images
+        (1, 2, 2, (7, 7), 2, (3, 3), (1, 1)),  # stage 4: groups of two blocks, 7x7 row tiles
+        (3, 3, 1, (6, 5), 1, (1, 1), (1, 1)),  # 1x1 (pointwise: the data read as it is)
+    ],
+)
+def test_grouped_direct_conv2d_against_numpy(block, batch, groups, group_c, size, out_group_c, kernel,
+                                             stride) -> None:
+    """Groups of whole channel blocks on blocked data and output: each group of each image runs
+    as an image of its own, its weights and bias those of its group's blocks, the residual
+    its own."""
+    load_extensions()
+    in_c, out_c = groups * group_c * block, groups * out_group_c * block
+    pads = tuple(k // 2 for k in kernel)
+    oh, ow = out_size(size, kernel, stride, pads, (1, 1))
+    x, weight = rand(batch, in_c, *size, seed=1), rand(out_c, in_c // groups, *kernel, seed=2)
+    bias, residual = rand(out_c, seed=3), rand(batch, out_c, oh, ow, seed=4)
+    y = tvm.runtime.tensor(np.full((batch, out_c // block, oh, ow, block), np.nan, np.float32))
+    tvm.get_global_func(DIRECT_CONV2D_FUNC)(
+        tvm.runtime.tensor(to_blocked(x, block)), tvm.runtime.tensor(pack_conv_weight(weight, block)),
+        *stride, *pads, 1, 1, ADD_BLOCKED_VECTOR, tvm.runtime.tensor(bias), oh * ow * block, block,
+        ADD_TENSOR, tvm.runtime.tensor(to_blocked(residual, block)), RELU, y)
+    per, per_out = in_c // groups, out_c // groups
+    expected = np.concatenate([
+        reference_conv(x[:, g * per:(g + 1) * per], weight[g * per_out:(g + 1) * per_out], stride, pads, (1, 1), (oh, ow))
+        for g in range(groups)], axis=1)
+    expected = np.maximum(expected + bias[:, None, None] + residual, 0.0)
+    np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_direct_conv2d_needs_whole_blocks() -> None:
+    """Groups that split a channel block (or NCHW data) are an error, not a wrong result."""
+    load_extensions()
+    x = tvm.runtime.tensor(to_blocked(rand(1, 16, 5, 5, seed=1), 8))
+    weight = tvm.runtime.tensor(pack_conv_weight(rand(16, 4, 3, 3, seed=2), 8))  # 4 groups of 4
+    y = tvm.runtime.tensor(np.zeros((1, 2, 5, 5, 8), np.float32))
+    with pytest.raises(Exception, match="groups need blocked data and output whose groups fill whole"):
+        tvm.get_global_func(DIRECT_CONV2D_FUNC)(x, weight, 1, 1, 1, 1, 1, 1, y)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize(
     "batch, channels, size, kernel, stride, pads, dilation",
     [
         (2, 32, (9, 13), (3, 3), (1, 1), (1, 1), (1, 1)),
@@ -559,6 +603,47 @@ def test_channels_off_the_block_run_padded(block, out_c, monkeypatch) -> None:
     assert script.count("R.strided_slice(") == 1 and "R.clip(" in script  # the gate's hard-sigmoid
     assert f"R.Tensor((N, {64 // block}, 11, 11, {block})" in script
     assert_matches_onnxruntime(model, {"x": rand(2, 16, 11, 11, seed=9)})
+
+
+def resnext_net(groups: int) -> onnx.ModelProto:
+    """A ResNeXt bottleneck on [N, 64, 10, 10]: a 1x1 conv to 64 channels with ReLU, a 3x3 conv
+    of `groups` groups with ReLU, a 1x1 conv back to 64, the residual add and ReLU, global
+    pooling."""
+    rng = np.random.default_rng(6)
+
+    def normal(*shape):
+        return rng.standard_normal(shape, dtype=np.float32) * 0.2
+
+    weights = {"w1": normal(64, 64, 1, 1), "b1": normal(64), "wg": normal(64, 64 // groups, 3, 3),
+               "bg": normal(64), "w3": normal(64, 64, 1, 1), "b3": normal(64)}
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "wg", "bg"], ["cg"], pads=[1, 1, 1, 1], group=groups),
+        helper.make_node("Relu", ["cg"], ["rg"]),
+        helper.make_node("Conv", ["rg", "w3", "b3"], ["c3"]),
+        helper.make_node("Add", ["c3", "x"], ["a"]),
+        helper.make_node("Relu", ["a"], ["r"]),
+        helper.make_node("GlobalAveragePool", ["r"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["y"]),
+    ]
+    return onnx_model(nodes, [("x", ["N", 64, 10, 10])], ("y", ["N", 64]), weights)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("groups, blocked", [(4, True), (16, False)])
+def test_grouped_convs_of_whole_blocks_run_blocked(block, groups, blocked, monkeypatch) -> None:
+    """A grouped conv whose groups hold whole channel blocks (4 of 16 channels) runs blocked on
+    the direct kernel: the network's one conversion is its input's; one that splits blocks (16
+    of 4) stays NCHW, converted out of the region and back in. Both compute what onnxruntime
+    does."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
+    model = resnext_net(groups)
+    script = dispatched(model)
+    assert script.count(f'"{TO_BLOCKED_FUNC}"') == (1 if blocked else 2)
+    assert script.count(f'"{FROM_BLOCKED_FUNC}"') == (0 if blocked else 1)
+    assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == (3 if blocked else 2)
+    assert_matches_onnxruntime(model, {"x": rand(2, 64, 10, 10, seed=11)})
 
 
 def exit_net() -> onnx.ModelProto:

@@ -998,6 +998,7 @@ struct DirectConvWork {
   int64_t chunk_slots;   // the most slots of a chunk
   bool groups_inner;     // an image's chunks run each through all groups (see ChunkAt)
   int64_t work_slots;    // images * block_groups * slots
+  int64_t conv_groups;   // a grouped conv's groups, each run as an image of its own (else 1)
 
   /*! \brief A chunk: slots [s0, s1) of group `group` of image `img`. */
   struct Chunk {
@@ -1283,18 +1284,22 @@ __attribute__((always_inline)) inline void PrefetchWeights(const float* w, int64
 /*! \brief Slots [s0, s1) (a chunk) of channel blocks [b0, b0 + NB) of one image (`x`: its
  * planes), in tiles of P pixels: one row tile per slot (kRows), or the grid pixels the slots
  * cover, P at a time; one slice of taps after another; then the outputs among them stored,
- * and the epilogue on those (tiles the last slice stored from registers excepted). */
+ * and the epilogue on those (tiles the last slice stored from registers excepted). Weights and
+ * per-channel epilogue vectors are those of block `group_block0 + b0` (a grouped conv's
+ * image is one group of one image: group_block0 is the group's first output block). */
 template <int L, int P, int NB, int XB, bool kRows>
 __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, const float* x,
                                                        int64_t b0, int64_t s0, int64_t s1,
-                                                       float* y_img) {
+                                                       float* y_img, int64_t group_block0) {
   // One-block grid tiles (a pair's odd block) are twice as wide, so half as many.
   constexpr int64_t kTiles = kRows || NB > 1 ? kTilesPerChunk : kTilesPerChunk / kBlocks;
   alignas(64) float tiles[kTiles][NB * P * L];
   const int64_t spatial = t.out_h * t.out_w;
   // The epilogue's per-channel vectors of blocks [b0, b0 + NB) (the same for all pixels).
   std::array<BlockedRowVectors, NB> vectors;
-  for (int j = 0; j < NB; ++j) vectors[j] = BlockedRowVectors(*t.epilogue, (b0 + j) * spatial * L);
+  for (int j = 0; j < NB; ++j) {
+    vectors[j] = BlockedRowVectors(*t.epilogue, (group_block0 + b0 + j) * spatial * L);
+  }
   const int64_t g0 = s0 * t.slot_w, g1 = std::min(t.grid, s1 * t.slot_w);  // grid tiles' pixels
   const int64_t num_tiles = kRows ? s1 - s0 : (g1 - g0 + P - 1) / P;
   // Tile i's first grid pixel and its pixels (only a last grid tile has fewer than P).
@@ -1312,7 +1317,7 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
            (kRows || (tile_size(g) == P && (t.grid_w == t.out_w || g % t.grid_w + P <= t.out_w)));
   };
   const int64_t w_stride = t.num_taps * L;
-  const float* w = t.w + b0 * w_stride;
+  const float* w = t.w + (group_block0 + b0) * w_stride;
   const int64_t ch0 = b0 * L, channels = std::min<int64_t>(t.out_c - ch0, NB * L);
   float* y = y_img + ch0 * spatial;  // block b0's plane when blocked, channel ch0's when not
   const int64_t slice = std::max<int64_t>(1, kSliceBytes / (NB * L * sizeof(float)));
@@ -1379,11 +1384,11 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
 template <int L, int P, int NB, bool kRows>
 __attribute__((always_inline)) inline void DirectChunkOf(const DirectConvWork& t, const float* x,
                                                          int64_t b0, int64_t s0, int64_t s1,
-                                                         float* y_img) {
+                                                         float* y_img, int64_t group_block0) {
   if (t.x_block == 1) {
-    DirectChunk<L, P, NB, 1, kRows>(t, x, b0, s0, s1, y_img);
+    DirectChunk<L, P, NB, 1, kRows>(t, x, b0, s0, s1, y_img, group_block0);
   } else {
-    DirectChunk<L, P, NB, L, kRows>(t, x, b0, s0, s1, y_img);
+    DirectChunk<L, P, NB, L, kRows>(t, x, b0, s0, s1, y_img, group_block0);
   }
 }
 
@@ -1467,11 +1472,11 @@ __attribute__((always_inline)) inline void DirectSlots(const DirectConvWork& t, 
     const int64_t g1 = kRows ? (s1 - 1) / row_tiles * t.grid_w + t.out_w : s1 * t.slot_w;
     const float* x = input.Rows(img, g0 / t.grid_w, (g1 - 1 + t.reach) / t.grid_w + 1);
     float* y_img = t.y + img * t.out_c * t.out_h * t.out_w;
-    const int64_t b0 = group * G;
+    const int64_t b0 = group * G, group_block0 = img % t.conv_groups * t.blocks;
     if (b0 + G <= t.blocks) {
-      DirectChunkOf<L, kGroupPixels, G, kRows>(t, x, b0, s0, s1, y_img);
+      DirectChunkOf<L, kGroupPixels, G, kRows>(t, x, b0, s0, s1, y_img, group_block0);
     } else if constexpr (G == kBlocks) {  // wide groups are whole
-      DirectChunkOf<L, kSinglePixels, 1, kRows>(t, x, b0, s0, s1, y_img);
+      DirectChunkOf<L, kSinglePixels, 1, kRows>(t, x, b0, s0, s1, y_img, group_block0);
     }
   }
 }
@@ -1572,9 +1577,11 @@ int RunDirectConvSlots(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   return 0;
 }
 /*!
- * \brief conv2d (groups 1) with weights packed as [ceil(O / B), C, KH, KW, B], B 8 or 16 (see
+ * \brief conv2d with weights packed as [ceil(O / B), C / G, KH, KW, B], B 8 or 16 (see
  * DirectConvBlock); data: [N, C, H, W] or channel-blocked [N, C / B, H, W, B], out:
- * [N, O, OH, OW] or [N, O / B, OH, OW, B]. Chunks of tiles of a group of channel blocks
+ * [N, O, OH, OW] or [N, O / B, OH, OW, B]; G groups (the weight's input channels a G-th of the
+ * data's) only with blocked data and output, each group whole blocks (ResNeXt's 32 groups of
+ * 16 and 32 channels). Chunks of tiles of a group of channel blocks
  * run on TVM's pool, consecutive chunks of the same blocks on one thread (their weights stay
  * in cache).
  */
@@ -1588,10 +1595,22 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
       << "gimlet.cpu.conv2d_nchw_direct: data and out must be 4-D (NCHW) or 5-D (NCHW{B}c), the "
          "packed weight 5-D";
   const int64_t x_block = data->ndim == 5 ? data->shape[4] : 1;
-  const int64_t batch = data->shape[0], in_c = data->shape[1] * x_block;
+  // A grouped conv (weight of C / G input channels) on blocked data and output whose groups
+  // fill whole blocks runs each group of each image as an image of its own: [N, C / B, H, W, B]
+  // is [N * G, C / G / B, H, W, B] in memory, and so is the output.
+  const int64_t group_in_c = weight->shape[1], all_in_c = data->shape[1] * x_block;
+  const int64_t conv_groups =
+      group_in_c > 0 && all_in_c > group_in_c && all_in_c % group_in_c == 0 ? all_in_c / group_in_c : 1;
+  const int64_t out_blocks = out->ndim == 5 ? out->shape[1] : 0;
+  TVM_FFI_ICHECK(conv_groups == 1 || (x_block == weight->shape[4] && out->ndim == 5 &&
+                                      group_in_c % x_block == 0 && out_blocks % conv_groups == 0))
+      << "gimlet.cpu.conv2d_nchw_direct: " << conv_groups
+      << " groups need blocked data and output whose groups fill whole channel blocks";
+  const int64_t batch = data->shape[0] * conv_groups, in_c = all_in_c / conv_groups;
   const int64_t height = data->shape[2], width = data->shape[3];
   const int64_t kernel_h = weight->shape[2], kernel_w = weight->shape[3];
   DirectConvWork t{};
+  t.conv_groups = conv_groups;
   t.w = Data(weight);
   t.x_block = x_block;
   t.y = Data(out);
@@ -1600,7 +1619,7 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   t.y_blocked = out->ndim == 5;
   t.vector_epilogue = t.y_blocked && IsBlockedVectorEpilogue(epilogue, t.block);
   t.register_epilogue = t.vector_epilogue && !HasStoredTileStep(epilogue);
-  t.out_c = out->shape[1] * (t.y_blocked ? out->shape[4] : 1);
+  t.out_c = out->shape[1] * (t.y_blocked ? out->shape[4] : 1) / conv_groups;
   t.out_h = out->shape[2];
   t.out_w = out->shape[3];
   TVM_FFI_ICHECK(t.block == 8 || t.block == 16)
@@ -1608,8 +1627,8 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   TVM_FFI_ICHECK(DirectConvBlock() != 0)
       << "gimlet.cpu.conv2d_nchw_direct needs a CPU with AVX2 and FMA";
   t.blocks = (t.out_c + t.block - 1) / t.block;
-  TVM_FFI_ICHECK(weight->shape[0] == t.blocks && weight->shape[1] == in_c &&
-                 out->shape[0] == batch && (!t.y_blocked || out->shape[4] == t.block) &&
+  TVM_FFI_ICHECK(weight->shape[0] == t.blocks * conv_groups && weight->shape[1] == in_c &&
+                 out->shape[0] * conv_groups == batch && (!t.y_blocked || out->shape[4] == t.block) &&
                  (x_block == 1 || x_block == t.block))
       << "gimlet.cpu.conv2d_nchw_direct: shapes differ (a blocked data's or output's block must "
          "be the packed weight's)";
