@@ -26,7 +26,7 @@ from tvm import IRModule, relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..targets.libraries import CPU_LIBRARY
-from .dispatch_cpu_library import DIRECT_CONV2D_FUNC
+from .dispatch_cpu_library import DIRECT_CONV2D_FUNC, variable_uses
 
 CONCAT_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchwc_direct_concat"
 _CALL_DPS_PACKED = tvm.ir.Op.get("relax.call_dps_packed")
@@ -42,16 +42,10 @@ class ConcatInPlace:  # pylint: disable=too-few-public-methods
         rewriter = _Rewriter(mod)
         for g_var, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                rewriter.use_counts = _use_counts(func)
+                rewriter.use_counts = variable_uses(func)
                 func = rewriter.visit_expr(func)
                 rewriter.builder_.update_func(g_var, relax.analysis.remove_all_unused(func))
         return rewriter.builder_.get()
-
-
-def _use_counts(func: relax.Function) -> collections.Counter:
-    counts: collections.Counter = collections.Counter()
-    relax.analysis.post_order_visit(func.body, lambda e: counts.update([e]) if isinstance(e, relax.Var) else None)
-    return counts
 
 
 @mutator

@@ -158,7 +158,7 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
         rewriter.depthwise_wanted = depthwise_kernel_wanted()
         for g_var, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                rewriter.use_counts = _use_counts(func)
+                rewriter.use_counts = variable_uses(func)
                 func = rewriter.visit_expr(func)
                 # Transposes and calls folded into calls are now unused.
                 rewriter.builder_.update_func(g_var, relax.analysis.remove_all_unused(func))
@@ -624,7 +624,7 @@ def _chain_link(call: relax.Call) -> tuple[tuple[str, float, float], relax.Expr]
     return None
 
 
-def _use_counts(func: relax.Function) -> collections.Counter:
+def variable_uses(func: relax.Function) -> collections.Counter:
     """How often each variable is used in `func`."""
     counts: collections.Counter = collections.Counter()
     relax.analysis.post_order_visit(
