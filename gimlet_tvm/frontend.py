@@ -312,7 +312,9 @@ def import_model(
 
     First refuses (`ResourceLimitError`) a model whose declared sizes need more memory than
     this machine has (`declared_memory`): its weights, which the compiler holds, and with
-    `runs_here` (it is built for this machine's CPU) the largest step's tensors too."""
+    `runs_here` (it is built for this machine's CPU) the largest step's tensors too. Every
+    shape the imported graph computes at run time is checked before it sizes a tensor
+    (`relax_passes.checked_shapes`)."""
     missing = unsupported_ops(model)
     if missing:
         raise UnsupportedOpError(missing)
@@ -339,6 +341,5 @@ def import_model(
             )
         except Exception as err:  # a converter can fail with any error type: name it
             raise ModelImportError(f"ONNX import failed: {summary(err)}") from err
-    # Sizes computed at run time are checked to fit in memory before they size a tensor.
     mod = CheckedShapes()(mod)
     return mod, IOSpec(tuple(inputs), _output_specs(model, mod))
