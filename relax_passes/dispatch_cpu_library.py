@@ -127,9 +127,9 @@ _EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, IM2COL_CONV2D_FUNC: 9, DIRECT
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
 ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU, ADD_BLOCKED_VECTOR, SILU, SIGMOID, HARD_SWISH = 0, 1, 2, 3, 4, 5, 6, 7, 8
 ACTIVATIONS = {"relax.nn.relu": RELU, "relax.nn.gelu": GELU, "relax.nn.silu": SILU, "relax.sigmoid": SIGMOID}
-# Ops a hard-sigmoid chain is made of (`hard_sigmoid_input`): scalar affine steps and clips.
-_AFFINE_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide")
-_CLIP_OPS = ("relax.clip", "relax.maximum", "relax.minimum")
+# Ops by a scalar constant a hard-sigmoid chain is made of (`hard_sigmoid_input`), beside
+# `R.clip`: affine steps, and bounds.
+_SCALAR_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.maximum", "relax.minimum")
 
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchCPULibrary")
@@ -602,7 +602,7 @@ def _chain_link(call: relax.Call) -> tuple[tuple[str, float, float], relax.Expr]
         lo, hi = (float(arg.value) if isinstance(arg, (tvm.tirx.IntImm, tvm.tirx.FloatImm)) else None
                   for arg in call.args[1:3])
         return None if lo is None or hi is None else (("clip", lo, hi), call.args[0])
-    if name not in _AFFINE_OPS and name not in _CLIP_OPS[1:]:
+    if name not in _SCALAR_OPS:
         return None
     for operand, constant, constant_first in ((call.args[0], call.args[1], False), (call.args[1], call.args[0], True)):
         c = _scalar_constant(constant)
@@ -887,7 +887,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         """A conv2d with an OIHW weight and NCHW{B}c data or output (what `blocked_layout`
         writes): both blocked, groups 1, depthwise or groups of whole blocks; NCHW data (an
         entry conv) or an NCHW output (an exit conv), groups 1. On the direct or blocked
-        depthwise kernel, its weight packed into blocks of B output channels; both blocked and groups 1, on the Winograd
+        depthwise kernel, its weight packed into blocks of B output channels; both blocked and
+        groups 1, on the Winograd
         kernel where the default rule picks it."""
         data, weight = call.args
         attrs = call.attrs
@@ -907,8 +908,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if groups > 1 and _static_ints([weight.ty.shape[1]]) == [1]:
             func = BLOCKED_DEPTHWISE_CONV2D_FUNC
         elif groups > 1:  # groups of whole blocks: the direct kernel runs each group as an image
-            group_in_c = _static_ints([weight.ty.shape[1]])
-            if group_in_c is None or group_in_c[0] % block or _static_ints([weight.ty.shape[0]])[0] % (groups * block):
+            out_and_group_in = _static_ints(list(weight.ty.shape)[:2])
+            if out_and_group_in is None or out_and_group_in[1] % block or out_and_group_in[0] % (groups * block):
                 return None
         args = [relax.prim_value(p) for p in params]
         both_blocked = blocked_data and blocked_out
