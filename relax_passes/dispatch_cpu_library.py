@@ -50,8 +50,12 @@ OpenBLAS-backed CPU library.
      blocked data and output (each group run as an image of its own), into the direct kernel
      (`R.call_dps_packed("gimlet.cpu.conv2d_nchw_direct", (data, packed, strides, pads,
      dilations))`, the weight packed as above with block B; 1x1 stride-1 convs run as GEMM
-     tiles) or, both blocked, where the Winograd algorithms' rule picks one (as for NCHW), into
-     the Winograd kernel, its weight transformed at build time as [alpha^2, I / B, B, O]
+     tiles; groups 1 on data bound to `x * scale`, a per-channel scale shared by the images (a
+     squeeze-and-excitation gate at batch 1), into `R.call_dps_packed(
+     "gimlet.cpu.conv2d_nchw_direct_scaled", (x, scale, packed, ...))`, which scales the
+     weight's input channels instead of the data, where the weight is the smaller) or, both
+     blocked, where the Winograd algorithms' rule picks one (as for NCHW), into the Winograd
+     kernel, its weight transformed at build time as [alpha^2, I / B, B, O]
      (`winograd_weight` with the block); depthwise into `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchwc_depthwise", (data, packed, strides, pads, dilations))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
@@ -108,6 +112,7 @@ MATMUL_FUNC = f"{CPU_LIBRARY.name}.matmul"
 CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw"
 IM2COL_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_im2col"  # the same kernel, chosen
 DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct"
+SCALED_DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct_scaled"
 ROW_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_rows"
 DEPTHWISE_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_depthwise"
 BLOCKED_DEPTHWISE_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchwc_depthwise"
@@ -118,10 +123,10 @@ WINOGRAD_ENV = "GIMLET_CPU_WINOGRAD"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
 # weight, 6 params, groups) for both names of the im2col kernel; after (data, packed weight, 6
-# params); after (data, weight, 6 params, lanes) for the row and depthwise kernels; after (data,
+# params); after (data, scale, packed weight, 6 params); after (data, weight, 6 params, lanes) for the row and depthwise kernels; after (data,
 # transformed or blocked weight, 6 params) for the Winograd and blocked depthwise kernels.
 _EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, IM2COL_CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8,
-                   ROW_CONV2D_FUNC: 9, DEPTHWISE_CONV2D_FUNC: 9, WINOGRAD_CONV2D_FUNC: 8,
+                   SCALED_DIRECT_CONV2D_FUNC: 9, ROW_CONV2D_FUNC: 9, DEPTHWISE_CONV2D_FUNC: 9, WINOGRAD_CONV2D_FUNC: 8,
                    BLOCKED_DEPTHWISE_CONV2D_FUNC: 8}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
@@ -917,7 +922,32 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if tile:
             return winograd_call(self.builder_, data, weight, args, call.ty, tile, block)
         packed = packed_conv_weight(self.builder_, weight, block)
+        gated = self._channel_scaled(data, weight) if func == DIRECT_CONV2D_FUNC and groups == 1 else None
+        if gated is not None:
+            return relax.call_dps_packed(SCALED_DIRECT_CONV2D_FUNC, [*gated, packed, *args], call.ty)
         return relax.call_dps_packed(func, [data, packed, *args], call.ty)
+
+    def _channel_scaled(self, data: relax.Expr, weight: relax.Expr) -> tuple[relax.Expr, relax.Expr] | None:
+        """(x, scale) where the conv's blocked `data` [N, C / B, H, W, B] is bound to `x * scale`
+        and read by the conv only, `scale` [1, C / B, 1, 1, B] (one factor per channel for
+        every image: a squeeze-and-excitation gate), and the weight has at most as many
+        elements per input channel as the data (O * KH * KW <= N * H * W), so that scaling
+        the weight costs less than scaling the data."""
+        bound = self._single_use_binding(data) if self.fuse_epilogues else None
+        if not (isinstance(bound, relax.Call) and bound.op == tvm.ir.Op.get("relax.multiply")):
+            return None
+        data_shape = _static_ints(data.ty.shape)
+        weight_shape = _static_ints(weight.ty.shape)
+        if data_shape is None or weight_shape is None:
+            return None
+        batch, blocks, height, width, block = data_shape
+        if weight_shape[0] * weight_shape[2] * weight_shape[3] > batch * height * width:
+            return None
+        for x, scale in (bound.args, bound.args[::-1]):
+            if (_is_float32_tensor(x.ty, 5) and _static_ints(x.ty.shape) == data_shape
+                    and _is_float32_tensor(scale.ty, 5) and _static_ints(scale.ty.shape) == [1, blocks, 1, 1, block]):
+                return x, scale
+        return None
 
     def _blocked_winograd_tile(self, call: relax.Call, params: list[int]) -> int:
         """The Winograd tile (4 or 2) of the conv algorithm the default rule picks for a groups-1

@@ -27,8 +27,8 @@ from gimlet_tvm.relax_passes.blocked_layout import (
     BLOCKED_LAYOUT_ENV, FROM_BLOCKED_FUNC, SPATIAL_MEAN_FUNC, TO_BLOCKED_FUNC)
 from gimlet_tvm.relax_passes.concat_in_place import CONCAT_FUNC
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
-    BLOCKED_DEPTHWISE_CONV2D_FUNC, DIRECT_CONV2D_FUNC, IM2COL_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC,
-    WINOGRAD_ENV, direct_conv_block, pack_conv_weight)
+    BLOCKED_DEPTHWISE_CONV2D_FUNC, DIRECT_CONV2D_FUNC, IM2COL_CONV2D_FUNC, SCALED_DIRECT_CONV2D_FUNC,
+    WINOGRAD_CONV2D_FUNC, WINOGRAD_ENV, direct_conv_block, pack_conv_weight)
 from gimlet_tvm.relax_passes.library_dispatch import layout_passes, library_passes
 from gimlet_tvm.runtime.extensions import load_extensions
 from gimlet_tvm.schedules.kernel_selection.choices import KernelSelection, OpChoice, Tried
@@ -146,6 +146,46 @@ def test_grouped_direct_conv2d_against_numpy(block, batch, groups, group_c, size
         for g in range(groups)], axis=1)
     expected = np.maximum(expected + bias[:, None, None] + residual, 0.0)
     np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("blocked_in", [True, False])
+@pytest.mark.parametrize(
+    "batch, in_c, size, out_c, kernel, stride, pads",
+    [
+        (1, 32, (9, 9), 16, (1, 1), (1, 1), (0, 0)),  # a squeeze-and-excitation projection
+        (2, 16, (11, 10), 48, (1, 1), (1, 1), (0, 0)),  # two images, one scale
+        (1, 32, (15, 13), 32, (3, 3), (2, 2), (1, 1)),  # padding stays zero under the scale
+    ],
+)
+def test_scaled_direct_conv2d_against_numpy(block, blocked_in, batch, in_c, size, out_c, kernel, stride,
+                                            pads) -> None:
+    """conv(x * scale) for one factor per input channel, shared by every image, with a bias
+    and ReLU: the kernel scales the weight's input channels instead of the data."""
+    load_extensions()
+    oh, ow = out_size(size, kernel, stride, pads, (1, 1))
+    x, weight = rand(batch, in_c, *size, seed=1), rand(out_c, in_c, *kernel, seed=2)
+    scale, bias = rand(in_c, seed=3), rand(out_c, seed=4)
+    y = tvm.runtime.tensor(np.full((batch, out_c // block, oh, ow, block), np.nan, np.float32))
+    scale_tensor = to_blocked(scale.reshape(1, in_c, 1, 1), block) if blocked_in else scale.reshape(1, in_c, 1, 1)
+    tvm.get_global_func(SCALED_DIRECT_CONV2D_FUNC)(
+        tvm.runtime.tensor(to_blocked(x, block) if blocked_in else x), tvm.runtime.tensor(scale_tensor),
+        tvm.runtime.tensor(pack_conv_weight(weight, block)), *stride, *pads, 1, 1,
+        ADD_BLOCKED_VECTOR, tvm.runtime.tensor(bias), oh * ow * block, block, RELU, y)
+    expected = reference_conv(x * scale[:, None, None], weight, stride, pads, (1, 1), (oh, ow))
+    expected = np.maximum(expected + bias[:, None, None], 0.0)
+    np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_scaled_direct_conv2d_needs_one_factor_per_channel() -> None:
+    """A scale per image (or of another size) is an error, not a wrong result."""
+    load_extensions()
+    x = tvm.runtime.tensor(to_blocked(rand(2, 16, 5, 5, seed=1), 8))
+    weight = tvm.runtime.tensor(pack_conv_weight(rand(16, 16, 1, 1, seed=2), 8))
+    scale = tvm.runtime.tensor(to_blocked(rand(2, 16, 1, 1, seed=3), 8))
+    y = tvm.runtime.tensor(np.zeros((2, 2, 5, 5, 8), np.float32))
+    with pytest.raises(Exception, match="one factor per input channel"):
+        tvm.get_global_func(SCALED_DIRECT_CONV2D_FUNC)(x, scale, weight, 1, 1, 0, 0, 1, 1, y)
 
 
 def test_grouped_direct_conv2d_needs_whole_blocks() -> None:
@@ -318,11 +358,11 @@ def block_net(channels: int = 16, seed: int = 0) -> onnx.ModelProto:
     return onnx_model(nodes, [("x", ["N", c, 15, 15])], ("y", ["N", c2]), weights)
 
 
-def se_net(channels: int = 32, seed: int = 0) -> onnx.ModelProto:
+def se_net(channels: int = 32, seed: int = 0, batch: int | str = "N") -> onnx.ModelProto:
     """An EfficientNet block as torch exports it: SiLU written as x * sigmoid(x), a 5x5
     depthwise conv, a squeeze-and-excitation gate (global pooling, a 1x1 conv down to a
     quarter of the channels (off the block) with SiLU, a 1x1 conv back up, sigmoid, times the
-    block's activations) and a 1x1 projection, on [N, 3, 17, 17]."""
+    block's activations) and a 1x1 projection, on [batch, 3, 17, 17]."""
     rng = np.random.default_rng(seed)
     c, r = channels, channels // 4
 
@@ -350,7 +390,7 @@ def se_net(channels: int = 32, seed: int = 0) -> onnx.ModelProto:
         helper.make_node("GlobalAveragePool", ["p"], ["g"]),
         helper.make_node("Flatten", ["g"], ["y"]),
     ]
-    return onnx_model(nodes, [("x", ["N", 3, 17, 17])], ("y", ["N", c]), weights)
+    return onnx_model(nodes, [("x", [batch, 3, 17, 17])], ("y", [batch, c]), weights)
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -368,6 +408,19 @@ def test_squeeze_and_excitation_runs_blocked(block, monkeypatch) -> None:
     assert "R.sigmoid(" not in script and "R.nn.silu(" not in script
     assert "R.multiply(" in script
     assert_matches_onnxruntime(se_net(), {"x": rand(2, 3, 17, 17, seed=6)})
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("batch, scaled", [(1, True), (2, False)])
+def test_squeeze_and_excitation_gate_scales_the_projection(block, batch, scaled, monkeypatch) -> None:
+    """For one image, the gate's product is the projection conv's scale (its weight scaled
+    per input channel, no multiply left); for two, each image has its own gate and the
+    product stays."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
+    script = dispatched(se_net(batch=batch))
+    assert script.count(f'"{SCALED_DIRECT_CONV2D_FUNC}"') == int(scaled)
+    assert ("R.multiply(" in script) != scaled
+    assert_matches_onnxruntime(se_net(batch=batch), {"x": rand(batch, 3, 17, 17, seed=6)})
 
 
 def concat_net(seed: int = 0) -> onnx.ModelProto:

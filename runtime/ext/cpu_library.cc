@@ -1679,6 +1679,40 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   Launch(RunDirectConvSlots, &t, work >= kMinParallelGemm);
 }
 
+/*!
+ * \brief DirectConv2D of data * scale, `scale` one factor per input channel shared by every
+ * image (a squeeze-and-excitation gate: [1, C, 1, 1] or [1, C / B, 1, 1, B]), groups 1: the
+ * conv of the weight whose input channel c is scaled by scale[c]. That weight is written here,
+ * on the calling thread, into its scratch buffer, so a gate costs O * C * KH * KW products
+ * instead of an elementwise pass over the data (N * C * H * W, read and written).
+ */
+void ScaledDirectConv2D(DLTensor* data, DLTensor* scale, DLTensor* weight, const Conv2DParams& p,
+                        const Epilogue& epilogue, DLTensor* out) {
+  CheckCompactFloat32(scale, "scale");
+  CheckCompactFloat32(weight, "weight");
+  const int64_t in_c = data->shape[1] * (data->ndim == 5 ? data->shape[4] : 1);
+  TVM_FFI_ICHECK(weight->ndim == 5 && weight->shape[1] == in_c &&
+                 Product(scale->shape, scale->shape + scale->ndim) == in_c)
+      << "gimlet.cpu.conv2d_nchw_direct_scaled: the scale must hold one factor per input "
+         "channel of a groups-1 conv";
+  const int64_t taps = weight->shape[2] * weight->shape[3], block = weight->shape[4];
+  const int64_t per_channel = taps * block, blocks = weight->shape[0];
+  thread_local std::vector<float> buffer;
+  float* scaled = Scratch(buffer, static_cast<size_t>(blocks * in_c * per_channel));
+  const float* w = Data(weight);
+  const float* factor = Data(scale);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t c = 0; c < in_c; ++c) {
+      const int64_t at = (b * in_c + c) * per_channel;
+      for (int64_t i = 0; i < per_channel; ++i) scaled[at + i] = w[at + i] * factor[c];
+    }
+  }
+  DLTensor scaled_weight = *weight;
+  scaled_weight.data = scaled;
+  scaled_weight.byte_offset = 0;
+  DirectConv2D(data, &scaled_weight, p, epilogue, out);
+}
+
 // ---------------------------------------------------------------------------------------------
 // conv2d, row-vectorized: for convs with a short reduction (a network's 3-channel stem), where a
 // channel-block tile spends more time scattering its lanes into NCHW rows than multiplying.
@@ -3061,6 +3095,15 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                     DirectConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
                                  Conv2DParamsOf(args),
                                  ParseEpilogue(args, 8, args.size() - 1, out), out);
+                  })
+      .def_packed("gimlet.cpu.conv2d_nchw_direct_scaled",
+                  [](PackedArgs args, tvm::ffi::Any*) {
+                    // (data, scale, packed weight, stride_h, stride_w, pad_top, pad_left,
+                    //  dilation_h, dilation_w, epilogue steps..., out)
+                    DLTensor* out = args[args.size() - 1].cast<DLTensor*>();
+                    ScaledDirectConv2D(args[0].cast<DLTensor*>(), args[1].cast<DLTensor*>(),
+                                       args[2].cast<DLTensor*>(), Conv2DParamsOf(args, 3),
+                                       ParseEpilogue(args, 9, args.size() - 1, out), out);
                   })
       .def_packed("gimlet.cpu.conv2d_nchwc_direct_concat",
                   [](PackedArgs args, tvm::ffi::Any*) {
