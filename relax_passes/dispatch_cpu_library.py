@@ -930,9 +930,11 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
     def _channel_scaled(self, data: relax.Expr, weight: relax.Expr) -> tuple[relax.Expr, relax.Expr] | None:
         """(x, scale) where the conv's blocked `data` [N, C / B, H, W, B] is bound to `x * scale`
         and read by the conv only, `scale` [1, C / B, 1, 1, B] (one factor per channel for
-        every image: a squeeze-and-excitation gate), and the weight has at most as many
-        elements per input channel as the data (O * KH * KW <= N * H * W), so that scaling
-        the weight costs less than scaling the data."""
+        every image: a squeeze-and-excitation gate), and the weight has at most a quarter as
+        many elements per input channel as the data (4 * O * KH * KW <= N * H * W): the kernel
+        scales the weight on one thread, from memory, where the product ran on every thread
+        over data still in cache (a 14x14 projection 672 -> 112 took 25-35 us longer scaled,
+        the product took 10). EfficientNet-B0 ran in 0.97 of its time, MobileNetV3 in 0.98."""
         bound = self._single_use_binding(data) if self.fuse_epilogues else None
         if not (isinstance(bound, relax.Call) and bound.op == tvm.ir.Op.get("relax.multiply")):
             return None
@@ -941,7 +943,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if data_shape is None or weight_shape is None:
             return None
         batch, blocks, height, width, block = data_shape
-        if weight_shape[0] * weight_shape[2] * weight_shape[3] > batch * height * width:
+        if weight_shape[0] * weight_shape[2] * weight_shape[3] * 4 > batch * height * width:
             return None
         for x, scale in (bound.args, bound.args[::-1]):
             if (_is_float32_tensor(x.ty, 5) and _static_ints(x.ty.shape) == data_shape

@@ -411,16 +411,17 @@ def test_squeeze_and_excitation_runs_blocked(block, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("block", BLOCKS)
-@pytest.mark.parametrize("batch, scaled", [(1, True), (2, False)])
-def test_squeeze_and_excitation_gate_scales_the_projection(block, batch, scaled, monkeypatch) -> None:
+@pytest.mark.parametrize("channels, batch, scaled", [(16, 1, True), (16, 2, False), (32, 1, False)])
+def test_squeeze_and_excitation_gate_scales_the_projection(block, channels, batch, scaled, monkeypatch) -> None:
     """For one image, the gate's product is the projection conv's scale (its weight scaled
-    per input channel, no multiply left); for two, each image has its own gate and the
-    product stays."""
+    per input channel, no multiply left: 16 channels, 4 * 16 weights a channel against 9 * 9
+    pixels); for two, each image has its own gate and the product stays; with 32 channels
+    (4 * 32 > 81) the weight is too large to scale on every call."""
     monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
-    script = dispatched(se_net(batch=batch))
+    script = dispatched(se_net(channels, batch=batch))
     assert script.count(f'"{SCALED_DIRECT_CONV2D_FUNC}"') == int(scaled)
     assert ("R.multiply(" in script) != scaled
-    assert_matches_onnxruntime(se_net(batch=batch), {"x": rand(batch, 3, 17, 17, seed=6)})
+    assert_matches_onnxruntime(se_net(channels, batch=batch), {"x": rand(batch, 3, 17, 17, seed=6)})
 
 
 def concat_net(seed: int = 0) -> onnx.ModelProto:
