@@ -53,9 +53,9 @@ OpenBLAS-backed CPU library.
      tiles; groups 1 on data bound to `x * scale`, a per-channel scale shared by the images (a
      squeeze-and-excitation gate at batch 1), into `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchw_direct_scaled", (x, scale, packed, ...))`, which scales the
-     weight's input channels instead of the data, where the weight is the smaller) or, both
-     blocked, where the Winograd algorithms' rule picks one (as for NCHW), into the Winograd
-     kernel, its weight transformed at build time as [alpha^2, I / B, B, O]
+     weight's input channels instead of the data, where the weight is at most a quarter of
+     its size) or, both blocked, where the Winograd algorithms' rule picks one (as for NCHW),
+     into the Winograd kernel, its weight transformed at build time as [alpha^2, I / B, B, O]
      (`winograd_weight` with the block); depthwise into `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchwc_depthwise", (data, packed, strides, pads, dilations))`;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
