@@ -1205,6 +1205,43 @@ __attribute__((always_inline)) inline void BlockedEpilogueVectors(const Epilogue
   }
 }
 
+/*!
+ * \brief A vector epilogue (IsBlockedVectorEpilogue, no stored tile's step) of the form
+ * clip(v + bias + residual, lo, hi), each part optional: a per-channel bias, an output-shaped
+ * tensor, then a ReLU or a clip (the common CNN epilogues), applied to a vector in a few
+ * instructions instead of step by step. The blocked depthwise conv (9 or 25 multiply-adds a
+ * vector) took 1.3-1.4x as long with a bias and a ReLU or ReLU6 through the steps as with the
+ * bias alone (112x112x32 and 56x56x144, 3x3).
+ */
+struct AffineClip {
+  bool applies = false;
+  int bias = -1;                    // the kAddBlockedVector step's position, or -1
+  const float* residual = nullptr;  // a kAddTensor step's tensor
+  float lo = -std::numeric_limits<float>::infinity(), hi = std::numeric_limits<float>::infinity();
+
+  AffineClip() = default;
+  explicit AffineClip(const Epilogue& epilogue) {
+    bool clipped = false;
+    for (size_t i = 0; i < epilogue.size(); ++i) {
+      const EpilogueStep& step = epilogue[i];
+      if (clipped) {
+        return;  // a step after the clip
+      } else if (step.kind == EpilogueStep::kAddBlockedVector && bias < 0) {
+        bias = static_cast<int>(i);
+      } else if (step.kind == EpilogueStep::kAddTensor && residual == nullptr) {
+        residual = step.data;
+      } else if (step.kind == EpilogueStep::kRelu || step.kind == EpilogueStep::kClip) {
+        lo = step.kind == EpilogueStep::kRelu ? 0.0f : step.lo;
+        hi = step.kind == EpilogueStep::kRelu ? hi : step.hi;
+        clipped = true;
+      } else {
+        return;
+      }
+    }
+    applies = true;
+  }
+};
+
 /*! \brief Where a tile's last taps store its P pixels straight from the registers: P
  * consecutive outputs of a channel-blocked output with a vector epilogue, from `y`; block j's
  * at y + j * OH * OW * L, its per-channel epilogue vectors `vectors[j]`. */
@@ -2167,6 +2204,7 @@ struct BlockedDepthwiseWork {
   bool register_epilogue;  // ... without a stored tile's step (applied to a stored row instead)
   int64_t num_units;     // N * C / B * OH
   int64_t bands;         // bands of output rows per image (DepthwiseBands)
+  AffineClip affine;     // the register epilogue's form, where it has it
 };
 
 // An image the threads share (batch 1 on 2 threads) is cut into one band of output rows per
@@ -2260,6 +2298,22 @@ __attribute__((always_inline)) inline void BlockedDepthwiseTile(
         acc[q] += v * weight;
       }
     }
+  }
+  if (t.affine.applies) {
+    V bias{};
+    if (t.affine.bias >= 0) std::memcpy(&bias, vectors.at[t.affine.bias], sizeof(V));
+    for (int q = 0; q < T; ++q) {
+      V v = acc[q] + bias;
+      if (t.affine.residual != nullptr) {
+        V r;
+        std::memcpy(&r, t.affine.residual + o + q * L, sizeof(V));
+        v += r;
+      }
+      v = v < t.affine.lo ? V{} + t.affine.lo : v;
+      v = v > t.affine.hi ? V{} + t.affine.hi : v;
+      std::memcpy(y + q * L, &v, sizeof(V));
+    }
+    return;
   }
   for (int q = 0; q < T; ++q) {
     const V v = t.register_epilogue ? BlockedEpilogueVector<L>(*t.epilogue, vectors, acc[q], o + q * L)
@@ -2403,6 +2457,7 @@ void BlockedDepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams
                          data->shape[3], weight->shape[2], weight->shape[3], out->shape[2],
                          out->shape[3], p, block, IsBlockedVectorEpilogue(epilogue, block)};
   t.register_epilogue = t.vector_epilogue && !HasStoredTileStep(epilogue);
+  if (t.register_epilogue) t.affine = AffineClip(epilogue);
   t.bands = 1;
   if (batch == 0 || blocks == 0 || t.out_h * t.out_w == 0) return;
   t.num_units = batch * blocks * t.out_h;
