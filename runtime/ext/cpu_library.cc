@@ -2457,7 +2457,7 @@ void BlockedDepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams
                          data->shape[3], weight->shape[2], weight->shape[3], out->shape[2],
                          out->shape[3], p, block, IsBlockedVectorEpilogue(epilogue, block)};
   t.register_epilogue = t.vector_epilogue && !HasStoredTileStep(epilogue);
-  if (t.register_epilogue) t.affine = AffineClip(epilogue);
+  if (t.register_epilogue && !epilogue.empty()) t.affine = AffineClip(epilogue);
   t.bands = 1;
   if (batch == 0 || blocks == 0 || t.out_h * t.out_w == 0) return;
   t.num_units = batch * blocks * t.out_h;
