@@ -238,6 +238,35 @@ def test_blocked_depthwise_against_numpy(block, batch, channels, size, kernel, s
     np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("form", ["residual_bias_clip", "clip", "bias_bias_relu", "bias_relu_bias", "relu_clip"])
+def test_blocked_depthwise_epilogue_forms(block, form) -> None:
+    """Epilogues of the form clip(v + bias + residual) (in one piece on the tile's vectors) and
+    others (step by step: two biases, an add after the ReLU, a clip after it) against numpy, on a
+    plane with tiles and bounds-checked border pixels."""
+    load_extensions()
+    channels, size = 2 * block, (9, 21)
+    x, weight = rand(1, channels, *size, seed=1), rand(channels, 1, 3, 3, seed=2)
+    bias, residual = rand(channels, seed=3), rand(1, channels, *size, seed=4)
+    packed = np.ascontiguousarray(weight.reshape(channels // block, block, 1, 3, 3).transpose(0, 2, 3, 4, 1))
+    add_bias = (ADD_BLOCKED_VECTOR, tvm.runtime.tensor(bias), size[0] * size[1] * block, block)
+    conv = np.concatenate([reference_conv(x[:, c:c + 1], weight[c:c + 1], (1, 1), (1, 1), (1, 1), size)[:, :1]
+                           for c in range(channels)], axis=1)
+    b = bias[:, None, None]
+    steps, expected = {
+        "residual_bias_clip": ((ADD_TENSOR, tvm.runtime.tensor(to_blocked(residual, block)), *add_bias, CLIP, 0.0, 6.0),
+                               np.clip(conv + residual + b, 0.0, 6.0)),
+        "clip": ((CLIP, -0.5, 0.5), np.clip(conv, -0.5, 0.5)),
+        "bias_bias_relu": ((*add_bias, *add_bias, RELU), np.maximum(conv + 2 * b, 0.0)),
+        "bias_relu_bias": ((*add_bias, RELU, *add_bias), np.maximum(conv + b, 0.0) + b),
+        "relu_clip": ((RELU, CLIP, -1.0, 0.25), np.clip(np.maximum(conv, 0.0), -1.0, 0.25)),
+    }[form]
+    y = tvm.runtime.tensor(np.full((1, channels // block, *size, block), np.nan, np.float32))
+    tvm.get_global_func(BLOCKED_DEPTHWISE_CONV2D_FUNC)(
+        tvm.runtime.tensor(to_blocked(x, block)), tvm.runtime.tensor(packed), 1, 1, 1, 1, 1, 1, *steps, y)
+    np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-4, atol=1e-4)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x.astype(np.float64)))
 
