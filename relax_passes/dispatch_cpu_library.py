@@ -58,6 +58,9 @@ OpenBLAS-backed CPU library.
      into the Winograd kernel, its weight transformed at build time as [alpha^2, I / B, B, O]
      (`winograd_weight` with the block); depthwise into `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchwc_depthwise", (data, packed, strides, pads, dilations))`;
+   - `R.nn.max_pool2d` on NCHW{B}c data (B 8 or 16, static attributes) into
+     `R.call_dps_packed("gimlet.cpu.max_pool2d_nchwc", (data, strides, pads, dilations,
+     pool size))`, each pixel's channels one vector;
    - `R.nn.attention` (BSNH, optional 4-D bias, no causal mask or window; what
      `FuseAttention` emits) into `R.call_dps_packed("gimlet.cpu.attention", (q, k, v[, bias],
      scale))`, for float32;
@@ -121,6 +124,7 @@ DIRECT_CONV_BLOCK_ENV = "GIMLET_CPU_CONV_BLOCK"
 WINOGRAD_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_winograd"
 WINOGRAD_ENV = "GIMLET_CPU_WINOGRAD"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
+BLOCKED_MAX_POOL_FUNC = f"{CPU_LIBRARY.name}.max_pool2d_nchwc"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
 # weight, 6 params, groups) for both names of the im2col kernel; after (data, packed weight, 6
 # params); after (data, scale, packed weight, 6 params); after (data, weight, 6 params, lanes) for the row and depthwise kernels; after (data,
@@ -699,6 +703,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             rewritten = self._rewrite_conv2d(call)
         elif call.op.name in ("relax.nn.attention", "relax.nn.attention_bias"):
             rewritten = self._rewrite_attention(call)
+        elif call.op.name == "relax.nn.max_pool2d":
+            rewritten = self._rewrite_blocked_max_pool(call)
         elif call.op.name in ACTIVATIONS:
             rewritten = self._with_epilogue(call.args[0], [relax.prim_value(ACTIVATIONS[call.op.name])])
         elif call.op.name == "relax.add":
@@ -819,6 +825,18 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             scale = 1.0 / math.sqrt(depth[0])
         args = [query, key, value, *call.args[3:], relax.prim_value(float(scale))]
         return relax.call_dps_packed(ATTENTION_FUNC, args, call.ty)
+
+    def _rewrite_blocked_max_pool(self, call: relax.Call) -> relax.Expr | None:
+        """A max pool on float32 NCHW{B}c data (B 8 or 16; what `blocked_layout` writes) with
+        static attributes, into the library's blocked max pool; its output extents (ceil mode
+        included) are the call's."""
+        data, attrs = call.args[0], call.attrs
+        block = _static_ints([data.ty.shape[4]]) if _is_float32_tensor(data.ty, 5) and data.ty.ndim == 5 else None
+        params = _static_ints([*attrs.strides, *attrs.padding[:2], *attrs.dilation, *attrs.pool_size])
+        if (block not in ([8], [16]) or params is None or attrs.layout != f"NCHW{block[0]}c"
+                or attrs.out_layout != attrs.layout):
+            return None
+        return relax.call_dps_packed(BLOCKED_MAX_POOL_FUNC, [data, *(relax.prim_value(p) for p in params)], call.ty)
 
     def _transposed_operand(self, expr: relax.Expr) -> relax.Expr | None:
         """`w` when `expr` is bound to `permute_dims(w)` swapping exactly the last two axes."""

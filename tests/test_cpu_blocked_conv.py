@@ -27,7 +27,7 @@ from gimlet_tvm.relax_passes.blocked_layout import (
     BLOCKED_LAYOUT_ENV, FROM_BLOCKED_FUNC, SPATIAL_MEAN_FUNC, TO_BLOCKED_FUNC)
 from gimlet_tvm.relax_passes.concat_in_place import CONCAT_FUNC
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
-    BLOCKED_DEPTHWISE_CONV2D_FUNC, DIRECT_CONV2D_FUNC, IM2COL_CONV2D_FUNC, SCALED_DIRECT_CONV2D_FUNC,
+    BLOCKED_DEPTHWISE_CONV2D_FUNC, BLOCKED_MAX_POOL_FUNC, DIRECT_CONV2D_FUNC, IM2COL_CONV2D_FUNC, SCALED_DIRECT_CONV2D_FUNC,
     WINOGRAD_CONV2D_FUNC, WINOGRAD_ENV, direct_conv_block, pack_conv_weight)
 from gimlet_tvm.relax_passes.library_dispatch import layout_passes, library_passes
 from gimlet_tvm.runtime.extensions import load_extensions
@@ -265,6 +265,43 @@ def test_blocked_depthwise_epilogue_forms(block, form) -> None:
     tvm.get_global_func(BLOCKED_DEPTHWISE_CONV2D_FUNC)(
         tvm.runtime.tensor(to_blocked(x, block)), tvm.runtime.tensor(packed), 1, 1, 1, 1, 1, 1, *steps, y)
     np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-4, atol=1e-4)
+
+
+def reference_max_pool(x: np.ndarray, kernel, stride, pads, dilation, out_hw) -> np.ndarray:
+    """Max pooling of NCHW `x` over each window's pixels inside the input (numpy)."""
+    n, c, h, w = x.shape
+    out = np.empty((n, c, *out_hw), np.float32)
+    for oy in range(out_hw[0]):
+        for ox in range(out_hw[1]):
+            window = [x[:, :, iy, ix]
+                      for iy in range(oy * stride[0] - pads[0], oy * stride[0] - pads[0] + kernel[0] * dilation[0], dilation[0])
+                      for ix in range(ox * stride[1] - pads[1], ox * stride[1] - pads[1] + kernel[1] * dilation[1], dilation[1])
+                      if 0 <= iy < h and 0 <= ix < w]
+            out[:, :, oy, ox] = np.max(window, axis=0)  # NaN where any is
+    return out
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize(
+    "batch, channels, size, kernel, stride, pads, dilation, out_hw",
+    [
+        (1, 64, (111, 111), (3, 3), (2, 2), (0, 0), (1, 1), (55, 55)),  # SqueezeNet's
+        (2, 32, (112, 112), (3, 3), (2, 2), (1, 1), (1, 1), (56, 56)),  # ResNet's, two images
+        (1, 16, (13, 13), (3, 3), (2, 2), (0, 0), (1, 1), (6, 6)),  # ceil mode: a window past the edge
+        (1, 32, (9, 10), (2, 3), (1, 2), (1, 1), (2, 1), (8, 5)),  # uneven, dilated rows
+    ],
+)
+def test_blocked_max_pool_against_numpy(block, batch, channels, size, kernel, stride, pads, dilation,
+                                        out_hw) -> None:
+    """Max pooling on blocked data: padding never wins, windows past the input (ceil mode) are
+    cut at its edge, NaN propagates."""
+    load_extensions()
+    x = rand(batch, channels, *size, seed=1)
+    x[0, 3, 4, 5] = np.nan
+    y = tvm.runtime.tensor(np.full((batch, channels // block, *out_hw, block), 7.0, np.float32))
+    tvm.get_global_func(BLOCKED_MAX_POOL_FUNC)(tvm.runtime.tensor(to_blocked(x, block)), *stride, *pads,
+                                               *dilation, *kernel, y)
+    np.testing.assert_array_equal(from_blocked(y.numpy()), reference_max_pool(x, kernel, stride, pads, dilation, out_hw))
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -577,7 +614,7 @@ def dispatched(model: onnx.ModelProto) -> str:
 def test_conversions_only_at_the_edges(block, monkeypatch) -> None:
     """One conversion into the blocked layout (before the first conv) and none back: global
     pooling averages the blocked data, whose one-pixel result is reshaped to NCHW; none
-    around the pool, the residual add or the epilogues; activations get no
+    around the max pool (the library's, on the blocked data), the residual add or the epilogues; activations get no
     `R.layout_transform` (only constant weights do, folded at build time)."""
     monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
     script = dispatched(block_net())
@@ -586,7 +623,7 @@ def test_conversions_only_at_the_edges(block, monkeypatch) -> None:
     assert script.count(f'"{SPATIAL_MEAN_FUNC}"') == 1
     assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == 3
     assert script.count(f'"{BLOCKED_DEPTHWISE_CONV2D_FUNC}"') == 1
-    assert f'layout="NCHW{block}c"' in script  # the max pool
+    assert script.count(f'"{BLOCKED_MAX_POOL_FUNC}"') == 1 and "R.nn.max_pool2d" not in script
     for line in script.splitlines():
         if "R.layout_transform(" in line:
             assert 'R.layout_transform(metadata["ir.GenericConst"]' in line, line
