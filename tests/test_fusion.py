@@ -16,7 +16,7 @@ from tvm import relax
 from tvm.relax.global_info import VDevice
 
 import gimlet_tvm
-from gimlet_tvm.compiler import canonicalize_passes, fusion_passes, resolve_target
+from gimlet_tvm.compiler import canonicalize_passes, device_pipeline, fusion_passes, resolve_devices, resolve_target
 from gimlet_tvm.frontend import import_model
 from gimlet_tvm.relax_passes.dispatch_cpu_library import MATMUL_FUNC, DispatchCPULibrary
 from gimlet_tvm.relax_passes.graph_fusion import (
@@ -374,6 +374,20 @@ def test_conv_bias_clip_is_one_library_call(channels: int, bounds: tuple, launch
     model = onnx_model(nodes, [("x", ["n", channels, 12, 12])], ("y", ["n", 16, 12, 12]), init)
     assert kernel_counts(model)[1] == launches
     check(model, {"x": rand(2, channels, 12, 12)})
+
+
+def test_clip_bounds_are_vm_constants() -> None:
+    """A fused clip's bounds reach the library as a constant: the VM computes nothing before
+    the conv call (float scalars had taken a call each, twice a conv in MobileNetV2)."""
+    nodes = [node("Conv", ["x", "w", "b"], "c", pads=[1, 1, 1, 1]), node("Clip", ["c", "lo", "hi"], "y")]
+    init = {"w": rand(16, 16, 3, 3, seed=1), "b": rand(16, seed=2), "lo": scalar(0.0), "hi": scalar(6.0)}
+    model = onnx_model(nodes, [("x", [1, 16, 12, 12])], ("y", [1, 16, 12, 12]), init)
+    mod, _ = import_model(model, None)
+    (spec, target), = resolve_devices("llvm")
+    with target:
+        text = tvm.compile(mod, target, relax_pipeline=device_pipeline([(spec, target)], None)).as_text()
+    assert "gimlet.cpu.conv2d" in text and "compute_symbolic_expr" not in text
+    check(model, {"x": rand(1, 16, 12, 12)})
 
 
 def test_clip_attributes_and_nan_inputs() -> None:
