@@ -127,11 +127,12 @@ ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 BLOCKED_MAX_POOL_FUNC = f"{CPU_LIBRARY.name}.max_pool2d_nchwc"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
 # weight, 6 params, groups) for both names of the im2col kernel; after (data, packed weight, 6
-# params); after (data, scale, packed weight, 6 params); after (data, weight, 6 params, lanes) for the row and depthwise kernels; after (data,
-# transformed or blocked weight, 6 params) for the Winograd and blocked depthwise kernels.
+# params); after (data, scale, packed weight, 6 params); after (data, weight, 6 params, lanes)
+# for the row and depthwise kernels; after (data, transformed or blocked weight, 6 params) for
+# the Winograd and blocked depthwise kernels.
 _EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, IM2COL_CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8,
-                   SCALED_DIRECT_CONV2D_FUNC: 9, ROW_CONV2D_FUNC: 9, DEPTHWISE_CONV2D_FUNC: 9, WINOGRAD_CONV2D_FUNC: 8,
-                   BLOCKED_DEPTHWISE_CONV2D_FUNC: 8}
+                   SCALED_DIRECT_CONV2D_FUNC: 9, ROW_CONV2D_FUNC: 9, DEPTHWISE_CONV2D_FUNC: 9,
+                   WINOGRAD_CONV2D_FUNC: 8, BLOCKED_DEPTHWISE_CONV2D_FUNC: 8}
 
 # Epilogue step kinds, as `runtime/ext/cpu_library.cc` reads them.
 ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU, ADD_BLOCKED_VECTOR, SILU, SIGMOID, HARD_SWISH = 0, 1, 2, 3, 4, 5, 6, 7, 8
@@ -530,7 +531,7 @@ def _calls(call: relax.Expr, func: str) -> bool:
             and call.args[0].global_symbol == func)
 
 
-def clip_bounds(lo: float, hi: float) -> relax.Constant:
+def _clip_bounds(lo: float, hi: float) -> relax.Constant:
     """A clip step's bounds, as the library takes them from the dispatch: a float32 constant
     [lo, hi]. (As two float scalars, the VM computed each in a call of its own before every
     call with a clip: 70 calls a run in MobileNetV2.)"""
@@ -752,14 +753,14 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if value is None or not _is_float32_tensor(result.ty, 1):
             return None
         lo, hi = (value, math.inf) if lower else (-math.inf, value)
-        fused = self._with_epilogue(result, [relax.prim_value(CLIP), clip_bounds(lo, hi)])
+        fused = self._with_epilogue(result, [relax.prim_value(CLIP), _clip_bounds(lo, hi)])
         if fused is None or lower:
             return fused
         func, args = fused.args[0], list(fused.args[1].fields)
         steps = _epilogue_steps(args[_EPILOGUE_START[func.global_symbol]:-2])
         if steps and steps[-1][0] == "clip" and steps[-1][2] == math.inf:
             args = args[:-2]  # without the new step; the previous one gets its upper bound
-            args[-1] = clip_bounds(steps[-1][1], hi)
+            args[-1] = _clip_bounds(steps[-1][1], hi)
             return relax.call_dps_packed(func, args, result.ty)
         return fused
 
@@ -964,7 +965,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         bound = self._single_use_binding(data) if self.fuse_epilogues else None
         if not (isinstance(bound, relax.Call) and bound.op == tvm.ir.Op.get("relax.multiply")):
             return None
-        data_shape = _static_ints(data.ty.shape)
+        data_shape = _static_ints(data.ty.shape) if data.ty.ndim == 5 else None  # (not an entry conv's)
         weight_shape = _static_ints(weight.ty.shape)
         if data_shape is None or weight_shape is None:
             return None

@@ -490,6 +490,23 @@ def test_squeeze_and_excitation_gate_scales_the_projection(block, channels, batc
     assert_matches_onnxruntime(se_net(channels, batch=batch), {"x": rand(batch, 3, 17, 17, seed=6)})
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+def test_scaled_input_of_an_entry_conv_stays_a_product(block, monkeypatch) -> None:
+    """An NCHW input scaled per channel (a normalization) before the region's entry conv: the
+    product stays a product (the scaled kernel takes blocked data only) and the model runs."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
+    weights = {"s": rand(1, 3, 1, 1, seed=2), "w": rand(32, 3, 3, 3, seed=3)}
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Conv", ["xs", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("GlobalAveragePool", ["r"], ["g"]),
+             helper.make_node("Flatten", ["g"], ["y"])]
+    model = onnx_model(nodes, [("x", [1, 3, 16, 16])], ("y", [1, 32]), weights)
+    script = dispatched(model)
+    assert "R.multiply(" in script and f'"{SCALED_DIRECT_CONV2D_FUNC}"' not in script
+    assert_matches_onnxruntime(model, {"x": rand(1, 3, 16, 16, seed=6)})
+
+
 def concat_net(seed: int = 0) -> onnx.ModelProto:
     """A SqueezeNet fire module (1x1 squeeze, 1x1 and 3x3 expands concatenated) followed by a
     DenseNet layer (batch norm and ReLU before its conv, which no conv can fold, and the
