@@ -89,10 +89,24 @@ struct IntsOf<Floats16> {
   using Type = Ints16;
 };
 
+/*! \brief exp(x - n ln2) for the whole n nearest x log2 e (|x - n ln2| <= ln2 / 2): ln2 in
+ * two parts (Cody and Waite), then Cephes' degree-7 polynomial. */
+template <typename V>
+inline V ExpOfRemainder(V x, V n) {
+  const V f = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  return p * f * f + f + 1.0f;
+}
+
 /*!
  * \brief exp(x) for x <= 0 (softmax after the row's maximum is subtracted): x = n ln2 + f with
- * |f| <= ln2 / 2, exp(f) by Cephes' degree-7 polynomial, 2^n put into the exponent bits.
- * Relative error below 3e-7; 0 below -87. On 8 or 16 lanes (Floats, Floats16).
+ * |f| <= ln2 / 2, exp(f) by ExpOfRemainder, 2^n put into the exponent bits. Relative error
+ * below 3e-7; 0 below -87. On 8 or 16 lanes (Floats, Floats16).
  */
 template <typename V>
 inline V ExpNonPositive(V x) {
@@ -102,23 +116,14 @@ inline V ExpNonPositive(V x) {
   x = underflow ? floor_value : x;
   // n = round(x log2 e); for x <= 0 that is trunc(x log2 e - 0.5), a plain conversion.
   const I whole = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, I);
-  const V n = __builtin_convertvector(whole, V);
-  const V f = x - n * 0.693359375f + n * 2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  p = p * f * f + f + 1.0f;
   const V two_n = reinterpret_cast<V>((whole + 127) << 23);
-  return underflow ? V{} : p * two_n;
+  return underflow ? V{} : ExpOfRemainder(x, __builtin_convertvector(whole, V)) * two_n;
 }
 
 /*!
- * \brief exp(x) for any x, clamped to [-87, 88] (finite, normal): ExpNonPositive's reduction
- * and polynomial with n = round(x log2 e) from adding 1.5 * 2^23, whose low bits then hold n
- * (no conversions, no underflow select). Relative error below 3e-7 inside the clamp.
+ * \brief exp(x) for any x, clamped to [-87, 88] (finite, normal): ExpOfRemainder with n =
+ * round(x log2 e) from adding 1.5 * 2^23, whose low bits then hold n (no conversions, no
+ * underflow select). Relative error below 3e-7 inside the clamp.
  */
 template <typename V>
 inline V Exp(V x) {
@@ -127,17 +132,8 @@ inline V Exp(V x) {
   x = x < -87.0f ? V{} - 87.0f : x;
   x = x > 88.0f ? V{} + 88.0f : x;
   const V shifted = x * 1.44269504088896341f + kRoundingShift;
-  const V n = shifted - kRoundingShift;
-  const V f = x - n * 0.693359375f + n * 2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  p = p * f * f + f + 1.0f;
   const V two_n = reinterpret_cast<V>((reinterpret_cast<I>(shifted) - (0x4B400000 - 127)) << 23);
-  return p * two_n;
+  return ExpOfRemainder(x, shifted - kRoundingShift) * two_n;
 }
 
 /*! \brief sigmoid(x) = 1 / (1 + exp(-x)); exp's clamp keeps it finite (about 6e-39 below
