@@ -2641,7 +2641,7 @@ inline V MaxPropagatingNaN(V m, V v) {
   return v > m || v != v ? v : m;
 }
 
-/*! \brief Output rows [begin, end) (plane by plane) of `t`, B lanes a pixel: the maximum of
+/*! \brief Units [begin, end) (MaxPoolWork's order) of `t`, B lanes a pixel: the maximum of
  * each window's pixels inside the input (the padding never wins), NaN if any of them is. The
  * window's rows inside the input are found once a row, its columns once a pixel. */
 template <int B>
