@@ -27,8 +27,9 @@ from gimlet_tvm.relax_passes.blocked_layout import (
     BLOCKED_LAYOUT_ENV, FROM_BLOCKED_FUNC, SPATIAL_MEAN_FUNC, TO_BLOCKED_FUNC)
 from gimlet_tvm.relax_passes.concat_in_place import CONCAT_FUNC
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
-    BLOCKED_DEPTHWISE_CONV2D_FUNC, BLOCKED_MAX_POOL_FUNC, DIRECT_CONV2D_FUNC, IM2COL_CONV2D_FUNC, SCALED_DIRECT_CONV2D_FUNC,
-    WINOGRAD_CONV2D_FUNC, WINOGRAD_ENV, direct_conv_block, pack_conv_weight)
+    ADD_BLOCKED_VECTOR, ADD_TENSOR, BLOCKED_DEPTHWISE_CONV2D_FUNC, BLOCKED_MAX_POOL_FUNC,
+    DIRECT_CONV2D_FUNC, HARD_SWISH, IM2COL_CONV2D_FUNC, RELU, SCALED_DIRECT_CONV2D_FUNC, SIGMOID,
+    SILU, WINOGRAD_CONV2D_FUNC, WINOGRAD_ENV, direct_conv_block, pack_conv_weight)
 from gimlet_tvm.relax_passes.library_dispatch import layout_passes, library_passes
 from gimlet_tvm.runtime.extensions import load_extensions
 from gimlet_tvm.schedules.kernel_selection.choices import KernelSelection, OpChoice, Tried
@@ -36,10 +37,9 @@ from gimlet_tvm.schedules.tuning.records import target_key
 from gimlet_tvm.selection.select import op_signatures
 from gimlet_tvm.targets import host_spec
 
-from .test_cpu_direct_conv import reference_conv
+from .test_cpu_direct_conv import clip_step, reference_conv
 from .test_cpu_library import onnx_model, rand
 
-ADD_TENSOR, RELU, CLIP, ADD_BLOCKED_VECTOR, SILU, SIGMOID, HARD_SWISH = 1, 2, 3, 5, 6, 7, 8
 BLOCKS = [8, 16]
 
 
@@ -108,7 +108,7 @@ def test_blocked_direct_conv2d_against_numpy(block, blocked_in, batch, in_c, siz
         tvm.runtime.tensor(data), tvm.runtime.tensor(pack_conv_weight(weight, block)),
         *stride, *pads, *dilation,
         ADD_BLOCKED_VECTOR, tvm.runtime.tensor(bias), oh * ow * block, block,
-        ADD_TENSOR, tvm.runtime.tensor(to_blocked(residual, block)), CLIP, 0.0, 6.0, y)
+        ADD_TENSOR, tvm.runtime.tensor(to_blocked(residual, block)), *clip_step(0.0, 6.0), y)
     expected = reference_conv(x, weight, stride, pads, dilation, (oh, ow))
     expected = np.clip(expected + bias[:, None, None] + residual, 0.0, 6.0)
     np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-4, atol=1e-4)
@@ -254,12 +254,12 @@ def test_blocked_depthwise_epilogue_forms(block, form) -> None:
                            for c in range(channels)], axis=1)
     b = bias[:, None, None]
     steps, expected = {
-        "residual_bias_clip": ((ADD_TENSOR, tvm.runtime.tensor(to_blocked(residual, block)), *add_bias, CLIP, 0.0, 6.0),
+        "residual_bias_clip": ((ADD_TENSOR, tvm.runtime.tensor(to_blocked(residual, block)), *add_bias, *clip_step(0.0, 6.0)),
                                np.clip(conv + residual + b, 0.0, 6.0)),
-        "clip": ((CLIP, -0.5, 0.5), np.clip(conv, -0.5, 0.5)),
+        "clip": (clip_step(-0.5, 0.5), np.clip(conv, -0.5, 0.5)),
         "bias_bias_relu": ((*add_bias, *add_bias, RELU), np.maximum(conv + 2 * b, 0.0)),
         "bias_relu_bias": ((*add_bias, RELU, *add_bias), np.maximum(conv + b, 0.0) + b),
-        "relu_clip": ((RELU, CLIP, -1.0, 0.25), np.clip(np.maximum(conv, 0.0), -1.0, 0.25)),
+        "relu_clip": ((RELU, *clip_step(-1.0, 0.25)), np.clip(np.maximum(conv, 0.0), -1.0, 0.25)),
     }[form]
     y = tvm.runtime.tensor(np.full((1, channels // block, *size, block), np.nan, np.float32))
     tvm.get_global_func(BLOCKED_DEPTHWISE_CONV2D_FUNC)(

@@ -22,7 +22,7 @@ from gimlet_tvm.relax_passes.dispatch_cpu_library import (
     depthwise_kernel_wanted)
 from gimlet_tvm.runtime.extensions import load_extensions
 
-from .test_cpu_direct_conv import ADD_TENSOR, ADD_VECTOR, CLIP, RELU
+from .test_cpu_direct_conv import ADD_TENSOR, ADD_VECTOR, RELU, clip_step
 from .test_cpu_library import onnx_model, packed_calls, rand, run_both
 
 LANES = [8, 16]
@@ -98,7 +98,7 @@ def test_depthwise_conv2d_epilogues(lanes) -> None:
     conv = reference_depthwise(x, weight, (2, 2), (1, 1), (1, 1), (17, 17))
     cases = [
         ([ADD_VECTOR, tvm.runtime.tensor(bias), 17 * 17, RELU], np.maximum(conv + bias[:, None, None], 0)),
-        ([ADD_TENSOR, tvm.runtime.tensor(residual), CLIP, 0.0, 6.0], np.clip(conv + residual, 0.0, 6.0)),
+        ([ADD_TENSOR, tvm.runtime.tensor(residual), *clip_step(0.0, 6.0)], np.clip(conv + residual, 0.0, 6.0)),
     ]
     for steps, expected in cases:
         y = run_depthwise(x, weight, (2, 2), (1, 1), (1, 1), (17, 17), lanes, steps)

@@ -16,14 +16,18 @@ from tvm.relax.frontend.onnx import from_onnx
 
 from gimlet_tvm.errors import CompileError
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
-    CONV2D_FUNC, DIRECT_CONV2D_FUNC, DIRECT_CONV_BLOCK_ENV, DispatchCPULibrary, direct_conv_block,
-    pack_conv_weight)
+    ADD_TENSOR, ADD_VECTOR, CLIP, CONV2D_FUNC, DIRECT_CONV2D_FUNC, DIRECT_CONV_BLOCK_ENV, GELU, RELU,
+    DispatchCPULibrary, direct_conv_block, pack_conv_weight)
 from gimlet_tvm.runtime.extensions import load_extensions
 
 from .test_cpu_library import onnx_model, packed_calls, rand, run_both
 
-ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU = 0, 1, 2, 3, 4
 BLOCKS = [8, 16]
+
+
+def clip_step(lo: float, hi: float) -> tuple:
+    """A clip epilogue step as the dispatch passes it: the kind, then a float32 [lo, hi]."""
+    return (CLIP, tvm.runtime.tensor(np.array([lo, hi], np.float32)))
 
 
 def reference_conv(x: np.ndarray, w: np.ndarray, stride: tuple, pads: tuple, dilation: tuple,
@@ -97,7 +101,7 @@ def test_direct_conv2d_epilogues(block) -> None:
     cases = [
         ([ADD_VECTOR, tvm.runtime.tensor(bias), size * size, RELU],
          np.maximum(conv + bias[:, None, None], 0)),
-        ([ADD_TENSOR, tvm.runtime.tensor(residual), CLIP, -0.5, 2.0],
+        ([ADD_TENSOR, tvm.runtime.tensor(residual), *clip_step(-0.5, 2.0)],
          np.clip(conv + residual, -0.5, 2.0)),
         ([GELU], gelu(conv)),
     ]

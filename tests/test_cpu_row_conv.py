@@ -18,7 +18,7 @@ from gimlet_tvm.relax_passes.dispatch_cpu_library import (
     CONV2D_FUNC, DIRECT_CONV2D_FUNC, DIRECT_CONV_BLOCK_ENV, ROW_CONV2D_FUNC, row_conv_for)
 from gimlet_tvm.runtime.extensions import load_extensions
 
-from .test_cpu_direct_conv import ADD_TENSOR, ADD_VECTOR, CLIP, RELU, reference_conv
+from .test_cpu_direct_conv import ADD_TENSOR, ADD_VECTOR, RELU, clip_step, reference_conv
 from .test_cpu_library import onnx_model, packed_calls, rand, run_both
 
 LANES = [8, 16]
@@ -70,7 +70,7 @@ def test_row_conv2d_epilogues(lanes) -> None:
     conv = reference_conv(x, weight, (2, 2), (1, 1), (1, 1), (11, 11))
     cases = [
         ([ADD_VECTOR, tvm.runtime.tensor(bias), 11 * 11, RELU], np.maximum(conv + bias[:, None, None], 0)),
-        ([ADD_TENSOR, tvm.runtime.tensor(residual), CLIP, 0.0, 6.0], np.clip(conv + residual, 0.0, 6.0)),
+        ([ADD_TENSOR, tvm.runtime.tensor(residual), *clip_step(0.0, 6.0)], np.clip(conv + residual, 0.0, 6.0)),
     ]
     for steps, expected in cases:
         y = run_rows(x, weight, (2, 2), (1, 1), (1, 1), (11, 11), lanes, steps)

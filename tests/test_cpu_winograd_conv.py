@@ -24,15 +24,15 @@ from tvm.relax.frontend.onnx import from_onnx
 
 from gimlet_tvm.errors import CompileError
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
-    CONV2D_FUNC, DIRECT_CONV2D_FUNC, DIRECT_CONV_BLOCK_ENV, WINOGRAD_CONV2D_FUNC, WINOGRAD_ENV,
-    DispatchCPULibrary, winograd_override, winograd_tile_for, winograd_weight)
+    ADD_BLOCKED_VECTOR, ADD_TENSOR, ADD_VECTOR, CONV2D_FUNC, DIRECT_CONV2D_FUNC,
+    DIRECT_CONV_BLOCK_ENV, GELU, RELU, WINOGRAD_CONV2D_FUNC, WINOGRAD_ENV, DispatchCPULibrary,
+    winograd_override, winograd_tile_for, winograd_weight)
 from gimlet_tvm.runtime.extensions import load_extensions
 
 from .test_cpu_blocked_conv import to_blocked
-from .test_cpu_direct_conv import reference_conv
+from .test_cpu_direct_conv import clip_step, reference_conv
 from .test_cpu_library import onnx_model, packed_calls, rand, run_both
 
-ADD_VECTOR, ADD_TENSOR, RELU, CLIP, GELU, ADD_BLOCKED_VECTOR = 0, 1, 2, 3, 4, 5
 TILES = [2, 4]
 TOLERANCE = {2: 2e-6, 4: 4e-5}
 
@@ -83,7 +83,7 @@ def test_winograd_conv2d_epilogues(tile) -> None:
     conv = reference_conv(x, weight, (1, 1), (1, 1), (1, 1), (size, size))
     cases = [
         ((ADD_VECTOR, tvm.runtime.tensor(bias), size * size, RELU), np.maximum(conv + bias[:, None, None], 0)),
-        ((ADD_TENSOR, tvm.runtime.tensor(residual), CLIP, -0.5, 2.0), np.clip(conv + residual, -0.5, 2.0)),
+        ((ADD_TENSOR, tvm.runtime.tensor(residual), *clip_step(-0.5, 2.0)), np.clip(conv + residual, -0.5, 2.0)),
     ]
     for steps, expected in cases:
         assert_close(winograd(x, weight, tile, (1, 1), (size, size), steps), expected, tile, conv)
@@ -126,7 +126,7 @@ def test_blocked_winograd_conv2d_against_numpy(block, tile, batch, in_c, size, o
         ((), conv),
         ((ADD_BLOCKED_VECTOR, tvm.runtime.tensor(bias), math.prod(out_hw) * block, block, RELU),
          np.maximum(conv + bias[:, None, None], 0)),
-        ((ADD_TENSOR, tvm.runtime.tensor(to_blocked(residual, block)), CLIP, -0.5, 2.0),
+        ((ADD_TENSOR, tvm.runtime.tensor(to_blocked(residual, block)), *clip_step(-0.5, 2.0)),
          np.clip(conv + residual, -0.5, 2.0)),
         ((GELU,), gelu(conv.astype(np.float64)).astype(np.float32)),
     ]

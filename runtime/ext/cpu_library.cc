@@ -280,8 +280,8 @@ void ApplyEpilogue(const Epilogue& epilogue, float* c, int64_t offset, int64_t r
 
 /*!
  * \brief The epilogue in packed arguments [begin, end): each step is its kind, then for
- * kAddVector the vector and its divisor, for kAddTensor the tensor, for kClip lo and hi (two
- * floats, or one float32 tensor [lo, hi]).
+ * kAddVector the vector and its divisor, for kAddTensor the tensor, for kClip one float32
+ * tensor [lo, hi] (a constant: scalar arguments cost the VM a call each to compute).
  */
 Epilogue ParseEpilogue(const PackedArgs& args, int begin, int end, const DLTensor* out) {
   Epilogue epilogue;
@@ -306,17 +306,12 @@ Epilogue ParseEpilogue(const PackedArgs& args, int begin, int end, const DLTenso
         TVM_FFI_ICHECK_EQ(step.length, out_size) << "gimlet.cpu: residual size differs from output";
       }
     } else if (step.kind == EpilogueStep::kClip) {
-      if (auto bounds = args[i].try_cast<DLTensor*>()) {  // a float32 [lo, hi] (the dispatch's)
-        CheckCompactFloat32(*bounds, "clip bounds");
-        TVM_FFI_ICHECK_EQ(Product((*bounds)->shape, (*bounds)->shape + (*bounds)->ndim), 2)
-            << "gimlet.cpu: clip bounds must be [lo, hi]";
-        step.lo = Data(*bounds)[0];
-        step.hi = Data(*bounds)[1];
-        ++i;
-      } else {
-        step.lo = static_cast<float>(args[i++].cast<double>());
-        step.hi = static_cast<float>(args[i++].cast<double>());
-      }
+      DLTensor* bounds = args[i++].cast<DLTensor*>();
+      CheckCompactFloat32(bounds, "clip bounds");
+      TVM_FFI_ICHECK_EQ(Product(bounds->shape, bounds->shape + bounds->ndim), 2)
+          << "gimlet.cpu: clip bounds must be [lo, hi]";
+      step.lo = Data(bounds)[0];
+      step.hi = Data(bounds)[1];
     } else {
       TVM_FFI_ICHECK(step.kind == EpilogueStep::kRelu || step.kind == EpilogueStep::kGelu ||
                      step.kind == EpilogueStep::kSilu || step.kind == EpilogueStep::kSigmoid ||
