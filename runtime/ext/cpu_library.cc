@@ -2630,18 +2630,27 @@ struct MaxPoolWork {
   Conv2DParams p;
 };
 
-/*! \brief The maximum of `m` and `v` lane by lane, NaN where either is (as NaN compares). */
-template <typename V>
-inline V MaxPropagatingNaN(V m, V v) {
-  return v > m || v != v ? v : m;
+/*! \brief The taps [k0, k1) of a window starting at `start` (`kernel` taps `dilation` apart)
+ * that fall inside [0, extent); no division where the window lies inside. */
+inline std::pair<int64_t, int64_t> TapsInside(int64_t start, int64_t kernel, int64_t dilation,
+                                              int64_t extent) {
+  if (start >= 0 && start + (kernel - 1) * dilation < extent) return {0, kernel};
+  return {start >= 0 ? 0 : CeilDiv(-start, dilation),
+          std::min(kernel, CeilDiv(extent - start, dilation))};
 }
 
 /*! \brief Units [begin, end) (MaxPoolWork's order) of `t`, B lanes a pixel: the maximum of
- * each window's pixels inside the input (the padding never wins), NaN if any of them is. The
- * window's rows inside the input are found once a row, its columns once a pixel. */
+ * each window's pixels inside the input (the padding never wins), NaN if any of them is.
+ * The running maximum is `m > v ? m : v`, one max instruction (which yields v where either is
+ * NaN, so a NaN can be lost again), and whether any pixel was NaN is kept beside it: with NaN
+ * kept in the comparison itself (`v > m || v != v`), each pixel was one dependent chain of a
+ * compare, a mask OR and a blend per window pixel, and the window's columns took two
+ * divisions a pixel (TapsInside skips them inside the input): 3x3 / 2 pooling of 8 images of
+ * 64x64 x 16 ran 105 -> 69 us on one thread. */
 template <int B>
 void MaxPoolRows(const MaxPoolWork& t, int64_t begin, int64_t end) {
   using V = typename VectorOf<B>::Type;
+  using I = typename IntsOf<V>::Type;
   const Conv2DParams& p = t.p;
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t image = unit / (t.out_h * t.blocks), oy = unit / t.blocks % t.out_h;
@@ -2649,21 +2658,22 @@ void MaxPoolRows(const MaxPoolWork& t, int64_t begin, int64_t end) {
     const float* x = t.x + plane * t.height * t.width * B;
     float* y = t.y + (plane * t.out_h + oy) * t.out_w * B;
     const int64_t iy0 = oy * p.stride_h - p.pad_top;
-    const int64_t kh0 = iy0 >= 0 ? 0 : CeilDiv(-iy0, p.dilation_h);
-    const int64_t kh1 = std::min(t.kernel_h, CeilDiv(t.height - iy0, p.dilation_h));
+    const auto [kh0, kh1] = TapsInside(iy0, t.kernel_h, p.dilation_h, t.height);
     for (int64_t ox = 0; ox < t.out_w; ++ox) {
       const int64_t ix0 = ox * p.stride_w - p.pad_left;
-      const int64_t kw0 = ix0 >= 0 ? 0 : CeilDiv(-ix0, p.dilation_w);
-      const int64_t kw1 = std::min(t.kernel_w, CeilDiv(t.width - ix0, p.dilation_w));
+      const auto [kw0, kw1] = TapsInside(ix0, t.kernel_w, p.dilation_w, t.width);
       V m = V{} - std::numeric_limits<float>::infinity();
+      I nan = I{};
       for (int64_t kh = kh0; kh < kh1; ++kh) {
         const float* row = x + ((iy0 + kh * p.dilation_h) * t.width + ix0) * B;
         for (int64_t kw = kw0; kw < kw1; ++kw) {
           V v;
           std::memcpy(&v, row + kw * p.dilation_w * B, sizeof(V));
-          m = MaxPropagatingNaN(m, v);
+          m = m > v ? m : v;
+          nan |= v != v;
         }
       }
+      m = nan != 0 ? V{} + std::numeric_limits<float>::quiet_NaN() : m;
       std::memcpy(y + ox * B, &m, sizeof(V));
     }
   }
