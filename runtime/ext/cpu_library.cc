@@ -839,6 +839,15 @@ inline int64_t CeilDiv(int64_t a, int64_t b) {
   return b == 1 ? a : b == 2 ? (a + 1) >> 1 : (a + b - 1) / b;
 }
 
+/*! \brief The taps [k0, k1) of a window starting at `start` (`kernel` taps `dilation` apart)
+ * that fall inside [0, extent); no division where the window lies inside. */
+inline std::pair<int64_t, int64_t> TapsInside(int64_t start, int64_t kernel, int64_t dilation,
+                                              int64_t extent) {
+  if (start >= 0 && start + (kernel - 1) * dilation < extent) return {0, kernel};
+  const int64_t k0 = start >= 0 ? 0 : std::min(kernel, CeilDiv(-start, dilation));
+  return {k0, std::clamp(CeilDiv(extent - start, dilation), k0, kernel)};
+}
+
 /*! \brief dst[j] = src[2 * j] for j < n, reading no further than src[available - 1]:
  * `kLanes` at a time from two vectors' even lanes while those stay inside, then one by one. */
 inline void CopyEvenFloats(const float* src, int64_t n, int64_t available, float* dst) {
@@ -1031,6 +1040,7 @@ struct DirectConvWork {
   bool groups_inner;     // an image's chunks run each through all groups (see ChunkAt)
   int64_t work_slots;    // images * block_groups * slots
   int64_t conv_groups;   // a grouped conv's groups, each run as an image of its own (else 1)
+  int64_t kernel_h, kernel_w, in_h, stride_h, pad_top, dilation_h;  // for TapsOfRows
 
   /*! \brief A chunk: slots [s0, s1) of group `group` of image `img`. */
   struct Chunk {
@@ -1052,6 +1062,17 @@ struct DirectConvWork {
     const int64_t length = std::min(chunk_slots, slots - first), k = r - first * block_groups;
     const int64_t s0 = first + k % length;
     return {img, k / length, s0, std::min(first + length, s0 + end - pos)};
+  }
+
+  /*! \brief The taps [lo, hi) of each input channel's KH * KW (kernel rows first) that output
+   * rows [oy0, oy1] read inside the input: a tile of rows at the top or bottom skips the kernel
+   * rows that read only padding (onnxruntime's MLAS skips them). A 3x3 conv on 7x7 or 8x8 ran
+   * 5% faster than on the same plane unpadded; resnet_cnn and ResNet-18 in 0.989 and 0.986 of
+   * their time (AMD Zen 4, one process, alternating). */
+  std::pair<int64_t, int64_t> TapsOfRows(int64_t oy0, int64_t oy1) const {
+    const auto [lo0, hi0] = TapsInside(oy0 * stride_h - pad_top, kernel_h, dilation_h, in_h);
+    const auto [lo1, hi1] = TapsInside(oy1 * stride_h - pad_top, kernel_h, dilation_h, in_h);
+    return {std::min(lo0, lo1) * kernel_w, std::max(hi0, hi1) * kernel_w};
   }
 
   /*! \brief How many outputs come before grid pixel g (the output index of g when it is one). */
@@ -1255,7 +1276,8 @@ struct TileOutput {
  * \brief Taps [tap0, tap1) of grid pixels [0, P) (from `x`: an image's planes advanced to the
  * first one) of NB channel blocks (their weights from `w`, `w_stride` floats apart), added to
  * `tile` ([NB][tile_pixels][L]) or, for the first taps (`tap0` 0), written to it; the
- * XB-blocked data's pixels are XB floats apart. With an `output` (the last taps), the sums
+ * XB-blocked data's pixels are XB floats apart; of each input channel's taps only [lo, hi)
+ * (TapsOfRows). With an `output` (the last taps), the sums
  * instead take the epilogue in registers and are stored there: shallow convs (a stem, 1x1
  * convs of few channels) spent a large share of their time writing tiles out and reading
  * them back for the epilogue and the copy.
@@ -1263,8 +1285,8 @@ struct TileOutput {
 template <int L, int P, int NB, int XB>
 __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, const float* x,
                                                       const float* w, int64_t w_stride,
-                                                      int64_t tap0, int64_t tap1, float* tile,
-                                                      int64_t tile_pixels,
+                                                      int64_t tap0, int64_t tap1, int64_t lo,
+                                                      int64_t hi, float* tile, int64_t tile_pixels,
                                                       const TileOutput* output = nullptr) {
   using V = typename VectorOf<L>::Type;
   static_assert(sizeof(V) == L * sizeof(float));
@@ -1277,20 +1299,29 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
       acc[j][q] = V{};
       if (tap0 > 0) std::memcpy(&acc[j][q], tile + (j * tile_pixels + q) * L, sizeof(V));
     }
-  w += tap0 * L;
-  for (int64_t tap = tap0; tap < tap1; ++tap, w += L) {
-    const float* src = x + t.taps[tap];
-    // Opaque to the optimizer, so that each pixel's load is src plus a constant (GCC otherwise
-    // keeps every pixel's index in a register of its own, spilled past a dozen pixels).
-    asm("" : "+r"(src));
-    V wv[NB];
+  // Runs of taps: one, [tap0, tap1), where every tap is taken; else [lo, hi) of each channel.
+  const int64_t per_channel = t.kernel_h * t.kernel_w;
+  const bool all = lo == 0 && hi == per_channel;
+  const int64_t period = all ? tap1 - tap0 : per_channel;
+  for (int64_t c0 = all ? tap0 : tap0 - tap0 % per_channel; c0 < tap1; c0 += period) {
+    const int64_t run0 = all ? tap0 : std::max(tap0, c0 + lo);
+    const int64_t run1 = all ? tap1 : std::min(tap1, c0 + hi);
+    const float* wt = w + run0 * L;
+    for (int64_t tap = run0; tap < run1; ++tap, wt += L) {
+      const float* src = x + t.taps[tap];
+      // Opaque to the optimizer, so that each pixel's load is src plus a constant (GCC
+      // otherwise keeps every pixel's index in a register of its own, spilled past a dozen
+      // pixels).
+      asm("" : "+r"(src));
+      V wv[NB];
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], w + j * w_stride, sizeof(V));
+      for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], wt + j * w_stride, sizeof(V));
 #pragma GCC unroll 32
-    for (int q = 0; q < P; ++q) {
-      const float v = src[q * XB];
+      for (int q = 0; q < P; ++q) {
+        const float v = src[q * XB];
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
+        for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
+      }
     }
   }
   if (output != nullptr) {
@@ -1396,15 +1427,17 @@ __attribute__((always_inline)) inline void DirectChunk(const DirectConvWork& t, 
     const int64_t next1 = std::min(t.num_taps, tap1 + slice), share = CeilDiv(next1 - tap1, num_tiles);
     for (int64_t i = 0; i < num_tiles; ++i) {
       const int64_t g = tile_start(i), n = tile_size(g);
+      const auto [lo, hi] = t.TapsOfRows(g / t.grid_w, (g + n - 1) / t.grid_w);
       PrefetchWeights<L, NB>(w, w_stride, tap1 + i * share, std::min(next1, tap1 + (i + 1) * share));
       if (tap1 == t.num_taps && stored_from_registers(g)) {
         const TileOutput output{y + t.OutputsBefore(g) * L, vectors.data()};
-        DirectTile<L, P, NB, XB>(t, x + g * XB, w, w_stride, tap0, tap1, tiles[i], P, &output);
+        DirectTile<L, P, NB, XB>(t, x + g * XB, w, w_stride, tap0, tap1, lo, hi, tiles[i], P, &output);
       } else if (n == P || t.slack) {
-        DirectTile<L, P, NB, XB>(t, x + g * XB, w, w_stride, tap0, tap1, tiles[i], P);
+        DirectTile<L, P, NB, XB>(t, x + g * XB, w, w_stride, tap0, tap1, lo, hi, tiles[i], P);
       } else {  // a last short tile that must not read past the data: pixel by pixel
         for (int64_t q = 0; q < n; ++q) {
-          DirectTile<L, 1, NB, XB>(t, x + (g + q) * XB, w, w_stride, tap0, tap1, tiles[i] + q * L, P);
+          DirectTile<L, 1, NB, XB>(t, x + (g + q) * XB, w, w_stride, tap0, tap1, lo, hi,
+                                   tiles[i] + q * L, P);
         }
       }
     }
@@ -1725,6 +1758,12 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
     t.slack = true;
   }
   t.num_taps = in_c * kernel_h * kernel_w;
+  t.kernel_h = kernel_h;
+  t.kernel_w = kernel_w;
+  t.in_h = height;
+  t.stride_h = p.stride_h;
+  t.pad_top = p.pad_top;
+  t.dilation_h = p.dilation_h;
   thread_local std::vector<int64_t> taps;
   phases.TapOffsets(in_c, kernel_h, kernel_w, p.dilation_h, p.dilation_w, &taps);
   t.taps = taps.data();
@@ -2629,15 +2668,6 @@ struct MaxPoolWork {
   int64_t kernel_h, kernel_w;
   Conv2DParams p;
 };
-
-/*! \brief The taps [k0, k1) of a window starting at `start` (`kernel` taps `dilation` apart)
- * that fall inside [0, extent); no division where the window lies inside. */
-inline std::pair<int64_t, int64_t> TapsInside(int64_t start, int64_t kernel, int64_t dilation,
-                                              int64_t extent) {
-  if (start >= 0 && start + (kernel - 1) * dilation < extent) return {0, kernel};
-  return {start >= 0 ? 0 : CeilDiv(-start, dilation),
-          std::min(kernel, CeilDiv(extent - start, dilation))};
-}
 
 /*! \brief Units [begin, end) (MaxPoolWork's order) of `t`, B lanes a pixel: the maximum of
  * each window's pixels inside the input (the padding never wins), NaN if any of them is.
