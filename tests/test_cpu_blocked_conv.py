@@ -218,6 +218,10 @@ def test_grouped_direct_conv2d_needs_whole_blocks() -> None:
         # two images, 5 wide rows: banded only on more threads than images (4 threads: 3 bands
         # of 2, 2 and 1 rows; TVM's pool here has the machine's 2 cores, so not in this run)
         (2, 16, (5, 600), (3, 3), (1, 1), (1, 1), (1, 1)),
+        # rows of 7 and 8 pixels: the inner columns in tiles of 4, 2 and 1 pixels
+        (1, 16, (7, 7), (3, 3), (1, 1), (1, 1), (1, 1)),
+        (2, 32, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1)),
+        (1, 16, (9, 9), (5, 5), (1, 1), (2, 2), (1, 1)),
     ],
 )
 def test_blocked_depthwise_against_numpy(block, batch, channels, size, kernel, stride, pads,

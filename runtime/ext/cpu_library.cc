@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -2363,9 +2364,9 @@ __attribute__((always_inline)) inline void BlockedDepthwiseTile(
 }
 
 /*! \brief Units [begin, end) (see BlockedDepthwiseWork) with K x K taps (K 0: any) at
- * column stride S with dilation 1 (S 0: any stride and dilation): tiles of kDepthwiseTile pixels
- * whose taps are all inside the input, pixel by pixel (bounds checked) at the padded borders;
- * no padded copy of the data. */
+ * column stride S with dilation 1 (S 0: any stride and dilation): tiles of up to
+ * kDepthwiseTile pixels whose taps are all inside the input, pixel by pixel (bounds checked)
+ * at the padded borders; no padded copy of the data. */
 template <int L, int K, int S>
 __attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDepthwiseWork& t,
                                                                 int64_t begin, int64_t end) {
@@ -2373,6 +2374,14 @@ __attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDep
   constexpr int kMaxRows = 16;  // taps rows (BlockedDepthwiseConv2D checks)
   const Conv2DParams& p = t.p;
   const int64_t reach = (t.kernel_w - 1) * p.dilation_w;  // of a pixel's taps, in columns
+  // Output columns [inside0, inside1) read only input columns; tiles of 8, then 4, 2 and 1
+  // pixels cover them. In tiles of 8 alone, the 6 inner columns of an 8-wide padded row and
+  // the last 7 of a 56-wide one went pixel by pixel, bounds checked: mobilenet_cnn's 8x8
+  // depthwise conv ran 44 -> 35 us on one thread, the model in 0.973 of its time, MobileNetV2
+  // 0.987 (on two threads no faster: 0.99-1.01, alternating in one process).
+  const int64_t inside0 = std::min(t.out_w, CeilDiv(p.pad_left, p.stride_w));
+  const int64_t last = t.width - 1 - reach + p.pad_left;  // ox * stride_w may reach it
+  const int64_t inside1 = last < 0 ? inside0 : std::clamp(last / p.stride_w + 1, inside0, t.out_w);
   DepthwiseUnitWalk walk(t, begin);
   for (int64_t unit = begin; unit < end; ++unit, walk.Next()) {
     const int64_t oy = walk.output_row(), plane = walk.plane();
@@ -2394,19 +2403,22 @@ __attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDep
     V wv[K ? K * K : 1];
     for (int i = 0; i < K * K; ++i) std::memcpy(&wv[i], w + i * L, sizeof(V));
     const BlockedRowVectors vectors(*t.epilogue, o);
-    for (int64_t ox = 0; ox < t.out_w;) {
-      const int64_t ix0 = ox * p.stride_w - p.pad_left;
-      if (ox + kDepthwiseTile <= t.out_w && ix0 >= 0 &&
-          ix0 + (kDepthwiseTile - 1) * p.stride_w + reach < t.width) {
-        BlockedDepthwiseTile<L, kDepthwiseTile, K, S, false>(t, rows, kh0, kh1, ix0, wv, w,
-                                                             vectors, y + ox * L, o + ox * L);
-        ox += kDepthwiseTile;
-      } else {
-        BlockedDepthwiseTile<L, 1, K, S, true>(t, rows, kh0, kh1, ix0, wv, w, vectors, y + ox * L,
-                                               o + ox * L);
-        ox += 1;
-      }
+    auto tile = [&](auto pixels, auto checked, int64_t ox) __attribute__((always_inline)) {
+      BlockedDepthwiseTile<L, decltype(pixels)::value, K, S, decltype(checked)::value>(
+          t, rows, kh0, kh1, ox * p.stride_w - p.pad_left, wv, w, vectors, y + ox * L, o + ox * L);
+      return ox + decltype(pixels)::value;
+    };
+    using Checked = std::true_type;
+    using Inside = std::false_type;
+    int64_t ox = 0;
+    while (ox < inside0) ox = tile(std::integral_constant<int, 1>{}, Checked{}, ox);
+    while (ox + kDepthwiseTile <= inside1) {
+      ox = tile(std::integral_constant<int, kDepthwiseTile>{}, Inside{}, ox);
     }
+    if (ox + 4 <= inside1) ox = tile(std::integral_constant<int, 4>{}, Inside{}, ox);
+    if (ox + 2 <= inside1) ox = tile(std::integral_constant<int, 2>{}, Inside{}, ox);
+    if (ox < inside1) ox = tile(std::integral_constant<int, 1>{}, Inside{}, ox);
+    while (ox < t.out_w) ox = tile(std::integral_constant<int, 1>{}, Checked{}, ox);
     if (t.vector_epilogue && !t.register_epilogue) {
       BlockedEpilogueVectors<L>(*t.epilogue, vectors, y, t.out_w, o);
     } else if (!t.vector_epilogue && !t.epilogue->empty()) {
