@@ -849,37 +849,29 @@ inline std::pair<int64_t, int64_t> TapsInside(int64_t start, int64_t kernel, int
   return {k0, std::clamp(CeilDiv(extent - start, dilation), k0, kernel)};
 }
 
-/*! \brief dst[j] = src[2 * j] for j < n, reading no further than src[available - 1]:
- * `kLanes` at a time from two vectors' even lanes while those stay inside, then one by one. */
-inline void CopyEvenFloats(const float* src, int64_t n, int64_t available, float* dst) {
-  int64_t j = 0;
-  for (; j + kLanes <= n && 2 * (j + kLanes) <= available; j += kLanes) {
-    Floats lo, hi;
-    std::memcpy(&lo, src + 2 * j, sizeof(lo));
-    std::memcpy(&hi, src + 2 * j + kLanes, sizeof(hi));
-    const Floats even = __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14);
-    std::memcpy(dst + j, &even, sizeof(even));
-  }
-  for (; j < n; ++j) dst[j] = src[2 * j];
-}
-
-/*! \brief even[k] = src[2 * k] for k < n_even and odd[k] = src[2 * k + 1] for k < n_odd,
- * reading no further than src[available - 1]: a row's two stride-2 column phases in one
- * pass over it, `kLanes` of each at a time while the vectors stay inside. */
+/*! \brief even[k] = src[2 * k] for k < n_even and, unless `odd` is null, odd[k] = src[2 * k + 1]
+ * for k < n_odd, reading no further than src[available - 1]: a row's stride-2 column phases,
+ * both in one pass over it where both are wanted, `kLanes` of each at a time from two
+ * vectors while those stay inside, then one by one. */
 inline void CopyEvenOddFloats(const float* src, int64_t n_even, int64_t n_odd, int64_t available,
                               float* even, float* odd) {
+  const int64_t vectors = odd == nullptr ? n_even : std::min(n_even, n_odd);
   int64_t k = 0;
-  for (; k + kLanes <= std::min(n_even, n_odd) && 2 * (k + kLanes) <= available; k += kLanes) {
+  for (; k + kLanes <= vectors && 2 * (k + kLanes) <= available; k += kLanes) {
     Floats lo, hi;
     std::memcpy(&lo, src + 2 * k, sizeof(lo));
     std::memcpy(&hi, src + 2 * k + kLanes, sizeof(hi));
     const Floats e = __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14);
-    const Floats o = __builtin_shufflevector(lo, hi, 1, 3, 5, 7, 9, 11, 13, 15);
     std::memcpy(even + k, &e, sizeof(e));
-    std::memcpy(odd + k, &o, sizeof(o));
+    if (odd != nullptr) {
+      const Floats o = __builtin_shufflevector(lo, hi, 1, 3, 5, 7, 9, 11, 13, 15);
+      std::memcpy(odd + k, &o, sizeof(o));
+    }
   }
   for (int64_t j = k; j < n_even; ++j) even[j] = src[2 * j];
-  for (int64_t j = k; j < n_odd; ++j) odd[j] = src[2 * j + 1];
+  if (odd != nullptr) {
+    for (int64_t j = k; j < n_odd; ++j) odd[j] = src[2 * j + 1];
+  }
 }
 
 /*! \brief out[j] = in[j * stride] for j < n, a pixel being E floats (a constant size: a
@@ -934,7 +926,7 @@ struct PhasePlanes {
           if (stride_w == 1) {
             CopyFloats(in, (j1 - j0) * e, out + j0 * e);
           } else if (stride_w == 2 && e == 1) {
-            CopyEvenFloats(in, j1 - j0, src + (row + 1) * width - in, out + j0);
+            CopyEvenOddFloats(in, j1 - j0, 0, src + (row + 1) * width - in, out + j0, nullptr);
           } else if (e == 1) {
             CopyStridedPixels<1>(in, j1 - j0, stride_w, out + j0);
           } else if (e == 8) {
