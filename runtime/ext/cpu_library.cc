@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -849,6 +850,15 @@ inline std::pair<int64_t, int64_t> TapsInside(int64_t start, int64_t kernel, int
   return {k0, std::clamp(CeilDiv(extent - start, dilation), k0, kernel)};
 }
 
+/*! \brief The outputs [o0, o1) of `outputs` whose windows, starting at o * stride - pad and
+ * reaching `reach` past their start, lie inside [0, extent): those that read no padding. */
+inline std::pair<int64_t, int64_t> OutputsInside(int64_t pad, int64_t stride, int64_t reach,
+                                                 int64_t extent, int64_t outputs) {
+  const int64_t o0 = std::min(outputs, CeilDiv(pad, stride));
+  const int64_t last = extent - 1 - reach + pad;  // the last o * stride inside
+  return {o0, last < 0 ? o0 : std::clamp(last / stride + 1, o0, outputs)};
+}
+
 /*! \brief even[k] = src[2 * k] for k < n_even and, unless `odd` is null, odd[k] = src[2 * k + 1]
  * for k < n_odd, reading no further than src[available - 1]: a row's stride-2 column phases,
  * both in one pass over it where both are wanted, `kLanes` of each at a time from two
@@ -1091,7 +1101,8 @@ struct DirectConvWork {
   bool groups_inner;     // an image's chunks run each through all groups (see ChunkAt)
   int64_t work_slots;    // images * block_groups * slots
   int64_t conv_groups;   // a grouped conv's groups, each run as an image of its own (else 1)
-  int64_t kernel_h, kernel_w, in_h, stride_h, pad_top, dilation_h;  // for TapsOfGrid
+  Conv2DParams p;        // for TapsOfGrid, with:
+  int64_t kernel_h, kernel_w, in_h;
   int64_t inner_g0, inner_g1;  // the grid pixels of the output rows that read no padding row
 
   /*! \brief A chunk: slots [s0, s1) of group `group` of image `img`. */
@@ -1124,8 +1135,8 @@ struct DirectConvWork {
   std::pair<int64_t, int64_t> TapsOfGrid(int64_t g0, int64_t g1) const {
     if (g0 >= inner_g0 && g1 <= inner_g1) return {0, kernel_h * kernel_w};  // (no division)
     const int64_t oy0 = g0 / grid_w, oy1 = (g1 - 1) / grid_w;
-    const auto [lo0, hi0] = TapsInside(oy0 * stride_h - pad_top, kernel_h, dilation_h, in_h);
-    const auto [lo1, hi1] = TapsInside(oy1 * stride_h - pad_top, kernel_h, dilation_h, in_h);
+    const auto [lo0, hi0] = TapsInside(oy0 * p.stride_h - p.pad_top, kernel_h, p.dilation_h, in_h);
+    const auto [lo1, hi1] = TapsInside(oy1 * p.stride_h - p.pad_top, kernel_h, p.dilation_h, in_h);
     return {std::min(lo0, lo1) * kernel_w, std::max(hi0, hi1) * kernel_w};
   }
 
@@ -1812,16 +1823,12 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
     t.slack = true;
   }
   t.num_taps = in_c * kernel_h * kernel_w;
+  t.p = p;
   t.kernel_h = kernel_h;
   t.kernel_w = kernel_w;
   t.in_h = height;
-  t.stride_h = p.stride_h;
-  t.pad_top = p.pad_top;
-  t.dilation_h = p.dilation_h;
-  // Output rows [first, last) read no padding row.
-  const int64_t first = std::min(t.out_h, CeilDiv(p.pad_top, p.stride_h));
-  const int64_t bottom = height - 1 + p.pad_top - (kernel_h - 1) * p.dilation_h;
-  const int64_t last = bottom < 0 ? first : std::clamp(bottom / p.stride_h + 1, first, t.out_h);
+  const auto [first, last] =
+      OutputsInside(p.pad_top, p.stride_h, (kernel_h - 1) * p.dilation_h, height, t.out_h);
   t.inner_g0 = first * phase_w;
   t.inner_g1 = last * phase_w;
   thread_local std::vector<int64_t> taps;
@@ -2438,9 +2445,7 @@ __attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDep
   // the last 7 of a 56-wide one went pixel by pixel, bounds checked: mobilenet_cnn's 8x8
   // depthwise conv ran 44 -> 35 us on one thread, the model in 0.973 of its time, MobileNetV2
   // 0.987 (on two threads no faster: 0.99-1.01, alternating in one process).
-  const int64_t inside0 = std::min(t.out_w, CeilDiv(p.pad_left, p.stride_w));
-  const int64_t last = t.width - 1 - reach + p.pad_left;  // ox * stride_w may reach it
-  const int64_t inside1 = last < 0 ? inside0 : std::clamp(last / p.stride_w + 1, inside0, t.out_w);
+  const auto [inside0, inside1] = OutputsInside(p.pad_left, p.stride_w, reach, t.width, t.out_w);
   DepthwiseUnitWalk walk(t, begin);
   for (int64_t unit = begin; unit < end; ++unit, walk.Next()) {
     const int64_t oy = walk.output_row(), plane = walk.plane();
@@ -2448,16 +2453,14 @@ __attribute__((always_inline)) inline void BlockedDepthwiseRows(const BlockedDep
     const float* w = t.w + plane % t.blocks * t.kernel_h * t.kernel_w * L;
     float* y = t.y + (plane * t.out_h + oy) * t.out_w * L;
     const int64_t o = y - t.y;
-    // The taps rows inside the input: [kh0, kh1).
+    // The taps rows inside the input: [kh0, kh1) (not a structured binding: C++17 lambdas
+    // cannot capture one).
+    const int64_t iy0 = oy * p.stride_h - p.pad_top;
+    int64_t kh0, kh1;
+    std::tie(kh0, kh1) = TapsInside(iy0, t.kernel_h, p.dilation_h, t.height);
     const float* rows[kMaxRows];
-    int64_t kh0 = t.kernel_h, kh1 = 0;
-    for (int64_t kh = 0; kh < t.kernel_h; ++kh) {
-      const int64_t iy = oy * p.stride_h - p.pad_top + kh * p.dilation_h;
-      rows[kh] = x_plane + iy * t.width * L;
-      if (iy >= 0 && iy < t.height) {
-        kh0 = std::min(kh0, kh);
-        kh1 = kh + 1;
-      }
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
+      rows[kh] = x_plane + (iy0 + kh * p.dilation_h) * t.width * L;
     }
     V wv[K ? K * K : 1];
     for (int i = 0; i < K * K; ++i) std::memcpy(&wv[i], w + i * L, sizeof(V));
