@@ -1027,128 +1027,6 @@ int RunPhasePlanes(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   return 0;
 }
 
-// ---------------------------------------------------------------------------------------------
-// conv2d, direct: output channels in blocks of one vector's lanes (onnxruntime's MLAS NCHWc
-// convolutions work the same way). Data and output are NCHW, or channel-blocked NCHW{B}c
-// ([N, C / B, H, W, B], what relax_passes/blocked_layout.py converts regions of a network to:
-// then a tile's stores are contiguous and a 1x1 conv is a GEMM without a column matrix); the
-// weights come packed once, at build time, as [ceil(O / B), C, KH, KW, B] (B output channels
-// per block, zero past O), the same for either layout. A register tile is P pixels x NB
-// channel blocks: each weight vector is loaded once per tap and multiplied with P broadcast
-// input values, so no column matrix is written or read.
-//
-// The data is copied into zero-padded stride-phase planes (PhasePlanes; each thread copies
-// the rows its own tiles read: TaskInput), and the output is computed on a grid as wide as a
-// phase row: output (oy, ox) is grid pixel oy * GW + ox, and the grid columns past OW (the
-// taps' reach, 2 for a 3x3 stride-1 conv) are computed and dropped. Then every tap of grid
-// pixel g reads at g * XB from that tap's own offset, so a tile's P pixels read at distances
-// the compiler knows (immediate displacements): no per-pixel offsets held in registers (with
-// 12 pixels they spilled and were reloaded for every tap), and tiles run across rows, so small
-// deep-layer planes fill whole tiles. A pointwise conv (1x1, stride 1, no padding) reads the
-// data as it is (its grid is the output plane).
-//
-// Where the grid tiles would compute over 5% more pixels than there are outputs and a narrower
-// tile width W divides the output width (`RowTileWidth`: 8 where it divides it, else 7, as on
-// ResNets' 14x14 and 7x7 planes), tiles are instead W-pixel pieces of output rows ("row
-// tiles"): no dropped grid columns and no short last tile. On a 7x7 plane the grid's
-// 12-pixel tiles computed 72 pixels for 49 outputs; a W-pixel tile multiplies as fast per
-// multiply-add as a 12-pixel one (14-16 accumulators still hide the FMA latency). On planes
-// up to 28 wide whose width 14 divides, tiles are 14-pixel row pieces (two blocks: 28
-// accumulators, each tap's two weight vectors serving 14 broadcasts) even where grid tiles
-// would waste nothing: ResNet-50's 3x3 convs at 14x14 ran 1.28 -> 1.13x onnxruntime's time,
-// its 1x1 convs at 28x28 and 14x14 2-5% faster than on four-block grid tiles. Not at 56x56,
-// where they lost (3% on 64->256, 50% on 256->64: each two-block group reads the 3 MiB of
-// input again), nor for an output of exactly four blocks (one four-block group).
-//
-// A tile holds two channel blocks, or on AVX-512 four (6 pixels) where the blocks come in whole
-// fours and grid tiles are used: each data value loaded then serves 64 output channels, and a
-// chunk reads its pixels' data once for 64 channels, not twice (as MLAS's AVX-512 kernels
-// run four filter blocks). On ResNet-50's 56x56 1x1 convs with 64 or 128 output channels
-// this was 10-30% faster; on row tiles the four-block tile would need 28-32 accumulators.
-
-/*! \brief One direct conv2d call (groups 1): the slots (tile positions) of every image and
- * group of `group_blocks` channel blocks, split evenly between the threads, each thread's
- * share run in chunks of up to `chunk_slots` slots of one image and group. (Fixed chunks as
- * the threads' units left MobileNetV2's 14x14 projections 5 units for 2 threads, 24 slots
- * against 9.) */
-struct DirectConvWork {
-  const float* x;        // a pointwise conv's data (its taps read it as it is), else null
-  const PhasePlanes* source;  // else the data's phase planes, each task copying its own rows
-  int64_t reach;         // grid pixels past a pixel that its last tap reads
-  const float* w;        // [ceil(O / B), C, KH, KW, B]
-  const int64_t* taps;   // [C * KH * KW]: where each tap of grid pixel 0 reads in an image's x
-  int64_t num_taps;
-  int64_t image_floats;  // floats per image of the planes the taps read
-  int64_t plane_floats;  // ... per plane (of one data channel, or channel block)
-  int64_t x_block;       // XB, the data's channel block: 1 (NCHW data) or B
-  float* y;              // [N, O, OH, OW] or [N, O / B, OH, OW, B]
-  const Epilogue* epilogue;
-  bool y_blocked;        // the output is [N, O / B, OH, OW, B]
-  bool vector_epilogue;  // y_blocked and IsBlockedVectorEpilogue
-  bool register_epilogue;  // vector_epilogue without a step of many instructions (SiLU, sigmoid)
-  int64_t out_c, out_h, out_w;
-  int64_t grid_w;        // GW: grid pixels per row
-  int64_t grid;          // grid pixels up to the last output: (OH - 1) * GW + OW
-  bool slack;            // x may be read a tile past its last grid pixel (a copy with room)
-  int64_t block;         // B, the weights' last extent
-  int64_t blocks;        // ceil(out_c / B)
-  int64_t group_blocks;  // G, channel blocks per tile: kBlocks, or kWideBlocks (blocks % 4 == 0)
-  int64_t block_groups;  // ceil(blocks / G)
-  int64_t row_w;         // W of row tiles (see above), 0 for tiles across the grid
-  int64_t slot_w;        // pixels of a slot: a G-block tile's (row_w, or the grid tiles' P)
-  int64_t slots;         // row tiles OH * OW / W, or grid slots ceil(grid / P)
-  int64_t chunk_slots;   // the most slots of a chunk
-  bool groups_inner;     // an image's chunks run each through all groups (see ChunkAt)
-  int64_t work_slots;    // images * block_groups * slots
-  int64_t conv_groups;   // a grouped conv's groups, each run as an image of its own (else 1)
-  Conv2DParams p;        // for TapsOfGrid, with:
-  int64_t kernel_h, kernel_w, in_h;
-  int64_t inner_g0, inner_g1;  // the grid pixels of the output rows that read no padding row
-
-  /*! \brief A chunk: slots [s0, s1) of group `group` of image `img`. */
-  struct Chunk {
-    int64_t img, group, s0, s1;
-  };
-
-  /*! \brief The chunk at work position `pos`, ending at `end` at the latest. Positions run
-   * image by image; in an image, group by group (a group's weights stay in cache over all its
-   * slots), or where `groups_inner`, chunk by chunk, each chunk's slots through every group
-   * in turn (the chunk's data stays in cache over the groups). */
-  Chunk ChunkAt(int64_t pos, int64_t end) const {
-    const int64_t img = pos / (block_groups * slots), r = pos % (block_groups * slots);
-    if (!groups_inner) {
-      const int64_t s0 = r % slots;
-      return {img, r / slots, s0, std::min({slots, s0 + chunk_slots, s0 + end - pos})};
-    }
-    // The chunk's first slot and length (every chunk before it is whole), the position in it.
-    const int64_t first = r / (block_groups * chunk_slots) * chunk_slots;
-    const int64_t length = std::min(chunk_slots, slots - first), k = r - first * block_groups;
-    const int64_t s0 = first + k % length;
-    return {img, k / length, s0, std::min(first + length, s0 + end - pos)};
-  }
-
-  /*! \brief The taps [lo, hi) of each input channel's KH * KW (kernel rows first) that grid
-   * pixels [g0, g1) read inside the input: a tile of rows at the top or bottom skips the
-   * kernel rows that read only padding (onnxruntime's MLAS skips them). A 3x3 conv on 7x7 or
-   * 8x8 ran 5% faster than on the same plane unpadded; resnet_cnn and ResNet-18 in 0.989 and
-   * 0.986 of their time (AMD Zen 4, one process, alternating). */
-  std::pair<int64_t, int64_t> TapsOfGrid(int64_t g0, int64_t g1) const {
-    if (g0 >= inner_g0 && g1 <= inner_g1) return {0, kernel_h * kernel_w};  // (no division)
-    const int64_t oy0 = g0 / grid_w, oy1 = (g1 - 1) / grid_w;
-    const auto [lo0, hi0] = TapsInside(oy0 * p.stride_h - p.pad_top, kernel_h, p.dilation_h, in_h);
-    const auto [lo1, hi1] = TapsInside(oy1 * p.stride_h - p.pad_top, kernel_h, p.dilation_h, in_h);
-    return {std::min(lo0, lo1) * kernel_w, std::max(hi0, hi1) * kernel_w};
-  }
-
-  /*! \brief How many outputs come before grid pixel g (the output index of g when it is one). */
-  int64_t OutputsBefore(int64_t g) const {
-    return g / grid_w * out_w + std::min(g % grid_w, out_w);
-  }
-};
-
-constexpr int64_t kBlocks = 2;      // channel blocks per register tile
-constexpr int64_t kWideBlocks = 4;  // ... on AVX-512, where the blocks come in whole fours
-
 // An x86 instruction set a function is compiled for (whatever -march says); elsewhere nothing
 // (DirectConvBlock is 0 there: the kernels never run).
 #if defined(__x86_64__) || defined(__i386__)
@@ -1298,7 +1176,9 @@ __attribute__((always_inline)) inline void BlockedEpilogueVectors(const Epilogue
  * tensor, then a ReLU or a clip (the common CNN epilogues), applied to a vector in a few
  * instructions instead of step by step. The blocked depthwise conv (9 or 25 multiply-adds a
  * vector) took 1.3-1.4x as long with a bias and a ReLU or ReLU6 through the steps as with the
- * bias alone (112x112x32 and 56x56x144, 3x3).
+ * bias alone (112x112x32 and 56x56x144, 3x3). The direct conv's register tiles take it too: a
+ * 1x1 conv 64 -> 256 on 13x13 with a bias and a ReLU ran 35.5 -> 33 us (one thread, Intel
+ * Xeon), a 3x3 32 -> 128 on 27x27 1.5% faster.
  */
 struct AffineClip {
   bool applies = false;
@@ -1327,7 +1207,153 @@ struct AffineClip {
     }
     applies = true;
   }
+
+  /*! \brief The bias vector of a channel block whose epilogue vectors are `vectors` (zero
+   * where there is no bias). */
+  template <typename V>
+  V Bias(const BlockedRowVectors& vectors) const {
+    V b{};
+    if (bias >= 0) std::memcpy(&b, vectors.at[bias], sizeof(V));
+    return b;
+  }
+
+  /*! \brief clip(v + bias + residual, lo, hi) for the vector at element offset `o` of the
+   * output, `b` its block's Bias. */
+  template <typename V>
+  V operator()(V v, V b, int64_t o) const {
+    v += b;
+    if (residual != nullptr) {
+      V r;
+      std::memcpy(&r, residual + o, sizeof(V));
+      v += r;
+    }
+    v = v < lo ? V{} + lo : v;
+    return v > hi ? V{} + hi : v;
+  }
 };
+
+// ---------------------------------------------------------------------------------------------
+// conv2d, direct: output channels in blocks of one vector's lanes (onnxruntime's MLAS NCHWc
+// convolutions work the same way). Data and output are NCHW, or channel-blocked NCHW{B}c
+// ([N, C / B, H, W, B], what relax_passes/blocked_layout.py converts regions of a network to:
+// then a tile's stores are contiguous and a 1x1 conv is a GEMM without a column matrix); the
+// weights come packed once, at build time, as [ceil(O / B), C, KH, KW, B] (B output channels
+// per block, zero past O), the same for either layout. A register tile is P pixels x NB
+// channel blocks: each weight vector is loaded once per tap and multiplied with P broadcast
+// input values, so no column matrix is written or read.
+//
+// The data is copied into zero-padded stride-phase planes (PhasePlanes; each thread copies
+// the rows its own tiles read: TaskInput), and the output is computed on a grid as wide as a
+// phase row: output (oy, ox) is grid pixel oy * GW + ox, and the grid columns past OW (the
+// taps' reach, 2 for a 3x3 stride-1 conv) are computed and dropped. Then every tap of grid
+// pixel g reads at g * XB from that tap's own offset, so a tile's P pixels read at distances
+// the compiler knows (immediate displacements): no per-pixel offsets held in registers (with
+// 12 pixels they spilled and were reloaded for every tap), and tiles run across rows, so small
+// deep-layer planes fill whole tiles. A pointwise conv (1x1, stride 1, no padding) reads the
+// data as it is (its grid is the output plane).
+//
+// Where the grid tiles would compute over 5% more pixels than there are outputs and a narrower
+// tile width W divides the output width (`RowTileWidth`: 8 where it divides it, else 7, as on
+// ResNets' 14x14 and 7x7 planes), tiles are instead W-pixel pieces of output rows ("row
+// tiles"): no dropped grid columns and no short last tile. On a 7x7 plane the grid's
+// 12-pixel tiles computed 72 pixels for 49 outputs; a W-pixel tile multiplies as fast per
+// multiply-add as a 12-pixel one (14-16 accumulators still hide the FMA latency). On planes
+// up to 28 wide whose width 14 divides, tiles are 14-pixel row pieces (two blocks: 28
+// accumulators, each tap's two weight vectors serving 14 broadcasts) even where grid tiles
+// would waste nothing: ResNet-50's 3x3 convs at 14x14 ran 1.28 -> 1.13x onnxruntime's time,
+// its 1x1 convs at 28x28 and 14x14 2-5% faster than on four-block grid tiles. Not at 56x56,
+// where they lost (3% on 64->256, 50% on 256->64: each two-block group reads the 3 MiB of
+// input again), nor for an output of exactly four blocks (one four-block group).
+//
+// A tile holds two channel blocks, or on AVX-512 four (6 pixels) where the blocks come in whole
+// fours and grid tiles are used: each data value loaded then serves 64 output channels, and a
+// chunk reads its pixels' data once for 64 channels, not twice (as MLAS's AVX-512 kernels
+// run four filter blocks). On ResNet-50's 56x56 1x1 convs with 64 or 128 output channels
+// this was 10-30% faster; on row tiles the four-block tile would need 28-32 accumulators.
+
+/*! \brief One direct conv2d call (groups 1): the slots (tile positions) of every image and
+ * group of `group_blocks` channel blocks, split evenly between the threads, each thread's
+ * share run in chunks of up to `chunk_slots` slots of one image and group. (Fixed chunks as
+ * the threads' units left MobileNetV2's 14x14 projections 5 units for 2 threads, 24 slots
+ * against 9.) */
+struct DirectConvWork {
+  const float* x;        // a pointwise conv's data (its taps read it as it is), else null
+  const PhasePlanes* source;  // else the data's phase planes, each task copying its own rows
+  int64_t reach;         // grid pixels past a pixel that its last tap reads
+  const float* w;        // [ceil(O / B), C, KH, KW, B]
+  const int64_t* taps;   // [C * KH * KW]: where each tap of grid pixel 0 reads in an image's x
+  int64_t num_taps;
+  int64_t image_floats;  // floats per image of the planes the taps read
+  int64_t plane_floats;  // ... per plane (of one data channel, or channel block)
+  int64_t x_block;       // XB, the data's channel block: 1 (NCHW data) or B
+  float* y;              // [N, O, OH, OW] or [N, O / B, OH, OW, B]
+  const Epilogue* epilogue;
+  bool y_blocked;        // the output is [N, O / B, OH, OW, B]
+  bool vector_epilogue;  // y_blocked and IsBlockedVectorEpilogue
+  bool register_epilogue;  // vector_epilogue without a step of many instructions (SiLU, sigmoid)
+  int64_t out_c, out_h, out_w;
+  int64_t grid_w;        // GW: grid pixels per row
+  int64_t grid;          // grid pixels up to the last output: (OH - 1) * GW + OW
+  bool slack;            // x may be read a tile past its last grid pixel (a copy with room)
+  int64_t block;         // B, the weights' last extent
+  int64_t blocks;        // ceil(out_c / B)
+  int64_t group_blocks;  // G, channel blocks per tile: kBlocks, or kWideBlocks (blocks % 4 == 0)
+  int64_t block_groups;  // ceil(blocks / G)
+  int64_t row_w;         // W of row tiles (see above), 0 for tiles across the grid
+  int64_t slot_w;        // pixels of a slot: a G-block tile's (row_w, or the grid tiles' P)
+  int64_t slots;         // row tiles OH * OW / W, or grid slots ceil(grid / P)
+  int64_t chunk_slots;   // the most slots of a chunk
+  bool groups_inner;     // an image's chunks run each through all groups (see ChunkAt)
+  int64_t work_slots;    // images * block_groups * slots
+  int64_t conv_groups;   // a grouped conv's groups, each run as an image of its own (else 1)
+  Conv2DParams p;        // for TapsOfGrid, with:
+  int64_t kernel_h, kernel_w, in_h;
+  int64_t inner_g0, inner_g1;  // the grid pixels of the output rows that read no padding row
+  AffineClip affine;     // the register epilogue's form, where it has it
+
+  /*! \brief A chunk: slots [s0, s1) of group `group` of image `img`. */
+  struct Chunk {
+    int64_t img, group, s0, s1;
+  };
+
+  /*! \brief The chunk at work position `pos`, ending at `end` at the latest. Positions run
+   * image by image; in an image, group by group (a group's weights stay in cache over all its
+   * slots), or where `groups_inner`, chunk by chunk, each chunk's slots through every group
+   * in turn (the chunk's data stays in cache over the groups). */
+  Chunk ChunkAt(int64_t pos, int64_t end) const {
+    const int64_t img = pos / (block_groups * slots), r = pos % (block_groups * slots);
+    if (!groups_inner) {
+      const int64_t s0 = r % slots;
+      return {img, r / slots, s0, std::min({slots, s0 + chunk_slots, s0 + end - pos})};
+    }
+    // The chunk's first slot and length (every chunk before it is whole), the position in it.
+    const int64_t first = r / (block_groups * chunk_slots) * chunk_slots;
+    const int64_t length = std::min(chunk_slots, slots - first), k = r - first * block_groups;
+    const int64_t s0 = first + k % length;
+    return {img, k / length, s0, std::min(first + length, s0 + end - pos)};
+  }
+
+  /*! \brief The taps [lo, hi) of each input channel's KH * KW (kernel rows first) that grid
+   * pixels [g0, g1) read inside the input: a tile of rows at the top or bottom skips the
+   * kernel rows that read only padding (onnxruntime's MLAS skips them). A 3x3 conv on 7x7 or
+   * 8x8 ran 5% faster than on the same plane unpadded; resnet_cnn and ResNet-18 in 0.989 and
+   * 0.986 of their time (AMD Zen 4, one process, alternating). */
+  std::pair<int64_t, int64_t> TapsOfGrid(int64_t g0, int64_t g1) const {
+    if (g0 >= inner_g0 && g1 <= inner_g1) return {0, kernel_h * kernel_w};  // (no division)
+    const int64_t oy0 = g0 / grid_w, oy1 = (g1 - 1) / grid_w;
+    const auto [lo0, hi0] = TapsInside(oy0 * p.stride_h - p.pad_top, kernel_h, p.dilation_h, in_h);
+    const auto [lo1, hi1] = TapsInside(oy1 * p.stride_h - p.pad_top, kernel_h, p.dilation_h, in_h);
+    return {std::min(lo0, lo1) * kernel_w, std::max(hi0, hi1) * kernel_w};
+  }
+
+  /*! \brief How many outputs come before grid pixel g (the output index of g when it is one). */
+  int64_t OutputsBefore(int64_t g) const {
+    return g / grid_w * out_w + std::min(g % grid_w, out_w);
+  }
+};
+
+constexpr int64_t kBlocks = 2;      // channel blocks per register tile
+constexpr int64_t kWideBlocks = 4;  // ... on AVX-512, where the blocks come in whole fours
 
 /*! \brief Where a tile's last taps store its P pixels straight from the registers: P
  * consecutive outputs of a channel-blocked output with a vector epilogue, from `y`; block j's
@@ -1391,14 +1417,23 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
   }
   if (output != nullptr) {
     const int64_t plane = t.out_h * t.out_w * L, o = output->y - t.y;
-    for (size_t i = 0; i < t.epilogue->size(); ++i) {
+    if (t.affine.applies) {
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j)
+      for (int j = 0; j < NB; ++j) {
+        const V bias = t.affine.Bias<V>(output->vectors[j]);
 #pragma GCC unroll 32
-        for (int q = 0; q < P; ++q) {
-          acc[j][q] = BlockedEpilogueStep<L, false>(*t.epilogue, i, output->vectors[j], acc[j][q],
-                                             o + j * plane + q * L);
-        }
+        for (int q = 0; q < P; ++q) acc[j][q] = t.affine(acc[j][q], bias, o + j * plane + q * L);
+      }
+    } else {
+      for (size_t i = 0; i < t.epilogue->size(); ++i) {
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 32
+          for (int q = 0; q < P; ++q) {
+            acc[j][q] = BlockedEpilogueStep<L, false>(*t.epilogue, i, output->vectors[j],
+                                                      acc[j][q], o + j * plane + q * L);
+          }
+      }
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j)
@@ -1786,6 +1821,7 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   t.y_blocked = out->ndim == 5;
   t.vector_epilogue = t.y_blocked && IsBlockedVectorEpilogue(epilogue, t.block);
   t.register_epilogue = t.vector_epilogue && !HasStoredTileStep(epilogue);
+  if (t.register_epilogue && !epilogue.empty()) t.affine = AffineClip(epilogue);
   t.out_c = out->shape[1] * (t.y_blocked ? out->shape[4] : 1) / conv_groups;
   t.out_h = out->shape[2];
   t.out_w = out->shape[3];
@@ -2407,17 +2443,9 @@ __attribute__((always_inline)) inline void BlockedDepthwiseTile(
     }
   }
   if (t.affine.applies) {
-    V bias{};
-    if (t.affine.bias >= 0) std::memcpy(&bias, vectors.at[t.affine.bias], sizeof(V));
+    const V bias = t.affine.Bias<V>(vectors);
     for (int q = 0; q < T; ++q) {
-      V v = acc[q] + bias;
-      if (t.affine.residual != nullptr) {
-        V r;
-        std::memcpy(&r, t.affine.residual + o + q * L, sizeof(V));
-        v += r;
-      }
-      v = v < t.affine.lo ? V{} + t.affine.lo : v;
-      v = v > t.affine.hi ? V{} + t.affine.hi : v;
+      const V v = t.affine(acc[q], bias, o + q * L);
       std::memcpy(y + q * L, &v, sizeof(V));
     }
     return;
