@@ -1211,7 +1211,7 @@ struct AffineClip {
   /*! \brief The bias vector of a channel block whose epilogue vectors are `vectors` (zero
    * where there is no bias). */
   template <typename V>
-  V Bias(const BlockedRowVectors& vectors) const {
+  __attribute__((always_inline)) V Bias(const BlockedRowVectors& vectors) const {
     V b{};
     if (bias >= 0) std::memcpy(&b, vectors.at[bias], sizeof(V));
     return b;
@@ -1220,7 +1220,7 @@ struct AffineClip {
   /*! \brief clip(v + bias + residual, lo, hi) for the vector at element offset `o` of the
    * output, `b` its block's Bias. */
   template <typename V>
-  V operator()(V v, V b, int64_t o) const {
+  __attribute__((always_inline)) V operator()(V v, V b, int64_t o) const {
     v += b;
     if (residual != nullptr) {
       V r;
