@@ -271,6 +271,40 @@ def test_blocked_depthwise_epilogue_forms(block, form) -> None:
     np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("depthwise", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "clip"])
+def test_blocked_conv_epilogues_keep_nan(block, depthwise, activation) -> None:
+    """A NaN in the data stays NaN through the register tiles' bias, ReLU and clip (as in numpy
+    and onnxruntime), in the direct and the depthwise kernel: a clamp written with its operands
+    the other way round (`v > lo ? v : lo`) turns it into the bound."""
+    load_extensions()
+    channels, size = 2 * block, (9, 16)
+    x = rand(1, channels, *size, seed=1)
+    x[0, 3, 4, 5] = np.nan
+    bias = rand(channels, seed=3)
+    if depthwise:
+        weight = rand(channels, 1, 3, 3, seed=2)
+        packed = np.ascontiguousarray(weight.reshape(channels // block, block, 1, 3, 3).transpose(0, 2, 3, 4, 1))
+        conv = np.concatenate([reference_conv(x[:, c:c + 1], weight[c:c + 1], (1, 1), (1, 1), (1, 1), size)[:, :1]
+                               for c in range(channels)], axis=1)
+        func = BLOCKED_DEPTHWISE_CONV2D_FUNC
+    else:
+        weight = rand(channels, channels, 3, 3, seed=2)
+        packed, conv = pack_conv_weight(weight, block), reference_conv(x, weight, (1, 1), (1, 1), (1, 1), size)
+        func = DIRECT_CONV2D_FUNC
+    add_bias = (ADD_BLOCKED_VECTOR, tvm.runtime.tensor(bias), size[0] * size[1] * block, block)
+    steps, expected = {
+        "relu": ((*add_bias, RELU), np.maximum(conv + bias[:, None, None], 0.0)),
+        "clip": ((*add_bias, *clip_step(0.0, 6.0)), np.clip(conv + bias[:, None, None], 0.0, 6.0)),
+    }[activation]
+    assert np.isnan(expected).sum() == (9 if depthwise else 9 * channels)
+    y = tvm.runtime.tensor(np.zeros((1, channels // block, *size, block), np.float32))
+    tvm.get_global_func(func)(tvm.runtime.tensor(to_blocked(x, block)), tvm.runtime.tensor(packed),
+                              1, 1, 1, 1, 1, 1, *steps, y)
+    np.testing.assert_allclose(from_blocked(y.numpy()), expected, rtol=1e-4, atol=1e-4)
+
+
 def reference_max_pool(x: np.ndarray, kernel, stride, pads, dilation, out_hw) -> np.ndarray:
     """Max pooling of NCHW `x` over each window's pixels inside the input (numpy)."""
     n, c, h, w = x.shape
