@@ -90,22 +90,26 @@ def test_direct_conv2d_against_numpy(block, batch, in_c, size, out_c, kernel, st
     np.testing.assert_allclose(y.numpy(), expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("block", BLOCKS)
-def test_direct_conv2d_epilogues(block) -> None:
-    """Bias (a vector along channels), residual, ReLU, clip and GELU, applied in order."""
-    load_extensions()
-    batch, in_c, out_c, size = 2, 9, 19, 10
+def epilogue_cases(batch: int, in_c: int, out_c: int, size: int) -> tuple:
+    """Data, an OIHW 3x3 weight, their conv (stride 1, padding 1) and epilogues with the
+    outputs they give: bias (a vector along channels) + ReLU, residual + clip."""
     x, weight = rand(batch, in_c, size, size, seed=3), rand(out_c, in_c, 3, 3, seed=4)
     bias, residual = rand(out_c, seed=5), rand(batch, out_c, size, size, seed=6)
     conv = reference_conv(x, weight, (1, 1), (1, 1), (1, 1), (size, size))
     cases = [
-        ([ADD_VECTOR, tvm.runtime.tensor(bias), size * size, RELU],
-         np.maximum(conv + bias[:, None, None], 0)),
-        ([ADD_TENSOR, tvm.runtime.tensor(residual), *clip_step(-0.5, 2.0)],
-         np.clip(conv + residual, -0.5, 2.0)),
-        ([GELU], gelu(conv)),
+        ((ADD_VECTOR, tvm.runtime.tensor(bias), size * size, RELU), np.maximum(conv + bias[:, None, None], 0)),
+        ((ADD_TENSOR, tvm.runtime.tensor(residual), *clip_step(-0.5, 2.0)), np.clip(conv + residual, -0.5, 2.0)),
     ]
-    for steps, expected in cases:
+    return x, weight, conv, cases
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_direct_conv2d_epilogues(block) -> None:
+    """Bias (a vector along channels), residual, ReLU, clip and GELU, applied in order."""
+    load_extensions()
+    batch, out_c, size = 2, 19, 10
+    x, weight, conv, cases = epilogue_cases(batch, 9, out_c, size)
+    for steps, expected in [*cases, ((GELU,), gelu(conv))]:
         y = tvm.runtime.tensor(np.zeros((batch, out_c, size, size), np.float32))
         tvm.get_global_func(DIRECT_CONV2D_FUNC)(
             tvm.runtime.tensor(x), tvm.runtime.tensor(pack_conv_weight(weight, block)),

@@ -24,13 +24,13 @@ from tvm.relax.frontend.onnx import from_onnx
 
 from gimlet_tvm.errors import CompileError
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
-    ADD_BLOCKED_VECTOR, ADD_TENSOR, ADD_VECTOR, CONV2D_FUNC, DIRECT_CONV2D_FUNC,
+    ADD_BLOCKED_VECTOR, ADD_TENSOR, CONV2D_FUNC, DIRECT_CONV2D_FUNC,
     DIRECT_CONV_BLOCK_ENV, GELU, RELU, WINOGRAD_CONV2D_FUNC, WINOGRAD_ENV, DispatchCPULibrary,
     winograd_override, winograd_tile_for, winograd_weight)
 from gimlet_tvm.runtime.extensions import load_extensions
 
 from .test_cpu_blocked_conv import to_blocked
-from .test_cpu_direct_conv import clip_step, reference_conv
+from .test_cpu_direct_conv import clip_step, epilogue_cases, reference_conv
 from .test_cpu_library import onnx_model, packed_calls, rand, run_both
 
 TILES = [2, 4]
@@ -77,14 +77,8 @@ def test_winograd_conv2d_against_numpy(tile, batch, in_c, size, out_c, pads, out
 def test_winograd_conv2d_epilogues(tile) -> None:
     """Bias (a vector along channels) + ReLU, and residual + clip, applied in order."""
     load_extensions()
-    batch, in_c, out_c, size = 2, 9, 19, 9
-    x, weight = rand(batch, in_c, size, size, seed=3), rand(out_c, in_c, 3, 3, seed=4)
-    bias, residual = rand(out_c, seed=5), rand(batch, out_c, size, size, seed=6)
-    conv = reference_conv(x, weight, (1, 1), (1, 1), (1, 1), (size, size))
-    cases = [
-        ((ADD_VECTOR, tvm.runtime.tensor(bias), size * size, RELU), np.maximum(conv + bias[:, None, None], 0)),
-        ((ADD_TENSOR, tvm.runtime.tensor(residual), *clip_step(-0.5, 2.0)), np.clip(conv + residual, -0.5, 2.0)),
-    ]
+    size = 9
+    x, weight, conv, cases = epilogue_cases(2, 9, 19, size)
     for steps, expected in cases:
         assert_close(winograd(x, weight, tile, (1, 1), (size, size), steps), expected, tile, conv)
 
