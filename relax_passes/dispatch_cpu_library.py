@@ -54,9 +54,13 @@ OpenBLAS-backed CPU library.
      squeeze-and-excitation gate at batch 1), into `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchw_direct_scaled", (x, scale, packed, ...))`, which scales the
      weight's input channels instead of the data, where the weight is at most a quarter of
-     its size) or, both blocked, where the Winograd algorithms' rule picks one (as for NCHW),
-     into the Winograd kernel, its weight transformed at build time as [alpha^2, I / B, B, O]
-     (`winograd_weight` with the block); depthwise into `R.call_dps_packed(
+     its size) or, both blocked and groups 1 where more than one of `CONV_ALGORITHMS` can run
+     it (a 3x3 stride-1 conv with a constant weight: the Winograd kernels, its weight
+     transformed at build time as [alpha^2, I / B, B, O] by `winograd_weight` with the block,
+     and the direct one), first into the generic `R.call_dps_packed("gimlet.cpu.conv2d_nchwc",
+     (data, weight, strides, pads, dilations, groups))` (with `grouping`, an op group kernel
+     selection chooses an algorithm for, else at once) and from it into the algorithm the
+     default rule picks, as for NCHW; depthwise into `R.call_dps_packed(
      "gimlet.cpu.conv2d_nchwc_depthwise", (data, packed, strides, pads, dilations))`;
    - `R.nn.max_pool2d` on NCHW{B}c data (B 8 or 16, static attributes) into
      `R.call_dps_packed("gimlet.cpu.max_pool2d_nchwc", (data, strides, pads, dilations,
@@ -113,6 +117,9 @@ from .graph_fusion import graph_fusion_enabled
 
 MATMUL_FUNC = f"{CPU_LIBRARY.name}.matmul"
 CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw"
+# A groups-1 conv on NCHW{B}c data and output with a choice of algorithms, as the grouping run
+# writes it for kernel selection: no library function; the library pass always rewrites it.
+BLOCKED_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchwc"
 IM2COL_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_im2col"  # the same kernel, chosen
 DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct"
 SCALED_DIRECT_CONV2D_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchw_direct_scaled"
@@ -126,11 +133,12 @@ WINOGRAD_ENV = "GIMLET_CPU_WINOGRAD"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 BLOCKED_MAX_POOL_FUNC = f"{CPU_LIBRARY.name}.max_pool2d_nchwc"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
-# weight, 6 params, groups) for both names of the im2col kernel; after (data, packed weight, 6
+# weight, 6 params, groups) for both names of the im2col kernel and the blocked generic call; after (data, packed weight, 6
 # params); after (data, scale, packed weight, 6 params); after (data, weight, 6 params, lanes)
 # for the row and depthwise kernels; after (data, transformed or blocked weight, 6 params) for
 # the Winograd and blocked depthwise kernels.
-_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, IM2COL_CONV2D_FUNC: 9, DIRECT_CONV2D_FUNC: 8,
+_EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, IM2COL_CONV2D_FUNC: 9, BLOCKED_CONV2D_FUNC: 9,
+                   DIRECT_CONV2D_FUNC: 8,
                    SCALED_DIRECT_CONV2D_FUNC: 9, ROW_CONV2D_FUNC: 9, DEPTHWISE_CONV2D_FUNC: 9,
                    WINOGRAD_CONV2D_FUNC: 8, BLOCKED_DEPTHWISE_CONV2D_FUNC: 8}
 
@@ -296,7 +304,8 @@ def row_conv_for(in_c: int, kernel: tuple[int, int], cpu_block: int) -> bool:
 class ConvShape:
     """What the conv algorithms read of a conv2d: output channels, input channels per group,
     kernel (h, w), output (h, w) (None where symbolic), `params` (strides (h, w), top and left
-    padding, dilations (h, w)), groups, and whether the weight is a constant."""
+    padding, dilations (h, w)), groups, whether the weight is a constant, and the channel
+    block B of NCHW{B}c data and output (0: NCHW)."""
 
     out_c: int
     in_c: int
@@ -305,20 +314,23 @@ class ConvShape:
     params: tuple[int, ...]
     groups: int
     constant_weight: bool
+    block: int = 0
 
 
 def conv_shape(call: relax.Call) -> ConvShape | None:
-    """The shape of a `gimlet.cpu.conv2d_nchw` call; None where its weight's shape is symbolic."""
-    _, weight, *params = call.args[1].fields
+    """The shape of a `gimlet.cpu.conv2d_nchw` or `.conv2d_nchwc` call (generic, OIHW weight);
+    None where its weight's or block's extent is symbolic."""
+    data, weight, *params = call.args[1].fields
     weight_shape = _static_ints(weight.ty.shape)
-    if weight_shape is None:
+    block = _static_ints([data.ty.shape[4]]) if data.ty.ndim == 5 else [0]
+    if weight_shape is None or block is None:
         return None
     out_shape = call.ty_args[0].shape  # the call's output (it may not be normalized yet)
     out_hw = _static_ints([out_shape[2], out_shape[3]])
     out_c, in_c, kh, kw = weight_shape
     return ConvShape(out_c, in_c, (kh, kw), None if out_hw is None else tuple(out_hw),
                      tuple(int(p.value) for p in params[:6]), int(params[6].value),
-                     isinstance(weight, tvm.ir.GenericConst))
+                     isinstance(weight, tvm.ir.GenericConst), block[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +339,8 @@ class ConvAlgorithm:
     cannot run that shape on a CPU whose direct-kernel block is `cpu_block` (0: no AVX2, or a
     build for another CPU), None where it can; `wanted(shape, cpu_block, winograd)`: whether
     the default rule picks it (`winograd`: `$GIMLET_CPU_WINOGRAD`'s tile or None); `emit(bb,
-    call, cpu_block)`: its call for a `gimlet.cpu.conv2d_nchw` call (epilogue kept)."""
+    call, cpu_block)`: its call for a generic `gimlet.cpu.conv2d_nchw` or `.conv2d_nchwc` call
+    (epilogue kept)."""
 
     name: str
     func: str
@@ -351,8 +364,13 @@ def _vector_kernel(shape: ConvShape, cpu_block: int, block: int = 8) -> str | No
     return _groups_1(shape)
 
 
+def _nchw_kernel(shape: ConvShape, cpu_block: int) -> str | None:
+    """Why a groups-1 vector kernel of NCHW data only cannot run the shape, if it cannot."""
+    return "NCHW data only" if shape.block else _vector_kernel(shape, cpu_block)
+
+
 def _split_args(call: relax.Call) -> tuple[relax.Expr, relax.Expr, list[relax.Expr], list[relax.Expr]]:
-    """(data, weight, the 6 conv params, epilogue arguments) of a `gimlet.cpu.conv2d_nchw` call."""
+    """(data, weight, the 6 conv params, epilogue arguments) of a generic conv call."""
     data, weight, *args = call.args[1].fields
     return data, weight, args[:6], args[7:]
 
@@ -375,7 +393,8 @@ def _winograd(tile: int) -> ConvAlgorithm:
 
     def emit(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> relax.Expr:
         data, weight, params, epilogue = _split_args(call)
-        return winograd_call(bb, data, weight, [*params, *epilogue], call.ty_args[0], tile)
+        block = int(data.ty.shape[4]) if data.ty.ndim == 5 else 0
+        return winograd_call(bb, data, weight, [*params, *epilogue], call.ty_args[0], tile, block)
 
     return ConvAlgorithm(f"winograd{tile}", WINOGRAD_CONV2D_FUNC, unavailable, wanted, emit)
 
@@ -383,18 +402,17 @@ def _winograd(tile: int) -> ConvAlgorithm:
 def winograd_call(bb: relax.BlockBuilder, data: relax.Expr, weight: relax.Expr, args: list[relax.Expr],
                   out_ty: relax.Type, tile: int, block: int = 0) -> relax.Expr:
     """The Winograd kernel's call on `data` (NCHW, or NCHW{B}c with `block` B, as `out_ty`) with
-    an OIHW `weight` transformed for F(tile x tile, 3 x 3): by numpy here for a constant, else
-    (a weight kernel selection's checks pass as a parameter; NCHW only) by the same transform
-    in float32; `args`: the 6 conv params and the epilogue."""
+    an OIHW `weight` transformed for F(tile x tile, 3 x 3) (`winograd_weight`'s layouts): by
+    numpy here for a constant, else (a weight kernel selection's checks pass as a parameter) by
+    the same transform in float32; `args`: the 6 conv params and the epilogue."""
     if isinstance(weight, tvm.ir.GenericConst):
         transformed = relax.const(winograd_weight(weight.value.numpy(), tile, block))
-    elif block:
-        raise CompileError("the Winograd kernel on blocked data needs a constant weight")
     else:
         g = relax.const(_WINOGRAD_G[tile].astype(np.float32))
-        u = bb.emit(relax.op.einsum((g, weight, g), "ak,oikl,bl->aboi"))
         out_c, in_c = weight.ty.shape[0], weight.ty.shape[1]
-        transformed = bb.emit(relax.op.reshape(u, ((tile + 2) ** 2, out_c, in_c)))
+        u = bb.emit(relax.op.einsum((g, weight, g), "ak,oikl,bl->abio" if block else "ak,oikl,bl->aboi"))
+        shape = (in_c // block, block, out_c) if block else (out_c, in_c)
+        transformed = bb.emit(relax.op.reshape(u, ((tile + 2) ** 2, *shape)))
     return relax.call_dps_packed(WINOGRAD_CONV2D_FUNC, [data, transformed, *args], out_ty)
 
 
@@ -408,16 +426,23 @@ def packed_conv_weight(bb: relax.BlockBuilder, weight: relax.Expr, block: int) -
 
 def _direct(block: int) -> ConvAlgorithm:
     """The direct kernel with blocks of `block` output channels, the weight packed for it by a
-    `layout_transform` (FoldConstant computes it at build time for a constant weight)."""
+    `layout_transform` (FoldConstant computes it at build time for a constant weight); on
+    blocked data, the data's block only, and there always wanted (where no Winograd is)."""
+    def unavailable(shape: ConvShape, cpu_block: int) -> str | None:
+        if shape.block not in (0, block):
+            return f"{block}-channel blocks, not the data's {shape.block}"
+        # On blocked data the library runs the data's block with any vectors it has.
+        return _vector_kernel(shape, cpu_block, 8 if shape.block else block)
+
+    def wanted(shape: ConvShape, cpu_block: int, _winograd: int | None) -> bool:
+        return shape.block == block or direct_conv_block_for(shape.out_c, shape.in_c, shape.kernel, cpu_block) == block
+
     def emit(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> relax.Expr:
         data, weight, params, epilogue = _split_args(call)
         packed = packed_conv_weight(bb, weight, block)
         return relax.call_dps_packed(DIRECT_CONV2D_FUNC, [data, packed, *params, *epilogue], call.ty_args[0])
 
-    return ConvAlgorithm(
-        f"direct{block}", DIRECT_CONV2D_FUNC, lambda shape, cpu_block: _vector_kernel(shape, cpu_block, block),
-        lambda shape, cpu_block, _: direct_conv_block_for(shape.out_c, shape.in_c, shape.kernel, cpu_block) == block,
-        emit)
+    return ConvAlgorithm(f"direct{block}", DIRECT_CONV2D_FUNC, unavailable, wanted, emit)
 
 
 def _emit_rows(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> relax.Expr:
@@ -428,6 +453,8 @@ def _emit_rows(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int) -> rela
 
 def _im2col_unavailable(shape: ConvShape, cpu_block: int) -> str | None:
     """A depthwise conv is no generic call (the pass leaves it to TIR or the depthwise kernel)."""
+    if shape.block:
+        return "NCHW data only"
     depthwise = shape.groups > 1 and shape.in_c == 1
     return "depthwise: no generic library call (TIR or the depthwise kernel)" if depthwise else None
 
@@ -441,22 +468,30 @@ CONV_ALGORITHMS: dict[str, ConvAlgorithm] = {a.name: a for a in [
     _winograd(2),
     _direct(16),
     _direct(8),
-    ConvAlgorithm("rows", ROW_CONV2D_FUNC, _vector_kernel,
+    ConvAlgorithm("rows", ROW_CONV2D_FUNC, _nchw_kernel,
                   lambda shape, cpu_block, _: row_conv_for(shape.in_c, shape.kernel, cpu_block), _emit_rows),
     # The generic call runs im2col + OpenBLAS itself, so the default rule never needs to pick it;
     # chosen (kernel selection), it becomes its own name, which the default rule leaves alone.
     ConvAlgorithm("im2col", IM2COL_CONV2D_FUNC, _im2col_unavailable, lambda shape, cpu_block, _: False, _emit_im2col),
 ]}
-"""The CPU library's NCHW conv2d algorithms, in the default rule's order of preference. Kernel
-selection offers each as a candidate (`library:conv_<name>`) for the shapes it can run."""
+"""The CPU library's conv2d algorithms, in the default rule's order of preference. Kernel
+selection offers each as a candidate (`library:conv_<name>`) for the shapes it can run: NCHW
+convs, and groups-1 convs on NCHW{B}c data and output with a choice (`has_choice`)."""
 
 
 def default_conv_algorithm(shape: ConvShape, cpu_block: int, winograd: int | None) -> ConvAlgorithm | None:
     """The algorithm an untuned build runs a conv2d on: the first of `CONV_ALGORITHMS` that can
-    run it and whose rule wants it; None where none does (the generic call, im2col + OpenBLAS).
+    run it and whose rule wants it; None where none does (the generic call, im2col + OpenBLAS;
+    on blocked data the direct kernel always can, with its block on this CPU).
     `winograd`: `$GIMLET_CPU_WINOGRAD`'s tile (`winograd_override`), None for the rule."""
     return next((a for a in CONV_ALGORITHMS.values()
                  if a.unavailable(shape, cpu_block) is None and a.wanted(shape, cpu_block, winograd)), None)
+
+
+def has_choice(shape: ConvShape, cpu_block: int) -> bool:
+    """Whether more than one of `CONV_ALGORITHMS` can run the shape (on blocked data: where a
+    Winograd kernel can, beside the direct one)."""
+    return sum(a.unavailable(shape, cpu_block) is None for a in CONV_ALGORITHMS.values()) > 1
 
 
 def depthwise_kernel_wanted() -> bool | None:
@@ -508,12 +543,14 @@ def library_matmul(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, bool, list
     return None if _has_clip(steps) else (a, b, bool(int(transpose.value)), steps)
 
 
-def library_conv2d(call: relax.Expr) -> tuple[relax.Expr, relax.Expr, list[int], list] | None:
-    """`(data, weight, params, epilogue)` of a `gimlet.cpu.conv2d_nchw` call this pass wrote
-    (with `grouping`, every conv2d it takes is one), None for any other expression. `params`:
-    strides (h, w), top and left padding, dilations (h, w) and groups; `epilogue` as
-    `library_matmul`'s (None with a clip step, too)."""
-    if not _calls(call, CONV2D_FUNC):
+def library_conv2d(call: relax.Expr, func: str = CONV2D_FUNC
+                   ) -> tuple[relax.Expr, relax.Expr, list[int], list] | None:
+    """`(data, weight, params, epilogue)` of a generic conv call this pass wrote, `func`:
+    `gimlet.cpu.conv2d_nchw` (with `grouping`, every NCHW conv2d it takes is one) or
+    `.conv2d_nchwc` (`BLOCKED_CONV2D_FUNC`); None for any other expression. `params`: strides
+    (h, w), top and left padding, dilations (h, w) and groups; `epilogue` as `library_matmul`'s
+    (None with a clip step, too)."""
+    if not _calls(call, func):
         return None
     data, weight, *args = call.args[1].fields
     params = [int(p.value) for p in args[:7]]
@@ -704,7 +741,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if not isinstance(call.op, tvm.ir.Op):
             return call
         rewritten = None
-        if self.conv_kernels and _calls(call, CONV2D_FUNC):
+        if self.conv_kernels and (_calls(call, CONV2D_FUNC) or _calls(call, BLOCKED_CONV2D_FUNC)):
             rewritten = self._conv_kernel(call)  # a group kernel selection left to the library
         elif call.op.name == "relax.matmul":
             rewritten = self._rewrite_matmul(call)
@@ -920,8 +957,10 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         writes): both blocked, groups 1, depthwise or groups of whole blocks; NCHW data (an
         entry conv) or an NCHW output (an exit conv), groups 1. On the direct or blocked
         depthwise kernel, its weight packed into blocks of B output channels; both blocked and
-        groups 1, on the Winograd
-        kernel where the default rule picks it."""
+        groups 1 with a choice of algorithms (`has_choice`: Winograd too), the generic call
+        `BLOCKED_CONV2D_FUNC` (an op group for kernel selection) and, but in the grouping run,
+        the algorithm the default rule picks for it; a conv on data gated per channel runs the
+        scaled direct kernel (`_channel_scaled`) before any choice."""
         data, weight = call.args
         attrs = call.attrs
         blocked_out, blocked_data = _is_float32_tensor(call.ty, 5), _is_float32_tensor(data.ty, 5)
@@ -944,12 +983,14 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             if out_and_group_in is None or out_and_group_in[1] % block or out_and_group_in[0] % (groups * block):
                 return None
         args = [relax.prim_value(p) for p in params]
-        both_blocked = blocked_data and blocked_out
-        tile = self._blocked_winograd_tile(call, params) if both_blocked and groups == 1 else 0
-        if tile:
-            return winograd_call(self.builder_, data, weight, args, call.ty, tile, block)
-        packed = packed_conv_weight(self.builder_, weight, block)
         gated = self._channel_scaled(data, weight) if func == DIRECT_CONV2D_FUNC and groups == 1 else None
+        if gated is None and blocked_data and blocked_out and groups == 1:
+            generic = relax.call_dps_packed(BLOCKED_CONV2D_FUNC, [data, weight, *args, relax.prim_value(1)], call.ty)
+            shape = conv_shape(generic)
+            # As with a constant weight: kernel selection's checks pass it as a parameter.
+            if shape is not None and has_choice(dataclasses.replace(shape, constant_weight=True), self.direct_block):
+                return self._conv_kernel(generic) if self.conv_kernels else generic
+        packed = packed_conv_weight(self.builder_, weight, block)
         if gated is not None:
             return relax.call_dps_packed(SCALED_DIRECT_CONV2D_FUNC, [*gated, packed, *args], call.ty)
         return relax.call_dps_packed(func, [data, packed, *args], call.ty)
@@ -978,25 +1019,10 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
                 return x, scale
         return None
 
-    def _blocked_winograd_tile(self, call: relax.Call, params: list[int]) -> int:
-        """The Winograd tile (4 or 2) of the conv algorithm the default rule picks for a groups-1
-        conv2d on blocked data and output, 0 where it picks no Winograd (the direct kernel)."""
-        weight_shape, out_hw = _static_ints(call.args[1].ty.shape), _static_ints(list(call.ty.shape)[2:4])
-        if weight_shape is None:
-            return 0
-        shape = ConvShape(weight_shape[0], weight_shape[1], tuple(weight_shape[2:]),
-                          None if out_hw is None else tuple(out_hw), tuple(params), 1,
-                          isinstance(call.args[1], tvm.ir.GenericConst))
-        for tile in (4, 2):
-            algorithm = CONV_ALGORITHMS[f"winograd{tile}"]
-            if (algorithm.unavailable(shape, self.direct_block) is None
-                    and algorithm.wanted(shape, self.direct_block, self.winograd)):
-                return tile
-        return 0
-
     def _conv_kernel(self, call: relax.Call) -> relax.Expr:
-        """A `gimlet.cpu.conv2d_nchw` call (with its epilogue) on the algorithm the default rule
-        picks for its shape (`default_conv_algorithm`), else as it is (im2col + OpenBLAS)."""
+        """A generic conv call (with its epilogue) on the algorithm the default rule picks for
+        its shape (`default_conv_algorithm`), else as it is (`gimlet.cpu.conv2d_nchw`: im2col +
+        OpenBLAS; a blocked one always has the direct kernel)."""
         shape = conv_shape(call)
         algorithm = None if shape is None else default_conv_algorithm(shape, self.direct_block, self.winograd)
         return call if algorithm is None else algorithm.emit(self.builder_, call, self.direct_block)

@@ -27,14 +27,17 @@ from gimlet_tvm.relax_passes.blocked_layout import (
     BLOCKED_LAYOUT_ENV, FROM_BLOCKED_FUNC, SPATIAL_MEAN_FUNC, TO_BLOCKED_FUNC)
 from gimlet_tvm.relax_passes.concat_in_place import CONCAT_FUNC
 from gimlet_tvm.relax_passes.dispatch_cpu_library import (
-    ADD_BLOCKED_VECTOR, ADD_TENSOR, BLOCKED_DEPTHWISE_CONV2D_FUNC, BLOCKED_MAX_POOL_FUNC,
-    DIRECT_CONV2D_FUNC, HARD_SWISH, IM2COL_CONV2D_FUNC, RELU, SCALED_DIRECT_CONV2D_FUNC, SIGMOID,
+    ADD_BLOCKED_VECTOR, ADD_TENSOR, BLOCKED_CONV2D_FUNC, BLOCKED_DEPTHWISE_CONV2D_FUNC, BLOCKED_MAX_POOL_FUNC,
+    CONV_ALGORITHMS, DIRECT_CONV2D_FUNC, HARD_SWISH, IM2COL_CONV2D_FUNC, RELU, SCALED_DIRECT_CONV2D_FUNC, SIGMOID,
     SILU, WINOGRAD_CONV2D_FUNC, WINOGRAD_ENV, direct_conv_block, pack_conv_weight)
 from gimlet_tvm.relax_passes.library_dispatch import layout_passes, library_passes
 from gimlet_tvm.runtime.extensions import load_extensions
+from gimlet_tvm.schedules.kernel_selection.candidates import OpSignature
 from gimlet_tvm.schedules.kernel_selection.choices import KernelSelection, OpChoice, Tried
+from gimlet_tvm.schedules.kernel_selection.op_kinds import OP_KINDS
+from gimlet_tvm.schedules.kernel_selection.sources import candidates
 from gimlet_tvm.schedules.tuning.records import target_key
-from gimlet_tvm.selection.select import op_signatures
+from gimlet_tvm.selection.select import op_signatures, select_kernels
 from gimlet_tvm.targets import host_spec
 
 from .test_cpu_direct_conv import clip_step, reference_conv
@@ -885,8 +888,8 @@ def test_blocked_models_against_onnxruntime(name, setting, monkeypatch) -> None:
 
 
 def test_kernel_selection_leaves_blocked_convs_on_their_kernels(tmp_path, monkeypatch) -> None:
-    """Kernel selection sees the module after the blocked layout: a blocked conv is no op group.
-    A selection choosing im2col for every conv op group of `block_net(20)` with 8-channel
+    """Kernel selection sees the module after the blocked layout: a blocked conv the library
+    has no choice of algorithms for is no op group. A selection choosing im2col for every conv op group of `block_net(20)` with 8-channel
     blocks (the 20 -> 20 conv stays NCHW; the 20 -> 40 one is the region's entry conv) runs it
     on im2col, keeps the 40-channel region blocked on its kernels (up to global pooling), and the model
     computes what onnxruntime does."""
@@ -912,6 +915,60 @@ def test_kernel_selection_leaves_blocked_convs_on_their_kernels(tmp_path, monkey
     reference = onnxruntime.InferenceSession(model.SerializeToString(),
                                              providers=["CPUExecutionProvider"]).run(None, inputs)
     np.testing.assert_allclose(np.asarray(ours[0]), reference[0], rtol=1e-4, atol=1e-4 * np.abs(reference[0]).max())
+
+
+def test_blocked_conv_reference_is_the_nchw_conv_between_layouts() -> None:
+    """The reference blocked-conv op groups are checked against: the NCHW reference conv on the
+    data taken out of blocks, its output put into them (stride 2, asymmetric padding)."""
+    rng = np.random.default_rng(11)
+    data, weight = rng.standard_normal((2, 2, 9, 7, 8)), rng.standard_normal((16, 16, 3, 3))
+    attrs = tuple(zip(("stride_h", "stride_w", "pad_top", "pad_left", "pad_bottom", "pad_right",
+                       "dilation_h", "dilation_w", "groups"), (2.0, 2, 1, 0, 0, 1, 1, 1, 1)))
+    got = OP_KINDS["conv2d_nchwc"].reference([data, weight], attrs)
+    want = to_blocked(OP_KINDS["conv2d"].reference([from_blocked(data), weight], attrs), 8)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert got.shape == OP_KINDS["conv2d_nchwc"].out_shape((data.shape, weight.shape), attrs) == (2, 2, 4, 3, 8)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_blocked_convs_with_a_choice_are_op_groups(block, tmp_path, monkeypatch) -> None:
+    """On blocked data, a conv the library can run several ways (3x3, stride 1: Winograd F(4x4)
+    and F(2x2) beside the direct kernel) is an op group of its own kind; the others (strided,
+    1x1, depthwise) stay on their kernels. Selection verifies each algorithm against the
+    float64 reference and picks one of them; a selection choosing each in turn puts that
+    kernel's call in the built model (its weight transformed or packed at build time), and
+    the model computes what onnxruntime does."""
+    if direct_conv_block() == 0:
+        pytest.skip("no blocked kernels on this CPU")
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
+    model, shapes = block_net(16), {"x": (2, 16, 15, 15)}
+    spec, target = resolve_target("llvm")
+    mod, _ = import_model(model, shapes)
+    groups = [sig for sig in op_signatures(mod, target) if sig.op.startswith("conv2d")]
+    blocks = 16 // block
+    assert [sig.key for sig in groups] == [
+        f"conv2d_nchwc float32 2x{blocks}x15x15x{block} * const 16x16x3x3 +1x{blocks}x1x1x{block} relu "
+        "stride 1x1 pad 1,1,1,1 dilation 1x1 groups 1"]
+    (sig,) = groups
+    available = [c.id for c in candidates(sig, target) if c.unavailable is None]
+    assert available == ["library:conv_winograd4", "library:conv_winograd2", f"library:conv_direct{block}"]
+    selection = select_kernels(mod, target, records=str(tmp_path), timeout=180)
+    choice = selection.choices[sig.key]
+    assert sorted(t.id for t in choice.tried if t.verified) == sorted(available) and choice.winner in available
+    inputs = {"x": rand(2, 16, 15, 15, seed=9)}
+    reference = onnxruntime.InferenceSession(model.SerializeToString(),
+                                             providers=["CPUExecutionProvider"]).run(None, inputs)
+    for chosen in available:
+        picked = KernelSelection(target_key(target), {sig.key: OpChoice(sig, [Tried(chosen, "", True, seconds=1.0)], chosen)})
+        with target:
+            script = tvm.transform.Sequential(kernel_passes([(spec, target)], picked.pass_for(target)))(mod)["main"].script()
+        func = CONV_ALGORITHMS[chosen.removeprefix("library:conv_")].func
+        assert script.count(f'"{WINOGRAD_CONV2D_FUNC}"') == (func == WINOGRAD_CONV2D_FUNC)
+        assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == 2 + (func == DIRECT_CONV2D_FUNC)
+        assert f'"{BLOCKED_CONV2D_FUNC}"' not in script and "R.nn.relu(" not in script
+        ours = gimlet_tvm.build(model, "llvm", input_shapes=shapes, selection=picked)(*inputs.values())
+        np.testing.assert_allclose(np.asarray(ours[0]), reference[0], rtol=1e-4,
+                                   atol=1e-4 * np.abs(reference[0]).max(), err_msg=chosen)
 
 
 @pytest.mark.parametrize("block", BLOCKS)

@@ -9,6 +9,9 @@ at besides its own and the inputs it is checked on.
   bias (a padding mask), no causal mask or window; no epilogue;
 - conv2d: `R.nn.conv2d` with NCHW data and output and OIHW weights (any strides, padding,
   dilation and groups), with the epilogue `DispatchCPULibrary` absorbs;
+- conv2d_nchwc: the same on NCHW{B}c data and output (what `BlockedLayout` writes), groups 1,
+  as `DispatchCPULibrary` groups it where its library has a choice of algorithms for it (the
+  generic `BLOCKED_CONV2D_FUNC` call); no TIR legalization (`OpKind.legalizes`);
 - layer_norm, rms_norm: `R.nn.layer_norm` (x, gamma, beta) and `R.nn.rms_norm` (x, gamma) over
   the last k axes of x, k being gamma's rank (what the ONNX importer and `FuseNormalization`
   emit for LayerNormalization, RMSNormalization and their written-out chains); no epilogue;
@@ -29,8 +32,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ...relax_passes.dispatch_cpu_library import (library_attention, library_conv2d, library_matmul,
-                                                   transposed_constant)
+from ...relax_passes.dispatch_cpu_library import (BLOCKED_CONV2D_FUNC, CONV2D_FUNC, library_attention,
+                                                   library_conv2d, library_matmul, transposed_constant)
 from ...targets.kernels import STEP_ACTIVATIONS, Shape, Step
 from ...targets.kernels.dequant_gemv import BLOCK, BLOCK_FORMAT, DEQUANT_GEMV, HALF, LAYOUTS, OP_GROUP, dequant_gemv
 
@@ -65,7 +68,7 @@ def _with_epilogue(operands: list[relax.Expr], attrs: Attrs, library_steps: list
     `STEP_ACTIVATIONS`."""
     addends, steps = [], []
     for step in library_steps:
-        if step[0] == "add":
+        if step[0] in ("add", "add_blocked"):  # a blocked per-channel vector: any axis's
             shape = static_shape(step[1])
             if shape is None or (step[2] != 1 and not vectors_on_any_axis):
                 return None
@@ -90,12 +93,14 @@ class OpKind:
     row count as its first argument (`int64_t rows`); verification also runs it at
     `variants`. `baseline`: where the op is itself a shipped TIR kernel (a `call_tir`), that
     kernel's file: the "generated" candidate keeps the call. `inf_may_be_nan`: an output the
-    reference has infinite may be NaN (a kernel that factors its sum may meet Inf - Inf)."""
+    reference has infinite may be NaN (a kernel that factors its sum may meet Inf - Inf).
+    `legalizes`: LegalizeOps lowers the op to TIR (a "generated" candidate exists)."""
 
     name = ""
     rows_generic = False
     baseline: str | None = None
     inf_may_be_nan = False
+    legalizes = True
 
     def find(self, call: relax.Expr) -> Group | None:
         """The op group `call` is, or None."""
@@ -310,24 +315,30 @@ class Conv2d(OpKind):
     ATTRS = ("stride_h", "stride_w", "pad_top", "pad_left", "pad_bottom", "pad_right",
              "dilation_h", "dilation_w", "groups")
     EDGE = (13, 11, 3, 5)  # rows, columns, input and output channels per group
+    LIBRARY_CALL = CONV2D_FUNC  # the generic call `DispatchCPULibrary`'s grouping run writes
+
+    def layout(self, data: relax.Expr) -> str:
+        """The data and output layout of the kind's convs."""
+        return "NCHW"
 
     def find(self, call: relax.Expr) -> Group | None:
         if _is_op(call, "relax.nn.conv2d"):
             attrs = call.attrs
             layouts = (attrs.data_layout, attrs.kernel_layout, attrs.out_layout)
             out_dtype = attrs.out_dtype
-            if layouts != ("NCHW", "OIHW", "NCHW") or out_dtype not in (None, call.args[0].ty.dtype):
+            layout = self.layout(call.args[0])
+            if layouts != (layout, "OIHW", layout) or out_dtype not in (None, call.args[0].ty.dtype):
                 return None
             params = [*attrs.strides, *attrs.padding, *attrs.dilation, attrs.groups]
             return Group(list(call.args), tuple(zip(self.ATTRS, (float(int(p)) for p in params))), [], [])
-        parts = library_conv2d(call)
+        parts = library_conv2d(call, self.LIBRARY_CALL)
         if parts is None:
             return None
         data, weight, (sh, sw, top, left, dh, dw, groups), library_steps = parts
         shapes = static_shape(data), static_shape(weight), static_shape(call)
         if None in shapes:
             return None
-        (_, _, h, w), (_, _, kh, kw), (_, _, oh, ow) = shapes
+        (h, w), (kh, kw), (oh, ow) = (shape[2:4] for shape in shapes)
         bottom, right = _far_padding(h, kh, sh, dh, top, oh), _far_padding(w, kw, sw, dw, left, ow)
         params = (sh, sw, top, left, bottom, right, dh, dw, groups)
         return _with_epilogue([data, weight], tuple(zip(self.ATTRS, map(float, params))), library_steps,
@@ -342,12 +353,18 @@ class Conv2d(OpKind):
 
     def emit(self, operands: list[relax.Expr], attrs: Attrs) -> relax.Call:
         p = self._params(attrs)
+        layout = self.layout(operands[0])
         return relax.op.nn.conv2d(
             *operands, strides=(p["stride_h"], p["stride_w"]),
             padding=(p["pad_top"], p["pad_left"], p["pad_bottom"], p["pad_right"]),
-            dilation=(p["dilation_h"], p["dilation_w"]), groups=p["groups"])
+            dilation=(p["dilation_h"], p["dilation_w"]), groups=p["groups"], data_layout=layout,
+            out_layout=layout)
 
     def out_shape(self, shapes: tuple[Shape, ...], attrs: Attrs) -> Shape:
+        return self.nchw_out_shape(shapes, attrs)
+
+    def nchw_out_shape(self, shapes: tuple[Shape, ...], attrs: Attrs) -> Shape:
+        """The NCHW output's shape for NCHW data and OIHW weight shapes."""
         p = self._params(attrs)
         (n, _, h, w), (o, _, kh, kw) = shapes
         oh = (h + p["pad_top"] + p["pad_bottom"] - p["dilation_h"] * (kh - 1) - 1) // p["stride_h"] + 1
@@ -362,7 +379,7 @@ class Conv2d(OpKind):
         data, weight = operands
         n = data.shape[0]
         o, cpg, kh, kw = weight.shape
-        _, _, oh, ow = self.out_shape((data.shape, weight.shape), attrs)
+        _, _, oh, ow = self.nchw_out_shape((data.shape, weight.shape), attrs)
         padded = np.pad(data, ((0, 0), (0, 0), (p["pad_top"], p["pad_bottom"]), (p["pad_left"], p["pad_right"])))
         groups, opg = p["groups"], o // p["groups"]
         out = np.zeros((n, groups, opg, oh, ow))
@@ -399,6 +416,48 @@ class Conv2d(OpKind):
         data, weight = operands
         per_output = np.abs(weight).reshape(weight.shape[0], -1).sum(axis=1)
         return float(np.abs(data).max(initial=0) * per_output.max(initial=0))
+
+
+class BlockedConv2d(Conv2d):
+    """A groups-1 conv2d on NCHW{B}c data [N, C / B, H, W, B] and output [N, O / B, OH, OW, B]
+    with an OIHW weight; worked out as the NCHW conv between the two layouts."""
+
+    name = "conv2d_nchwc"
+    LIBRARY_CALL = BLOCKED_CONV2D_FUNC
+    legalizes = False
+
+    def layout(self, data: relax.Expr) -> str:
+        shape = static_shape(data)
+        return f"NCHW{shape[4]}c" if shape is not None and len(shape) == 5 else ""
+
+    @staticmethod
+    def _nchw(shapes: tuple[Shape, ...]) -> tuple[Shape, ...]:
+        """The data's shape as NCHW, the weight's as it is."""
+        (n, blocks, h, w, block), weight = shapes
+        return (n, blocks * block, h, w), weight
+
+    def valid(self, shapes: tuple[Shape, ...]) -> bool:
+        if len(shapes) != 2 or len(shapes[0]) != 5 or len(shapes[1]) != 4:
+            return False
+        block, (out_c, in_c, _, _) = shapes[0][4], shapes[1]
+        return shapes[0][1] * block == in_c and out_c % block == 0  # groups 1, whole output blocks
+
+    def out_shape(self, shapes: tuple[Shape, ...], attrs: Attrs) -> Shape:
+        n, out_c, oh, ow = self.nchw_out_shape(self._nchw(shapes), attrs)
+        block = shapes[0][4]
+        return (n, out_c // block, oh, ow, block)
+
+    def reference(self, operands: list[np.ndarray], attrs: Attrs) -> np.ndarray:
+        data, weight = operands
+        n, blocks, h, w, block = data.shape
+        out = super().reference([data.transpose(0, 1, 4, 2, 3).reshape(n, blocks * block, h, w), weight], attrs)
+        return out.reshape(n, -1, block, *out.shape[2:]).transpose(0, 1, 3, 4, 2)
+
+    def edge_shapes(self, shapes: tuple[Shape, ...], attrs: Attrs) -> tuple[Shape, ...]:
+        """The NCHW conv's edge rows and columns; one block of input channels, two of output."""
+        (_, _, rows, cols), (_, _, kh, kw) = super().edge_shapes(self._nchw(shapes), attrs)
+        block = shapes[0][4]
+        return (1, 1, rows, cols, block), (2 * block, block, kh, kw)
 
 
 class LayerNorm(OpKind):
@@ -646,8 +705,8 @@ class DequantGemv(OpKind):
         return [*zip(names, shapes), ("out", self.out_shape(shapes, attrs))]
 
 
-OP_KINDS: dict[str, OpKind] = {kind.name: kind for kind in (Matmul(), Attention(), Conv2d(), LayerNorm(), RMSNorm(),
-                                                             DequantGemv())}
+OP_KINDS: dict[str, OpKind] = {kind.name: kind for kind in (Matmul(), Attention(), Conv2d(), BlockedConv2d(),
+                                                             LayerNorm(), RMSNorm(), DequantGemv())}
 
 
 def find_group(call: relax.Expr, mod: tvm.IRModule | None = None) -> tuple[OpKind, Group] | None:

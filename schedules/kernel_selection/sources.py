@@ -12,8 +12,9 @@ candidates it has for an op signature on a target (unavailable ones too, with th
   the CPU library's `gimlet.cpu.matmul` (OpenBLAS) or `.attention` through
   `DispatchCPULibrary`, epilogue included; for conv2d, each of its conv algorithms
   (`dispatch_cpu_library.CONV_ALGORITHMS`: Winograd F(4x4) and F(2x2), direct with 16- and
-  8-channel blocks, row-vectorized, im2col + OpenBLAS) as its own candidate whose rewrite emits
-  that kernel's call, so the library's default rule no longer decides for it; the CUDA
+  8-channel blocks, row-vectorized, im2col + OpenBLAS; on NCHW{B}c data, `conv2d_nchwc`, the
+  Winograd ones and the direct one of the data's block) as its own candidate whose rewrite
+  emits that kernel's call, so the library's default rule no longer decides for it; the CUDA
   library's cuBLAS SGEMM for matmul, `gimlet.cuda.matmul`, where cuBLAS is installed);
 - handwritten: the target's hand-written kernels for the op (`TargetSpec.handwritten_kernels`);
 - external: kernels in a directory described by `kernels.json` (see `external.py`);
@@ -57,6 +58,9 @@ class KernelDirs:
 
 
 def generated(sig: OpSignature, target: tvm.target.Target, dirs: KernelDirs) -> list[Candidate]:
+    if not sig.kind.legalizes:
+        return [Candidate("generated", "tir", "LegalizeOps TIR", _keep,
+                          unavailable=f"LegalizeOps has no TIR for {sig.op}")]
     if sig.kind.baseline is not None:
         return [Candidate("generated", "tir", f"the shipped TIR kernel ({sig.kind.baseline}); MetaSchedule "
                           "records do not reschedule it", _keep)]
@@ -135,30 +139,33 @@ def _cpu_library(name: str) -> Callable[[OpSignature, tvm.target.Target], list[C
 
 def _cpu_conv2d(sig: OpSignature, target: tvm.target.Target) -> list[Candidate]:
     """One candidate per conv algorithm of the CPU library (`CONV_ALGORITHMS`: `library:conv_
-    winograd4`, ...), unavailable where it cannot run the shape; and `library:openblas`, the
-    default rule's pick (what versions before those candidates recorded as the winner; listed
-    as unavailable, so selection does not time one of the others twice, but still applied
-    where older records chose it)."""
+    winograd4`, ...), unavailable where it cannot run the shape; for NCHW, also
+    `library:openblas`, the default rule's pick (what versions before those candidates recorded
+    as the winner; listed as unavailable, so selection does not time one of the others twice,
+    but still applied where older records chose it)."""
     cpu_block = direct_conv_block() if spec_for(target).runs_here() else 0
     shape = signature_conv_shape(sig)
 
     def rewrite(algorithm: ConvAlgorithm) -> Rewrite:
         return lambda bb, call: algorithm.emit(bb, call, cpu_block)
 
+    older = [] if shape.block else [
+        Candidate("library", "openblas", f"the default rule's conv algorithm ({CPU_LIBRARY.source})", _keep,
+                  unavailable="the default rule, kept for older records: each algorithm is its own candidate")]
     return [
         *(Candidate("library", f"conv_{a.name}", f"{a.func} ({CPU_LIBRARY.source})", rewrite(a),
                     unavailable=a.unavailable(shape, cpu_block)) for a in CONV_ALGORITHMS.values()),
-        Candidate("library", "openblas", f"the default rule's conv algorithm ({CPU_LIBRARY.source})", _keep,
-                  unavailable="the default rule, kept for older records: each algorithm is its own candidate"),
+        *older,
     ]
 
 
 def signature_conv_shape(sig: OpSignature) -> ConvShape:
-    """A conv2d signature as the conv algorithms read it."""
+    """A conv2d signature (NCHW or NCHW{B}c) as the conv algorithms read it."""
     p = {name: int(value) for name, value in sig.attrs}
     out_c, in_c, kh, kw = sig.shapes[1]
     params = (p["stride_h"], p["stride_w"], p["pad_top"], p["pad_left"], p["dilation_h"], p["dilation_w"])
-    return ConvShape(out_c, in_c, (kh, kw), tuple(sig.out_shape[2:]), params, p["groups"], sig.weight)
+    block = sig.shapes[0][4] if len(sig.shapes[0]) == 5 else 0
+    return ConvShape(out_c, in_c, (kh, kw), tuple(sig.out_shape[2:4]), params, p["groups"], sig.weight, block)
 
 
 def _cublas(sig: OpSignature, target: tvm.target.Target) -> list[Candidate]:
@@ -179,7 +186,7 @@ def _call_cublas(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 # conv2d has several algorithms (Winograd, direct, row-vectorized, im2col + OpenBLAS), its
 # attention is its own (blocked scores, softmax, weighted sum).
 LIBRARY_CANDIDATES = {
-    CPU_LIBRARY.name: {"matmul": _cpu_library("openblas"), "conv2d": _cpu_conv2d,
+    CPU_LIBRARY.name: {"matmul": _cpu_library("openblas"), "conv2d": _cpu_conv2d, "conv2d_nchwc": _cpu_conv2d,
                        "attention": _cpu_library("gimlet_attention")},
     CUDA_LIBRARY.name: {"matmul": _cublas},
 }
