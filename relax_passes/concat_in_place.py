@@ -26,7 +26,7 @@ from tvm import IRModule, relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..targets.libraries import CPU_LIBRARY
-from .dispatch_cpu_library import DIRECT_CONV2D_FUNC, variable_uses
+from .dispatch_cpu_library import DIRECT_CONV2D_FUNC, channel_concat_parts, variable_uses
 
 CONCAT_FUNC = f"{CPU_LIBRARY.name}.conv2d_nchwc_direct_concat"
 _CALL_DPS_PACKED = tvm.ir.Op.get("relax.call_dps_packed")
@@ -67,24 +67,12 @@ class _Rewriter(PyExprMutator):  # pylint: disable=abstract-method
         return relax.call_dps_packed(CONCAT_FUNC, args, call.ty)
 
     def _direct_conv_parts(self, concat: relax.Call) -> list[relax.Call] | None:
-        """The direct conv calls a concat along axis 1 of one image's blocked values joins,
-        each read only by the concat; None for any other concat."""
-        ty = concat.ty
-        if (concat.attrs.axis is None or int(concat.attrs.axis) % 5 != 1 or not isinstance(ty, relax.TensorType)
-                or ty.ndim != 5 or ty.dtype != "float32" or ty.shape is None):
+        """The direct conv calls a concat along axis 1 of one image's blocked values joins
+        (`channel_concat_parts`), each read only by the concat; None for any other concat."""
+        parts = channel_concat_parts(concat, self.lookup_binding, self.use_counts)
+        if parts is None or not all(
+                isinstance(bound, relax.Call) and bound.op.same_as(_CALL_DPS_PACKED)
+                and bound.args[0].global_symbol == DIRECT_CONV2D_FUNC and bound.ty_args[0].ndim == 5
+                for bound in parts):
             return None
-        if not (isinstance(ty.shape[0], tvm.tirx.IntImm) and int(ty.shape[0]) == 1):
-            return None
-        parts = concat.args[0]
-        if isinstance(parts, relax.Var):
-            parts = self.lookup_binding(parts)
-        if not isinstance(parts, relax.Tuple):
-            return None
-        convs = []
-        for part in parts.fields:
-            bound = self.lookup_binding(part) if isinstance(part, relax.Var) and self.use_counts[part] == 1 else None
-            if not (isinstance(bound, relax.Call) and bound.op.same_as(_CALL_DPS_PACKED)
-                    and bound.args[0].global_symbol == DIRECT_CONV2D_FUNC and bound.ty_args[0].ndim == 5):
-                return None
-            convs.append(bound)
-        return convs
+        return parts

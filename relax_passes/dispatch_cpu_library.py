@@ -180,7 +180,14 @@ class DispatchCPULibrary:  # pylint: disable=too-few-public-methods
                 func = rewriter.visit_expr(func)
                 # Transposes and calls folded into calls are now unused.
                 rewriter.builder_.update_func(g_var, relax.analysis.remove_all_unused(func))
-        return rewriter.builder_.get()
+        kernels = _BlockedConvKernels(rewriter.builder_.get())
+        kernels.choose = not self.grouping
+        kernels.direct_block, kernels.winograd = rewriter.direct_block, rewriter.winograd
+        for g_var, func in kernels.builder_.get().functions_items():
+            if isinstance(func, relax.Function):
+                kernels.in_place = in_place_concat_convs(func)
+                kernels.builder_.update_func(g_var, kernels.visit_expr(func))
+        return kernels.builder_.get()
 
 
 def direct_conv_block() -> int:
@@ -741,8 +748,8 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
         if not isinstance(call.op, tvm.ir.Op):
             return call
         rewritten = None
-        if self.conv_kernels and (_calls(call, CONV2D_FUNC) or _calls(call, BLOCKED_CONV2D_FUNC)):
-            rewritten = self._conv_kernel(call)  # a group kernel selection left to the library
+        if self.conv_kernels and _calls(call, CONV2D_FUNC):  # a group kernel selection left to the library
+            rewritten = conv_kernel(self.builder_, call, self.direct_block, self.winograd)
         elif call.op.name == "relax.matmul":
             rewritten = self._rewrite_matmul(call)
         elif call.op.name == "relax.nn.conv2d":
@@ -950,7 +957,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             return None
         args = [data, weight, *(relax.prim_value(p) for p in params), relax.prim_value(groups)]
         generic = relax.call_dps_packed(CONV2D_FUNC, args, call.ty)
-        return self._conv_kernel(generic) if self.conv_kernels else generic
+        return conv_kernel(self.builder_, generic, self.direct_block, self.winograd) if self.conv_kernels else generic
 
     def _rewrite_blocked_conv2d(self, call: relax.Call) -> relax.Expr | None:
         """A conv2d with an OIHW weight and NCHW{B}c data or output (what `blocked_layout`
@@ -989,7 +996,7 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
             shape = conv_shape(generic)
             # As with a constant weight: kernel selection's checks pass it as a parameter.
             if shape is not None and has_choice(dataclasses.replace(shape, constant_weight=True), self.direct_block):
-                return self._conv_kernel(generic) if self.conv_kernels else generic
+                return generic  # onto a kernel after the dispatch (`_BlockedConvKernels`)
         packed = packed_conv_weight(self.builder_, weight, block)
         if gated is not None:
             return relax.call_dps_packed(SCALED_DIRECT_CONV2D_FUNC, [*gated, packed, *args], call.ty)
@@ -1019,10 +1026,73 @@ class _LibraryCallRewriter(PyExprMutator):  # pylint: disable=abstract-method
                 return x, scale
         return None
 
-    def _conv_kernel(self, call: relax.Call) -> relax.Expr:
-        """A generic conv call (with its epilogue) on the algorithm the default rule picks for
-        its shape (`default_conv_algorithm`), else as it is (`gimlet.cpu.conv2d_nchw`: im2col +
-        OpenBLAS; a blocked one always has the direct kernel)."""
-        shape = conv_shape(call)
-        algorithm = None if shape is None else default_conv_algorithm(shape, self.direct_block, self.winograd)
-        return call if algorithm is None else algorithm.emit(self.builder_, call, self.direct_block)
+
+def conv_kernel(bb: relax.BlockBuilder, call: relax.Call, cpu_block: int, winograd: int | None) -> relax.Expr:
+    """A generic conv call (with its epilogue) on the algorithm the default rule picks for its
+    shape (`default_conv_algorithm`), else as it is (`gimlet.cpu.conv2d_nchw`: im2col +
+    OpenBLAS; a blocked one always has the direct kernel)."""
+    shape = conv_shape(call)
+    algorithm = None if shape is None else default_conv_algorithm(shape, cpu_block, winograd)
+    return call if algorithm is None else algorithm.emit(bb, call, cpu_block)
+
+
+def channel_concat_parts(concat: relax.Expr, binding_of: Callable[[relax.Var], relax.Expr | None],
+                         use_counts: collections.Counter) -> list[relax.Expr] | None:
+    """The values a concat along axis 1 of one image's float32 NCHW{B}c values (batch statically
+    1: each channel block whole and in order) joins, each bound to a variable the concat alone
+    reads (`binding_of`); None for any other expression. `ConcatInPlace` has such a concat of
+    direct convs written by the convs in place."""
+    if not (isinstance(concat, relax.Call) and isinstance(concat.op, tvm.ir.Op) and concat.op.name == "relax.concat"):
+        return None
+    ty = concat.ty
+    if (concat.attrs.axis is None or int(concat.attrs.axis) % 5 != 1 or not isinstance(ty, relax.TensorType)
+            or ty.ndim != 5 or ty.dtype != "float32" or ty.shape is None):
+        return None
+    if not (isinstance(ty.shape[0], tvm.tirx.IntImm) and int(ty.shape[0]) == 1):
+        return None
+    parts = concat.args[0]
+    if isinstance(parts, relax.Var):
+        parts = binding_of(parts)
+    if not isinstance(parts, relax.Tuple):
+        return None
+    values = [binding_of(part) if isinstance(part, relax.Var) and use_counts[part] == 1 else None
+              for part in parts.fields]
+    return None if any(value is None for value in values) else values
+
+
+def in_place_concat_convs(func: relax.Function) -> set[relax.Call]:
+    """The generic blocked conv calls of `func` that are parts of a channel concat whose every
+    part is such a call or a direct conv (`channel_concat_parts`): on the direct kernel the
+    concat is written in place (`ConcatInPlace`), on another it is a copy, which an op group's
+    timing does not see (SqueezeNet's fire modules: 1.09x its time with Winograd chosen)."""
+    bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings
+                if isinstance(b, relax.VarBinding)}
+    use_counts = variable_uses(func)
+    found: set[relax.Call] = set()
+    for value in bindings.values():
+        parts = channel_concat_parts(value, bindings.get, use_counts)
+        if parts is not None and all(_calls(p, BLOCKED_CONV2D_FUNC) or _calls(p, DIRECT_CONV2D_FUNC) for p in parts):
+            found.update(p for p in parts if _calls(p, BLOCKED_CONV2D_FUNC))
+    return found
+
+
+@mutator
+class _BlockedConvKernels(PyExprMutator):  # pylint: disable=abstract-method
+    """After the dispatch: generic blocked conv calls (`BLOCKED_CONV2D_FUNC`, epilogues fused)
+    onto kernels. Those in `in_place` (`in_place_concat_convs`) onto the direct one; unless
+    `choose` is False (the grouping run: op groups), the others onto the default rule's pick."""
+
+    choose = True
+    direct_block = 0
+    winograd: int | None = None
+    in_place: set = set()
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
+        in_place = call in self.in_place
+        call = super().visit_call_(call)
+        if not _calls(call, BLOCKED_CONV2D_FUNC):
+            return call
+        if in_place:
+            direct = CONV_ALGORITHMS[f"direct{int(call.args[1].fields[0].ty.shape[4])}"]
+            return direct.emit(self.builder_, call, self.direct_block)
+        return conv_kernel(self.builder_, call, self.direct_block, self.winograd) if self.choose else call

@@ -633,6 +633,24 @@ def test_fire_module_convs_write_into_the_concat(block, batch, read_elsewhere, i
     assert_matches_onnxruntime(model, {"x": rand(batch, 32, 9, 9, seed=10)})
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_convs_written_into_a_concat_stay_direct(block, batch, monkeypatch) -> None:
+    """The fire module's 3x3 expand conv, with Winograd wanted for every 3x3 stride-1 conv:
+    for one image, where the concat is written in place, on the direct kernel (the only one
+    that writes there) and no op group for kernel selection (a group's timing would not see
+    the concat's copy that another kernel brings); for two images on Winograd, an op group."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, str(block))
+    monkeypatch.setenv(WINOGRAD_ENV, "4")
+    model = fire_net(batch)
+    script = dispatched(model)
+    assert script.count(f'"{WINOGRAD_CONV2D_FUNC}"') == batch - 1
+    assert script.count(f'"{CONCAT_FUNC}"') == (batch == 1)
+    mod, _ = import_model(model, {"x": (batch, 32, 9, 9)})
+    assert [sig.op for sig in op_signatures(mod, resolve_target("llvm")[1])].count("conv2d_nchwc") == batch - 1
+    assert_matches_onnxruntime(model, {"x": rand(batch, 32, 9, 9, seed=10)})
+
+
 def test_concat_call_checks_its_parts() -> None:
     """The concat call's parts must fill its output's channel blocks exactly: a part too many
     or too few is an error, not a write past the output."""

@@ -1,7 +1,7 @@
 """What kernel selection chooses between: `Candidate` implementations of one `OpSignature`.
 
-An op signature is an op of `op_kinds.OP_KINDS` (matmul, attention, conv2d, layer and RMS
-norm, dequant_gemv) at static shapes (a rows-generic op's rows: 1) and its operands' dtypes,
+An op signature is an op of `op_kinds.OP_KINDS` (matmul, attention, conv2d on NCHW or blocked
+data, layer and RMS norm, dequant_gemv) at static shapes (a rows-generic op's rows: 1) and its operands' dtypes,
 together with the elementwise epilogue the target's library call absorbs (on the CPU exactly
 what `DispatchCPULibrary` fuses into its call, read back from it). A candidate rewrites that
 whole group into its implementation before legalization: generated TIR (`call_tir` of the
