@@ -16,7 +16,7 @@ from tvm.s_tir import meta_schedule as ms
 import gimlet_tvm
 from gimlet_tvm.schedules.kernel_selection.choices import SELECTION_FILE
 from gimlet_tvm.schedules.tuning.records import RecordsDB
-from gimlet_tvm.tuning import GIVE_UP_AFTER, extract_tasks, parse_duration
+from gimlet_tvm.tuning import GIVE_UP_AFTER, default_schedule, extract_tasks, parse_duration
 
 from .conftest import assert_matches, onnxruntime_outputs
 
@@ -140,6 +140,23 @@ def test_records_are_metaschedule_json_database(tuned_records):
     upstream = ms.database.JSONDatabase(work_dir=tuned_records)
     assert len(upstream) == len(ours.records)
     assert any(r.seconds is not None for r in ours.records)
+
+
+def test_each_task_is_measured_with_its_default_schedule_first(tuned_records):
+    """Before the search, each task's kernel as the untuned build schedules it (the default
+    rules, or none) is measured and recorded: the best record, which a tuned build applies, is
+    never slower than the default schedule."""
+    target, tasks, _ = extract_tasks(tiny_model(), "llvm")
+    db = ms.database.JSONDatabase(work_dir=tuned_records)
+    for task in tasks:
+        workload = db.commit_workload(task.mod)
+        records = db.get_top_k(workload, 1000)
+        default = default_schedule(task, target).trace.as_python()
+        measured = [r for r in records if r.trace.as_python() == default]
+        assert measured and measured[0].run_secs, task.name
+        assert records[0].as_measure_candidate() is not None
+        seconds = lambda r: sum(float(t) for t in r.run_secs) / len(r.run_secs)
+        assert seconds(records[0]) <= seconds(measured[0])
 
 
 def test_tuned_build_applies_records_and_matches_onnxruntime(tuned_records):
