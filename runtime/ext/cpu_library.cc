@@ -1199,7 +1199,10 @@ struct AffineClip {
   float lo = -std::numeric_limits<float>::infinity(), hi = std::numeric_limits<float>::infinity();
 
   AffineClip() = default;
+  // An empty epilogue leaves `applies` false: a plain store beats adding nothing and clipping
+  // to +-infinity.
   explicit AffineClip(const Epilogue& epilogue) {
+    if (epilogue.empty()) return;
     bool clipped = false;
     for (size_t i = 0; i < epilogue.size(); ++i) {
       const EpilogueStep& step = epilogue[i];
@@ -1757,6 +1760,14 @@ int64_t DirectConvBlock() {
   return block;
 }
 
+/*! \brief Runs the variant of a blocked kernel for its work's channel block on this CPU:
+ * `avx2x8` for blocks of 8, `avx512` for blocks of 16 with AVX-512, else `avx2x16` (16 channels
+ * as two AVX2 vectors). */
+template <typename Kernel, typename Work, typename... Args>
+void RunForBlock(Kernel avx2x8, Kernel avx512, Kernel avx2x16, const Work& t, Args... args) {
+  (t.block == 8 ? avx2x8 : DirectConvBlock() == 16 ? avx512 : avx2x16)(t, args...);
+}
+
 /*! \brief The row tile width of `t`'s output on AVX-512 (`tile`: the grid tiles' width), 0 for
  * grid tiles. A conv of one block: kOneBlockRowPixels where it divides the output width.
  * Others (kRowPixelsAvx512): 14 on planes up to kMaxAlwaysRowWidth wide that it divides,
@@ -1780,13 +1791,7 @@ int64_t RowTileWidth(const DirectConvWork& t, int64_t tile) {
 int RunDirectConvSlots(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const auto& t = *static_cast<const DirectConvWork*>(cdata);
   const auto [begin, end] = TaskRange(task_id, penv, t.work_slots);
-  if (t.block == 8) {
-    DirectSlotsAvx2x8(t, begin, end);
-  } else if (DirectConvBlock() == 16) {
-    DirectSlotsAvx512(t, begin, end);
-  } else {
-    DirectSlotsAvx2x16(t, begin, end);
-  }
+  RunForBlock(DirectSlotsAvx2x8, DirectSlotsAvx512, DirectSlotsAvx2x16, t, begin, end);
   return 0;
 }
 /*!
@@ -1832,7 +1837,7 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   t.y_blocked = out->ndim == 5;
   t.vector_epilogue = t.y_blocked && IsBlockedVectorEpilogue(epilogue, t.block);
   t.register_epilogue = t.vector_epilogue && !HasStoredTileStep(epilogue);
-  if (t.register_epilogue && !epilogue.empty()) t.affine = AffineClip(epilogue);
+  if (t.register_epilogue) t.affine = AffineClip(epilogue);
   t.out_c = out->shape[1] * (t.y_blocked ? out->shape[4] : 1) / conv_groups;
   t.out_h = out->shape[2];
   t.out_w = out->shape[3];
@@ -2573,13 +2578,8 @@ int RunBlockedDepthwiseUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata
   BlockedDepthwiseWork t = *static_cast<const BlockedDepthwiseWork*>(cdata);
   t.bands = DepthwiseBands(t, t.num_units / (t.blocks * t.out_h), penv->num_task);
   const auto [begin, end] = TaskRange(task_id, penv, t.num_units);
-  if (t.block == 8) {
-    BlockedDepthwiseUnitsAvx2x8(t, begin, end);
-  } else if (DirectConvBlock() == 16) {
-    BlockedDepthwiseUnitsAvx512(t, begin, end);
-  } else {
-    BlockedDepthwiseUnitsAvx2x16(t, begin, end);
-  }
+  RunForBlock(BlockedDepthwiseUnitsAvx2x8, BlockedDepthwiseUnitsAvx512, BlockedDepthwiseUnitsAvx2x16, t,
+              begin, end);
   return 0;
 }
 
@@ -2610,7 +2610,7 @@ void BlockedDepthwiseConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams
                          data->shape[3], weight->shape[2], weight->shape[3], out->shape[2],
                          out->shape[3], p, block, IsBlockedVectorEpilogue(epilogue, block)};
   t.register_epilogue = t.vector_epilogue && !HasStoredTileStep(epilogue);
-  if (t.register_epilogue && !epilogue.empty()) t.affine = AffineClip(epilogue);
+  if (t.register_epilogue) t.affine = AffineClip(epilogue);
   t.bands = 1;
   if (batch == 0 || blocks == 0 || t.out_h * t.out_w == 0) return;
   t.num_units = batch * blocks * t.out_h;
@@ -3162,13 +3162,8 @@ template <int M, bool kInput>
 int RunBlockedWinogradUnits(int task_id, TVMParallelGroupEnv* penv, void* cdata) {
   const auto& t = *static_cast<const WinogradWork*>(cdata);
   const auto [begin, end] = TaskRange(task_id, penv, t.batch * t.tiles_h);
-  if (t.block == 8) {
-    BlockedWinogradUnitsAvx2x8(t, M, kInput, begin, end);
-  } else if (DirectConvBlock() == 16) {
-    BlockedWinogradUnitsAvx512(t, M, kInput, begin, end);
-  } else {
-    BlockedWinogradUnitsAvx2x16(t, M, kInput, begin, end);
-  }
+  RunForBlock(BlockedWinogradUnitsAvx2x8, BlockedWinogradUnitsAvx512, BlockedWinogradUnitsAvx2x16, t, M,
+              kInput, begin, end);
   return 0;
 }
 
