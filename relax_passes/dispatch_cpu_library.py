@@ -133,10 +133,10 @@ WINOGRAD_ENV = "GIMLET_CPU_WINOGRAD"
 ATTENTION_FUNC = f"{CPU_LIBRARY.name}.attention"
 BLOCKED_MAX_POOL_FUNC = f"{CPU_LIBRARY.name}.max_pool2d_nchwc"
 # Where each function's epilogue arguments start: after (a, b, transpose_b); after (data,
-# weight, 6 params, groups) for both names of the im2col kernel and the blocked generic call; after (data, packed weight, 6
-# params); after (data, scale, packed weight, 6 params); after (data, weight, 6 params, lanes)
-# for the row and depthwise kernels; after (data, transformed or blocked weight, 6 params) for
-# the Winograd and blocked depthwise kernels.
+# weight, 6 params, groups) for both names of the im2col kernel and the blocked generic call;
+# after (data, packed weight, 6 params); after (data, scale, packed weight, 6 params); after
+# (data, weight, 6 params, lanes) for the row and depthwise kernels; after (data, transformed
+# or blocked weight, 6 params) for the Winograd and blocked depthwise kernels.
 _EPILOGUE_START = {MATMUL_FUNC: 3, CONV2D_FUNC: 9, IM2COL_CONV2D_FUNC: 9, BLOCKED_CONV2D_FUNC: 9,
                    DIRECT_CONV2D_FUNC: 8,
                    SCALED_DIRECT_CONV2D_FUNC: 9, ROW_CONV2D_FUNC: 9, DEPTHWISE_CONV2D_FUNC: 9,

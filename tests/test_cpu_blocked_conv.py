@@ -907,10 +907,10 @@ def test_blocked_models_against_onnxruntime(name, setting, monkeypatch) -> None:
 
 def test_kernel_selection_leaves_blocked_convs_on_their_kernels(tmp_path, monkeypatch) -> None:
     """Kernel selection sees the module after the blocked layout: a blocked conv the library
-    has no choice of algorithms for is no op group. A selection choosing im2col for every conv op group of `block_net(20)` with 8-channel
-    blocks (the 20 -> 20 conv stays NCHW; the 20 -> 40 one is the region's entry conv) runs it
-    on im2col, keeps the 40-channel region blocked on its kernels (up to global pooling), and the model
-    computes what onnxruntime does."""
+    has no choice of algorithms for is no op group. A selection choosing im2col for every conv
+    op group of `block_net(20)` with 8-channel blocks (the 20 -> 20 conv stays NCHW; the 20 ->
+    40 one is the region's entry conv) runs it on im2col, keeps the 40-channel region blocked on
+    its kernels (up to global pooling), and the model computes what onnxruntime does."""
     if direct_conv_block() == 0:
         pytest.skip("no blocked kernels on this CPU")
     monkeypatch.setenv(BLOCKED_LAYOUT_ENV, "8")
@@ -977,9 +977,11 @@ def test_blocked_convs_with_a_choice_are_op_groups(block, tmp_path, monkeypatch)
     reference = onnxruntime.InferenceSession(model.SerializeToString(),
                                              providers=["CPUExecutionProvider"]).run(None, inputs)
     for chosen in available:
-        picked = KernelSelection(target_key(target), {sig.key: OpChoice(sig, [Tried(chosen, "", True, seconds=1.0)], chosen)})
+        tried = [Tried(chosen, "", True, seconds=1.0)]
+        picked = KernelSelection(target_key(target), {sig.key: OpChoice(sig, tried, chosen)})
         with target:
-            script = tvm.transform.Sequential(kernel_passes([(spec, target)], picked.pass_for(target)))(mod)["main"].script()
+            passes = kernel_passes([(spec, target)], picked.pass_for(target))
+            script = tvm.transform.Sequential(passes)(mod)["main"].script()
         func = CONV_ALGORITHMS[chosen.removeprefix("library:conv_")].func
         assert script.count(f'"{WINOGRAD_CONV2D_FUNC}"') == (func == WINOGRAD_CONV2D_FUNC)
         assert script.count(f'"{DIRECT_CONV2D_FUNC}"') == 2 + (func == DIRECT_CONV2D_FUNC)
