@@ -479,9 +479,9 @@ def _measure_defaults(tasks: list[TuningTask], target: tvm.target.Target, builde
     candidates = [ms.MeasureCandidate(default_schedule(tasks[i], target),
                                       ms.arg_info.ArgInfo.from_prim_func(tasks[i].mod["main"])) for i in new]
     built = builder.build([ms.builder.BuilderInput(c.sch.mod, target) for c in candidates])
+    device = tvm.runtime.device(target.get_target_device_type()).__device_type_name__()
     for i, candidate, result in zip(new, candidates, built):
         if result.error_msg is None:
-            device = tvm.runtime.device(target.get_target_device_type()).__device_type_name__()
             (future,) = runner.run([ms.runner.RunnerInput(result.artifact_path, device, candidate.args_info)])
             ran = future.result()
             shutil.rmtree(os.path.dirname(result.artifact_path), ignore_errors=True)

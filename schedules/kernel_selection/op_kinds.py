@@ -68,7 +68,7 @@ def _with_epilogue(operands: list[relax.Expr], attrs: Attrs, library_steps: list
     `STEP_ACTIVATIONS`."""
     addends, steps = [], []
     for step in library_steps:
-        if step[0] in ("add", "add_blocked"):  # a blocked per-channel vector: any axis's
+        if step[0] in ("add", "add_blocked"):  # add_blocked: a blocked output's per-channel vector
             shape = static_shape(step[1])
             if shape is None or (step[2] != 1 and not vectors_on_any_axis):
                 return None
