@@ -2,8 +2,10 @@
 (`gimlet.cpu.conv2d_nchw`) and the direct blocked kernel (`gimlet.cpu.conv2d_nchw_direct`),
 on the conv layers of ResNet-18 (batch 1, 224x224), the suite's resnet_cnn and
 mobilenet_cnn (batch 8, 64x64); with --winograd, the direct kernel against Winograd
-F(2x2, 3x3) and F(4x4, 3x3) (`gimlet.cpu.conv2d_nchw_winograd`) on the 3x3 stride-1 shapes,
-GFLOP/s counted as the direct convolution's (2 * 9 * C multiply-adds per output).
+F(2x2, 3x3) and F(4x4, 3x3) (`gimlet.cpu.conv2d_nchw_winograd`) on the 3x3 stride-1 shapes
+(and DenseNet-121's growth convs), each in the layout the default build runs it in: NCHW{B}c
+where the input channels are a multiple of this CPU's block (the blocked layout's regions),
+else NCHW; GFLOP/s counted as the direct convolution's (2 * 9 * C multiply-adds per output).
 
     .venv/bin/python benchmarks/conv_direct.py --threads 1 [--repeat 30] [--block 8]
     .venv/bin/python benchmarks/conv_direct.py --threads 1 --winograd
@@ -75,6 +77,8 @@ SHAPES = [
     ("mb 1x1 64-128", 8, 64, 8, 128, 1, 1),
     ("mb 1x1 128-128", 8, 128, 8, 128, 1, 1),
 ]
+# DenseNet-121's 3x3 growth convs (batch 1, 224x224): 128 -> 32 in each dense block
+DENSENET_GROWTH = [(f"dn 3x3 128-32 {size}", 1, 128, size, 32, 3, 1) for size in (56, 28, 14, 7)]
 
 
 def interleaved(calls: dict, repeat: int) -> dict[str, list[float]]:
@@ -179,6 +183,12 @@ def depthwise_layers(repeat: int) -> None:
         print(f"| {name} | {cell(times['old'])} | {cell(times['new'])} | {ratio:.2f} | {used} |", flush=True)
 
 
+def to_blocked(x: np.ndarray, block: int) -> np.ndarray:
+    """NCHW data (channels a multiple of `block`) as NCHW{block}c."""
+    n, c, h, w = x.shape
+    return np.ascontiguousarray(x.reshape(n, c // block, block, h, w).transpose(0, 1, 3, 4, 2))
+
+
 def cell(t: list[float]) -> str:
     return f"{np.median(t):.3f} ({np.percentile(t, 10):.3f}-{np.percentile(t, 90):.3f})"
 
@@ -224,8 +234,8 @@ def main() -> None:
     import tvm  # pylint: disable=import-outside-toplevel  (after TVM_NUM_THREADS is set)
 
     from gimlet_tvm.relax_passes.dispatch_cpu_library import (  # pylint: disable=import-outside-toplevel
-        CONV2D_FUNC, DIRECT_CONV2D_FUNC, WINOGRAD_CONV2D_FUNC, direct_conv_block, direct_conv_block_for,
-        pack_conv_weight, winograd_tile_for, winograd_weight)
+        ADD_BLOCKED_VECTOR, CONV2D_FUNC, DIRECT_CONV2D_FUNC, RELU, WINOGRAD_CONV2D_FUNC, direct_conv_block,
+        direct_conv_block_for, pack_conv_weight, winograd_tile_for, winograd_weight)
     from gimlet_tvm.runtime.extensions import load_extensions  # pylint: disable=import-outside-toplevel
 
     load_extensions()
@@ -241,7 +251,8 @@ def main() -> None:
               "F4/direct | default build |\n|---|---|---|---|---|---|---|---|")
     else:
         print("| shape | block | old ms | new ms | new/old | default build |\n|---|---|---|---|---|---|")
-    for name, batch, in_c, size, out_c, kernel, stride in SHAPES:
+    shapes = SHAPES + DENSENET_GROWTH if args.winograd else SHAPES
+    for name, batch, in_c, size, out_c, kernel, stride in shapes:
         if args.winograd and (kernel, stride) != (3, 1):
             continue
         chosen = direct_conv_block_for(out_c, in_c, (kernel, kernel), cpu_block)
@@ -256,7 +267,15 @@ def main() -> None:
         epilogue = (0, bias, out_size * out_size, 2)
         params = (stride, stride, pad, pad, 1, 1)
         if args.winograd:
-            w2, w4 = (tvm.runtime.tensor(winograd_weight(w, tile)) for tile in (2, 4))
+            # The layout the default build runs the conv in (blocked: its data's channels fill
+            # whole blocks of this CPU's).
+            layout = cpu_block if cpu_block and not in_c % cpu_block and not out_c % cpu_block else 0
+            if layout:
+                x = tvm.runtime.tensor(to_blocked(x.numpy(), layout))
+                w_new = tvm.runtime.tensor(pack_conv_weight(w, layout))
+                y = tvm.runtime.tensor(to_blocked(y.numpy(), layout))
+                epilogue = (ADD_BLOCKED_VECTOR, bias, out_size * out_size * layout, layout, RELU)
+            w2, w4 = (tvm.runtime.tensor(winograd_weight(w, tile, layout)) for tile in (2, 4))
             calls = {
                 "direct": lambda: new(x, w_new, *params, *epilogue, y),
                 "f2": lambda: winograd(x, w2, *params, *epilogue, y),
@@ -268,7 +287,8 @@ def main() -> None:
             ratios = [np.median(times[k]) / np.median(times["direct"]) for k in ("f2", "f4")]
             tile = winograd_tile_for(out_c, in_c, (kernel, kernel), (out_size, out_size), cpu_block)
             used = f"Winograd F({tile}x{tile})" if tile else f"direct, block {chosen}" if chosen else "im2col"
-            print(f"| {name} | {' | '.join(cell(t) for t in times.values())} | {rates} | "
+            label = f"{name} (blocked)" if layout else name
+            print(f"| {label} | {' | '.join(cell(t) for t in times.values())} | {rates} | "
                   f"{ratios[0]:.2f} | {ratios[1]:.2f} | {used} |", flush=True)
             continue
         times = interleaved({

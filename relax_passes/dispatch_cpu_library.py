@@ -270,6 +270,11 @@ def winograd_override() -> int | None:
     return int(override)
 
 
+# The most bytes of transformed F(4x4) weight (36 * O * C floats) per 4x4 output tile of an
+# image for which F(4x4) beats the direct kernel (see `winograd_tile_for`).
+_F4_WEIGHT_BYTES_PER_TILE = 256 * 1024
+
+
 def winograd_tile_for(out_c: int, in_c: int, kernel: tuple[int, int], out_hw: tuple[int, int],
                       cpu_block: int) -> int:
     """The output tile m (2 or 4) of the Winograd F(m x m, 3 x 3) kernel for a 3x3 conv2d that
@@ -277,23 +282,27 @@ def winograd_tile_for(out_c: int, in_c: int, kernel: tuple[int, int], out_hw: tu
     kernel; 0 where it does not (and on a CPU without the direct kernel, `cpu_block` 0, where
     it was not measured).
 
-    benchmarks/conv_direct.py --winograd on Zen 4 (AVX-512, 1 thread; benchmarks/README.md,
-    "Winograd convolutions"): F(4x4) ran ResNet-18's 64-channel 56x56 and 128-channel 28x28
-    convs in 0.47-0.48x the direct kernel's time (F(2x2): 0.68-0.88x); on the 256-channel 14x14
-    conv F(2x2) took 0.80x and F(4x4) 1.06x (4x4 tiles cut at 14 waste 23% of the work). Both
-    lost on the 512-channel 7x7 conv at batch 1 (1.3x and 2.2x), where the transformed weight
-    (alpha^2 / 9 times the kernel's: 1.8x for F(2x2), 4x for F(4x4)) is read for a few tiles
-    per GEMM, and tied or lost on resnet_cnn's 16 to 64 channel convs at 8x8 to 32x32
-    (0.94-1.31x), whose GEMMs are too short for the transforms to pay off. With AVX-512
-    (`cpu_block` 16) the direct kernel's 14-pixel row tiles since beat F(2x2) at 14x14 (2
-    threads, both built in one process and timed in turns: ResNet-50 and ResNet-18 2.3-2.7%
-    faster without it), so F(2x2) is left to AVX2 CPUs, where that was not measured."""
+    F(4x4) does 4x fewer multiply-adds than the direct kernel, in GEMMs over the channels, but
+    transforms every input and output tile (work per tile in proportion to C + O, against the
+    GEMMs' C * O) and reads a transformed weight 4x the kernel's size per call. So it pays
+    where both channel counts are at least 32 and the weight is read for enough tiles: at most
+    256 KiB of it per 4x4 output tile of one image (a batch only adds tiles).
+    benchmarks/conv_direct.py --winograd (blocked kernels, 2 threads, Intel Xeon with AVX-512;
+    benchmarks/README.md, "A Winograd rule from the blocked kernels"): F(4x4) took 0.56-0.90x
+    the direct kernel's time on ResNet-18's 64-channel 56x56 and 128-channel 28x28 convs (3
+    and 47 KiB a tile), resnet_cnn's 32- and 64-channel ones (9 and 144 KiB) and DenseNet-121's
+    128 -> 32 growth convs at 56x56 to 7x7 (144 KiB at 7x7); 1.35x on the 256-channel 14x14
+    conv (576 KiB), 4.7x at 512 channels 7x7 (9 MiB), and 1.15x on resnet_cnn's 16-channel
+    convs (transforms too large a share). F(2x2) was never the fastest with AVX-512 (the
+    direct kernel's 14-pixel row tiles tie it at 14x14); on AVX2 CPUs (`cpu_block` 8), where
+    it was measured only on NCHW data (Zen 4, one thread: 0.80x direct on the 256-channel
+    14x14 conv), it is kept for 14x14 planes of at least 128 channels."""
     if tuple(kernel) != (3, 3) or cpu_block == 0:
         return 0
-    channels, pixels = min(in_c, out_c), out_hw[0] * out_hw[1]
-    if channels >= 64 and pixels >= 28 * 28:
+    channels, tiles = min(in_c, out_c), -(-out_hw[0] // 4) * -(-out_hw[1] // 4)
+    if channels >= 32 and 36 * in_c * out_c * 4 <= _F4_WEIGHT_BYTES_PER_TILE * tiles:
         return 4
-    return 2 if cpu_block < 16 and channels >= 128 and pixels >= 14 * 14 else 0
+    return 2 if cpu_block < 16 and channels >= 128 and out_hw[0] * out_hw[1] >= 14 * 14 else 0
 
 
 def row_conv_for(in_c: int, kernel: tuple[int, int], cpu_block: int) -> bool:

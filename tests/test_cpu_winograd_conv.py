@@ -192,9 +192,10 @@ def test_winograd_conv2d_in_a_model_against_onnxruntime(tile, monkeypatch) -> No
     "winograd_env, in_c, out_c, size, stride, dilation, groups, expected",
     [
         ("", 64, 64, 28, 1, 1, 1, WINOGRAD_CONV2D_FUNC),  # ResNet's early layers
-        ("", 32, 32, 28, 1, 1, 1, DIRECT_CONV2D_FUNC),  # too few channels
-        ("", 64, 64, 14, 1, 1, 1, DIRECT_CONV2D_FUNC),  # too few tiles
-        ("", 128, 128, 14, 1, 1, 1, DIRECT_CONV2D_FUNC),  # F(2x2) only without AVX-512
+        ("", 32, 32, 28, 1, 1, 1, WINOGRAD_CONV2D_FUNC),
+        ("", 64, 64, 14, 1, 1, 1, WINOGRAD_CONV2D_FUNC),
+        ("", 16, 16, 28, 1, 1, 1, DIRECT_CONV2D_FUNC),  # too few channels
+        ("", 256, 256, 14, 1, 1, 1, DIRECT_CONV2D_FUNC),  # weight too large for its tiles
         ("", 128, 128, 7, 1, 1, 1, DIRECT_CONV2D_FUNC),
         ("0", 64, 64, 28, 1, 1, 1, DIRECT_CONV2D_FUNC),  # turned off
         ("4", 64, 64, 28, 2, 1, 1, DIRECT_CONV2D_FUNC),  # stride 2
@@ -215,8 +216,12 @@ def test_winograd_override(monkeypatch) -> None:
     assert winograd_override() is None
     assert winograd_tile_for(64, 64, (3, 3), (56, 56), 16) == 4
     assert winograd_tile_for(64, 64, (3, 3), (56, 56), 0) == 0  # no direct kernel: not measured
-    assert winograd_tile_for(128, 128, (3, 3), (14, 14), 8) == 2  # AVX2: F(2x2)
-    assert winograd_tile_for(128, 128, (3, 3), (14, 14), 16) == 0  # AVX-512: direct row tiles
+    assert winograd_tile_for(64, 64, (3, 3), (8, 8), 16) == 4  # 144 KiB of weight a tile
+    assert winograd_tile_for(32, 128, (3, 3), (7, 7), 16) == 4  # DenseNet's growth convs
+    assert winograd_tile_for(128, 128, (3, 3), (7, 7), 16) == 0  # 576 KiB a tile
+    assert winograd_tile_for(16, 64, (3, 3), (56, 56), 16) == 0  # too few channels
+    assert winograd_tile_for(256, 256, (3, 3), (14, 14), 8) == 2  # AVX2: F(2x2)
+    assert winograd_tile_for(256, 256, (3, 3), (14, 14), 16) == 0  # AVX-512: direct row tiles
     monkeypatch.setenv(WINOGRAD_ENV, "2")
     assert winograd_override() == 2
     monkeypatch.setenv(WINOGRAD_ENV, "3")
