@@ -1404,6 +1404,18 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
       acc[j][q] = V{};
       if (tap0 > 0) std::memcpy(&acc[j][q], tile + (j * tile_pixels + q) * L, sizeof(V));
     }
+  // One tap: its NB weight vectors (at wt) times each pixel's value (at src).
+  auto take = [&](const float* src, const float* wt) __attribute__((always_inline)) {
+    V wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], wt + j * w_stride, sizeof(V));
+#pragma GCC unroll 32
+    for (int q = 0; q < P; ++q) {
+      const float v = src[q * XB];
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
+    }
+  };
   // Runs of taps: one, [tap0, tap1), where every tap is taken; else [lo, hi) of each channel.
   const int64_t per_channel = t.kernel_h * t.kernel_w;
   const bool all = lo == 0 && hi == per_channel;
@@ -1412,21 +1424,28 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
     const int64_t run0 = all ? tap0 : std::max(tap0, c0 + lo);
     const int64_t run1 = all ? tap1 : std::min(tap1, c0 + hi);
     const float* wt = w + run0 * L;
-    for (int64_t tap = run0; tap < run1; ++tap, wt += L) {
+    int64_t tap = run0;
+    if constexpr (XB > 1) {
+      // A 1x1 kernel on blocked data: the taps of one data block's XB channels read XB
+      // consecutive floats, so they run unrolled from the block's first tap's offset, with
+      // no offset loaded and no loop step a tap (MLAS's pointwise kernel runs a block's
+      // channels the same way).
+      if (per_channel == 1 && run0 % XB == 0) {
+        for (; tap + XB <= run1; tap += XB, wt += XB * L) {
+          const float* src = x + t.taps[tap];
+          asm("" : "+r"(src));
+#pragma GCC unroll 16
+          for (int lane = 0; lane < XB; ++lane) take(src + lane, wt + lane * L);
+        }
+      }
+    }
+    for (; tap < run1; ++tap, wt += L) {
       const float* src = x + t.taps[tap];
       // Opaque to the optimizer, so that each pixel's load is src plus a constant (GCC
       // otherwise keeps every pixel's index in a register of its own, spilled past a dozen
       // pixels).
       asm("" : "+r"(src));
-      V wv[NB];
-#pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) std::memcpy(&wv[j], wt + j * w_stride, sizeof(V));
-#pragma GCC unroll 32
-      for (int q = 0; q < P; ++q) {
-        const float v = src[q * XB];
-#pragma GCC unroll 4
-        for (int j = 0; j < NB; ++j) acc[j][q] += v * wv[j];
-      }
+      take(src, wt);
     }
   }
   if (output != nullptr) {
