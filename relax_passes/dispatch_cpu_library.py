@@ -294,9 +294,9 @@ def winograd_tile_for(out_c: int, in_c: int, kernel: tuple[int, int], out_hw: tu
     128 -> 32 growth convs at 56x56 to 7x7 (144 KiB at 7x7); 1.35x on the 256-channel 14x14
     conv (576 KiB), 4.7x at 512 channels 7x7 (9 MiB), and 1.15x on resnet_cnn's 16-channel
     convs (transforms too large a share). F(2x2) was never the fastest with AVX-512 (the
-    direct kernel's 14-pixel row tiles tie it at 14x14); on AVX2 CPUs (`cpu_block` 8), where
-    it was measured only on NCHW data (Zen 4, one thread: 0.80x direct on the 256-channel
-    14x14 conv), it is kept for 14x14 planes of at least 128 channels."""
+    direct kernel's 14-pixel row tiles tie it at 14x14); with the AVX2 kernels (`cpu_block`
+    8) it took 0.56x the direct kernel's time on the 256-channel 14x14 conv (F(4x4) 0.73x), so
+    there it serves the 14x14-or-larger planes of at least 128 channels that F(4x4) does not."""
     if tuple(kernel) != (3, 3) or cpu_block == 0:
         return 0
     channels, tiles = min(in_c, out_c), -(-out_hw[0] // 4) * -(-out_hw[1] // 4)
