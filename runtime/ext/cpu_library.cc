@@ -2461,6 +2461,13 @@ __attribute__((always_inline)) inline void BlockedDepthwiseTile(
   V acc[T];
   for (int q = 0; q < T; ++q) acc[q] = V{};
   for (int64_t kh = kh0; kh < kh1; ++kh) {
+    // The row at the tile's first tap, opaque to the optimizer: each pixel's load is then
+    // src plus a constant where the stride is fixed (S set), where GCC had kept each pixel's
+    // offset in a vector register of its own, moved to an address register before every
+    // multiply-add. MobileNetV2's 3x3 depthwise convs on one thread (AMD Zen 4, direct
+    // calls): 144 channels at 56x56 172 -> 156 us, 96 at 112x112 stride 2 162 -> 118.
+    const float* src = rows[kh] + ix0 * L;
+    asm("" : "+r"(src));
     for (int64_t kw = 0; kw < kernel_w; ++kw) {
       V weight;
       if (K) {
@@ -2469,10 +2476,10 @@ __attribute__((always_inline)) inline void BlockedDepthwiseTile(
         std::memcpy(&weight, w + (kh * kernel_w + kw) * L, sizeof(V));
       }
       for (int q = 0; q < T; ++q) {
-        const int64_t ix = ix0 + q * stride_w + kw * dilation_w;
-        if (kChecked && (ix < 0 || ix >= t.width)) continue;
+        const int64_t dx = q * stride_w + kw * dilation_w;
+        if (kChecked && (ix0 + dx < 0 || ix0 + dx >= t.width)) continue;
         V v;
-        std::memcpy(&v, rows[kh] + ix * L, sizeof(V));
+        std::memcpy(&v, src + dx * L, sizeof(V));
         acc[q] += v * weight;
       }
     }
