@@ -64,7 +64,13 @@ def out_size(size, kernel, stride, pads, dilation):
                  for s, k, st, p, d in zip(size, kernel, stride, pads, dilation))
 
 
-@pytest.mark.parametrize("block", BLOCKS)
+# 16-channel blocks run both tile policies of the AVX-512 kernel, whatever this CPU's
+# (`$GIMLET_CPU_CONV_TILES`, TwoBlockRowTiles in the library: four-block tiles and grid tiles as
+# on Intel, two-block row tiles as on AMD).
+BLOCK_TILES = [(8, None), (16, "grid"), (16, "rows")]
+
+
+@pytest.mark.parametrize("block, tiles", BLOCK_TILES)
 @pytest.mark.parametrize("blocked_in", [True, False])
 @pytest.mark.parametrize(
     "batch, in_c, size, out_c, kernel, stride, pads, dilation",
@@ -85,6 +91,9 @@ def out_size(size, kernel, stride, pads, dilation):
         (1, 16, (28, 28), 32, (3, 3), (2, 2), (1, 1), (1, 1)),  # 14 wide, stride 2
         (1, 32, (16, 16), 32, (3, 3), (1, 1), (1, 1), (1, 1)),  # 8 wide
         (1, 16, (14, 14), 32, (3, 3), (2, 2), (1, 1), (1, 1)),  # 7 wide, stride 2
+        # two-block row tiles past 28 wide ("rows": 14 wide at 56, 8 wide at 32)
+        (1, 32, (56, 56), 64, (1, 1), (1, 1), (0, 0), (1, 1)),
+        (1, 16, (64, 64), 32, (3, 3), (2, 2), (1, 1), (1, 1)),
         # each thread copies the input rows its own tiles read: an image's rows split between
         # threads, groups of blocks split between them (each reads every row), images and groups
         (3, 16, (48, 40), 16, (3, 3), (1, 1), (1, 1), (1, 1)),
@@ -98,9 +107,11 @@ def out_size(size, kernel, stride, pads, dilation):
         (1, 48, (9, 10), 128, (3, 3), (2, 2), (1, 1), (1, 1)),  # ... stride 2
     ],
 )
-def test_blocked_direct_conv2d_against_numpy(block, blocked_in, batch, in_c, size, out_c, kernel,
-                                             stride, pads, dilation) -> None:
+def test_blocked_direct_conv2d_against_numpy(block, tiles, blocked_in, batch, in_c, size, out_c,
+                                             kernel, stride, pads, dilation, monkeypatch) -> None:
     load_extensions()
+    if tiles is not None:
+        monkeypatch.setenv("GIMLET_CPU_CONV_TILES", tiles)
     oh, ow = out_size(size, kernel, stride, pads, dilation)
     x, weight = rand(batch, in_c, *size, seed=1), rand(out_c, in_c, *kernel, seed=2)
     bias = rand(out_c, seed=3)

@@ -30,6 +30,7 @@
 #include <array>
 #include <cstdint>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -1787,15 +1788,44 @@ void RunForBlock(Kernel avx2x8, Kernel avx512, Kernel avx2x16, const Work& t, Ar
   (t.block == 8 ? avx2x8 : DirectConvBlock() == 16 ? avx512 : avx2x16)(t, args...);
 }
 
+/*! \brief Whether the direct conv's tiles are two-block ones, in rows wherever a row tile
+ * width divides the output width: on AMD's cores, where these beat the grid tiles and the
+ * four-block ones (AMD Zen 4, direct calls, two threads: ResNet's 1x1 convs at 56x56 0.94-0.98
+ * of their time, its 3x3 64 -> 64 0.92, the 3x3 and 7x7 stems at 224x224 0.89 and 0.91, 1x1
+ * convs at 14x14 to 32x32 0.92-0.96; on planes no row width divides, SqueezeNet's 13x13 to
+ * 55x55, two-block grid tiles 0.93-1.00; MobileNetV2's few-channel 1x1 convs at 112x112
+ * 1.01-1.02). Intel's (a Xeon with AVX-512) ran four-block tiles and grid tiles on planes over
+ * kMaxAlwaysRowWidth wide faster. `$GIMLET_CPU_CONV_TILES` ("rows" or "grid", read per call)
+ * overrides the choice, so that either runs on any AVX-512 CPU (the tests run both). */
+bool TwoBlockRowTiles() {
+  if (const char* tiles = std::getenv("GIMLET_CPU_CONV_TILES")) {
+    if (std::strcmp(tiles, "rows") == 0) return true;
+    if (std::strcmp(tiles, "grid") == 0) return false;
+  }
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool amd = (__builtin_cpu_init(), __builtin_cpu_is("amd"));
+  return amd;
+#else
+  return false;
+#endif
+}
+
 /*! \brief The row tile width of `t`'s output on AVX-512 (`tile`: the grid tiles' width), 0 for
  * grid tiles. A conv of one block: kOneBlockRowPixels where it divides the output width.
- * Others (kRowPixelsAvx512): 14 on planes up to kMaxAlwaysRowWidth wide that it divides,
- * unless the output is one four-block group (there grid tiles read the input once, not twice:
+ * Others (kRowPixelsAvx512): with `two_block_rows` (TwoBlockRowTiles), the first that divides
+ * the output width. Else 14 on planes up to kMaxAlwaysRowWidth wide that it divides, unless
+ * the output is one four-block group (there grid tiles read the input once, not twice:
  * MobileNetV2's 384->64 1x1 at 14x14 ran 16% faster on them); else the first that divides the
  * output width where the grid tiles would compute over 5% more pixels than there are outputs
  * (7x7 planes; not 56x56 ones, where row tiles were measured slower). */
-int64_t RowTileWidth(const DirectConvWork& t, int64_t tile) {
+int64_t RowTileWidth(const DirectConvWork& t, int64_t tile, bool two_block_rows) {
   if (t.blocks == 1) return t.out_w % kOneBlockRowPixels == 0 ? kOneBlockRowPixels : 0;
+  if (two_block_rows) {
+    for (int w : kRowPixelsAvx512) {
+      if (t.out_w % w == 0) return w;
+    }
+    return 0;
+  }
   if (t.blocks != kWideBlocks && t.out_w <= kMaxAlwaysRowWidth && t.out_w % kRowPixelsAvx512[0] == 0) {
     return kRowPixelsAvx512[0];
   }
@@ -1909,8 +1939,9 @@ void DirectConv2D(DLTensor* data, DLTensor* weight, const Conv2DParams& p,
   t.grid = (t.out_h - 1) * t.grid_w + t.out_w;
   const bool avx512 = t.block == 16 && DirectConvBlock() == 16;
   int64_t tile = t.block == 8 ? kPixelsAvx2 : avx512 ? kPixelsAvx512 : kPixelsAvx2Wide;
-  t.row_w = avx512 ? RowTileWidth(t, tile) : 0;
-  const bool wide = avx512 && t.row_w == 0 && t.blocks % kWideBlocks == 0;
+  const bool two_block_rows = TwoBlockRowTiles();
+  t.row_w = avx512 ? RowTileWidth(t, tile, two_block_rows) : 0;
+  const bool wide = avx512 && !two_block_rows && t.row_w == 0 && t.blocks % kWideBlocks == 0;
   t.group_blocks = t.blocks == 1 && t.row_w != 0 ? 1 : wide ? kWideBlocks : kBlocks;
   t.block_groups = (t.blocks + t.group_blocks - 1) / t.group_blocks;
   if (wide) tile = kWidePixelsAvx512;
