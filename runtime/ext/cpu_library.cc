@@ -1820,17 +1820,13 @@ bool TwoBlockRowTiles() {
  * (7x7 planes; not 56x56 ones, where row tiles were measured slower). */
 int64_t RowTileWidth(const DirectConvWork& t, int64_t tile, bool two_block_rows) {
   if (t.blocks == 1) return t.out_w % kOneBlockRowPixels == 0 ? kOneBlockRowPixels : 0;
-  if (two_block_rows) {
-    for (int w : kRowPixelsAvx512) {
-      if (t.out_w % w == 0) return w;
+  if (!two_block_rows) {
+    if (t.blocks != kWideBlocks && t.out_w <= kMaxAlwaysRowWidth && t.out_w % kRowPixelsAvx512[0] == 0) {
+      return kRowPixelsAvx512[0];
     }
-    return 0;
+    const int64_t grid_pixels = (t.grid + tile - 1) / tile * tile;
+    if (grid_pixels * 20 <= t.out_h * t.out_w * 21) return 0;
   }
-  if (t.blocks != kWideBlocks && t.out_w <= kMaxAlwaysRowWidth && t.out_w % kRowPixelsAvx512[0] == 0) {
-    return kRowPixelsAvx512[0];
-  }
-  const int64_t grid_pixels = (t.grid + tile - 1) / tile * tile;
-  if (grid_pixels * 20 <= t.out_h * t.out_w * 21) return 0;
   for (int w : kRowPixelsAvx512) {
     if (t.out_w % w == 0) return w;
   }
