@@ -36,6 +36,7 @@ from .relax_passes.nan_safe_comparisons import NaNSafeComparisons
 from .relax_passes.place_on_devices import PlaceOnDevices
 from .relax_passes.placement import Device, Pins
 from .relax_passes.planned_memory import RecordPlannedMemory
+from .relax_passes.reshape_views import KEEP_DYNAMIC_RESHAPES
 from .relax_passes.unaligned_inputs import RecordUnalignedInputs
 from .runtime import CompiledModel
 from .schedules.kernel_selection.choices import KernelSelection
@@ -97,7 +98,7 @@ def kernel_passes(
         FoldConstantsWithNumpy(),
         relax.backend.DispatchSortScan(),
         *([CheckedIndexing()] if checked_indices and index_checks() else []),
-        relax.transform.LegalizeOps(),
+        relax.transform.LegalizeOps(KEEP_DYNAMIC_RESHAPES),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
