@@ -18,6 +18,7 @@ from tvm.relax.global_info import VDevice
 import gimlet_tvm
 from gimlet_tvm.compiler import canonicalize_passes, device_pipeline, fusion_passes, resolve_devices, resolve_target
 from gimlet_tvm.frontend import import_model
+from gimlet_tvm.relax_passes.blocked_layout import BLOCKED_LAYOUT_ENV
 from gimlet_tvm.relax_passes.dispatch_cpu_library import MATMUL_FUNC, DispatchCPULibrary
 from gimlet_tvm.relax_passes.graph_fusion import (
     count_kernel_launches,
@@ -27,6 +28,14 @@ from gimlet_tvm.relax_passes.graph_fusion import (
 
 from .conftest import assert_matches, onnxruntime_outputs
 from .test_cpu_library import onnx_model, rand
+
+
+@pytest.fixture(autouse=True)
+def nchw_convs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel counts here are of NCHW graphs: on a CPU whose channel block is 8 (AVX2), the
+    8- and 16-channel convs would run in the blocked layout, which adds its conversions at the
+    region's edges to every count (tests/test_cpu_blocked_conv.py counts those)."""
+    monkeypatch.setenv(BLOCKED_LAYOUT_ENV, "0")
 
 
 def node(op: str, inputs: list[str], output: str, **attrs: object) -> onnx.NodeProto:
