@@ -1489,8 +1489,8 @@ __attribute__((always_inline)) inline void DirectTile(const DirectConvWork& t, c
         for (int j = 0; j < NB; ++j)
 #pragma GCC unroll 32
           for (int q = 0; q < P; ++q) {
-            acc[j][q] = BlockedEpilogueStep<L>(*t.epilogue, i, output->vectors[j],
-                                                      acc[j][q], o + j * plane + q * L);
+            acc[j][q] = BlockedEpilogueStep<L>(*t.epilogue, i, output->vectors[j], acc[j][q],
+                                               o + j * plane + q * L);
           }
       }
     }
